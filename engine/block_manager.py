@@ -1,0 +1,107 @@
+"""Paged KV block allocator. Pure bookkeeping: no torch here, the tensors live in engine.cache.
+
+Invariants (checked by `check_integrity`):
+- a block is either on the free list (ref count 0) or referenced by >= 1 sequence;
+- a block's ref count equals the number of block tables that hold it;
+- the free list holds no duplicates.
+Ref counts exist so that prefix sharing can later hand one block to several tables.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+        self.block_tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """Blocks to add so that `request_id` can hold `num_tokens` tokens in total."""
+        have = len(self.block_tables.get(request_id, ()))
+        return max(0, self.blocks_needed(num_tokens) - have)
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return self.extra_blocks_needed(request_id, num_tokens) <= len(self._free)
+
+    def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+        """Grow `request_id`'s table to hold `num_tokens` tokens; returns the whole table."""
+        extra = self.extra_blocks_needed(request_id, num_tokens)
+        if extra > len(self._free):
+            raise OutOfBlocks(
+                f"request {request_id!r} needs {extra} more KV blocks, {len(self._free)} free"
+            )
+        table = self.block_tables.setdefault(request_id, [])
+        for _ in range(extra):
+            block = self._free.popleft()
+            self._ref_counts[block] = 1
+            table.append(block)
+        return table
+
+    def share(self, request_id: str, blocks: list[int]) -> None:
+        """Start `request_id`'s table with blocks another table already holds (prefix sharing)."""
+        if request_id in self.block_tables:
+            raise ValueError(f"request {request_id!r} already has a block table")
+        for block in blocks:
+            if self._ref_counts[block] <= 0:
+                raise ValueError(f"block {block} is free and cannot be shared")
+            self._ref_counts[block] += 1
+        self.block_tables[request_id] = list(blocks)
+
+    def free(self, request_id: str) -> int:
+        """Release `request_id`'s blocks; unknown ids are a no-op so aborts can call it freely."""
+        table = self.block_tables.pop(request_id, None)
+        if table is None:
+            return 0
+        released = 0
+        # Reverse order puts the most recently used blocks at the back of the free list.
+        for block in reversed(table):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free.append(block)
+                released += 1
+        return released
+
+    def table(self, request_id: str) -> list[int]:
+        return self.block_tables[request_id]
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("free list holds duplicate blocks")
+        expected = [0] * self.num_blocks
+        for request_id, table in self.block_tables.items():
+            for block in table:
+                if not 0 <= block < self.num_blocks:
+                    raise AssertionError(f"request {request_id!r} holds invalid block {block}")
+                expected[block] += 1
+        for block, count in enumerate(expected):
+            if count != self._ref_counts[block]:
+                raise AssertionError(
+                    f"block {block}: ref count {self._ref_counts[block]}, held by {count} tables"
+                )
+            if (count == 0) != (block in free):
+                raise AssertionError(f"block {block}: ref count {count} but free={block in free}")

@@ -1,0 +1,46 @@
+"""Model zoo: plain-torch serving forwards for HF-format checkpoints (no transformers import)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.checkpoint import CheckpointError, ConfigReader, WeightFiles, load_into, read_config, read_json
+from engine.models.families import FAMILIES
+from engine.models.hybrid import HybridLM, ModelSpec
+
+__all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCaches", "ModelSpec", "load_model"]
+
+# Tensors some checkpoints carry that a serving forward does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> HybridLM:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: not a directory")
+    config = read_config(model_dir)
+    model_type = config["model_type"]
+    if model_type not in FAMILIES:
+        raise CheckpointError(f"{model_dir / 'config.json'}: model_type {model_type!r} is not "
+                              f"supported (supported: {', '.join(sorted(FAMILIES))})")
+    build, names = FAMILIES[model_type]
+    generation = model_dir / "generation_config.json"
+    if generation.exists():
+        eos = read_json(generation).get("eos_token_id")
+        if eos is not None:
+            config = {**config, "eos_token_id": eos}
+    with torch.device("meta"):
+        model = build(ConfigReader(config, model_dir / "config.json"))
+    model = model.to_empty(device=device).to(dtype)
+    weights = WeightFiles(model_dir)
+    try:
+        load_into(model, weights, names, ignore=lambda n: n.endswith(_IGNORED_SUFFIXES)
+                  or (model.tie_embeddings and n == "lm_head.weight"))
+    finally:
+        weights.close()
+    return model.eval()
+

@@ -1,0 +1,101 @@
+"""Attention over a paged KV cache, for a varlen batch mixing prefills and decodes.
+
+Write-then-read: every step first stores its tokens' K and V into the sequence's blocks, then
+attends over the blocks. Prefill rows attend one sequence at a time (their queries are many);
+decode rows are gathered into one padded batch and attend together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.batch import ForwardBatch
+from engine.models.layers import RotaryEmbedding
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 qkv_bias: bool, out_bias: bool, rotary: RotaryEmbedding | None,
+                 sliding_window: int | None = None):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
+                             f"num_key_value_heads {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
+        self.rotary = rotary
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = kv_cache
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, batch.kv_write_index, k.to(k_cache.dtype))
+        flat_v.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        for row in batch.prefill_rows:
+            start, end = batch.query_starts[row], batch.query_starts[row + 1]
+            context = batch.context_lens[row]
+            if context == end - start:  # whole sequence in this step: no need to read the cache
+                keys, values = k[start:end], v[start:end]
+            else:
+                keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
+            out[start:end] = self._attend_one(q[start:end], keys, values, context)
+        if batch.decode_rows:
+            out[batch.decode_token_index] = self._attend_decodes(q[batch.decode_token_index],
+                                                                 k_cache, v_cache, batch)
+        return self.o_proj(out.reshape(tokens, -1))
+
+    def _gather(self, k_cache, v_cache, block_table, context):
+        blocks = block_table[: -(-context // k_cache.shape[1])]
+        keys = k_cache.index_select(0, blocks).flatten(0, 1)[:context]
+        values = v_cache.index_select(0, blocks).flatten(0, 1)[:context]
+        return keys, values
+
+    def _attend_one(self, q, keys, values, context):
+        """q: [n, H, D] for the last n positions of a sequence whose cache holds `context` tokens."""
+        n = q.shape[0]
+        q_pos = torch.arange(context - n, context, device=q.device)[:, None]
+        k_pos = torch.arange(context, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            values.to(q.dtype).transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(0).transpose(0, 1)
+
+    def _attend_decodes(self, q, k_cache, v_cache, batch: ForwardBatch):
+        """q: [B, H, D], one query per decode sequence, all attending in one padded call."""
+        block_size = k_cache.shape[1]
+        lens = batch.decode_context_lens
+        max_len = int(lens.max())
+        blocks = batch.decode_block_tables[:, : -(-max_len // block_size)]
+        keys = k_cache[blocks].flatten(1, 2)[:, :max_len].to(q.dtype)  # [B, L, KVH, D]
+        values = v_cache[blocks].flatten(1, 2)[:, :max_len].to(q.dtype)
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        mask = k_pos < lens[:, None]
+        if self.sliding_window is not None:
+            mask &= k_pos > (lens[:, None] - 1 - self.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return o.squeeze(2)

@@ -1,0 +1,56 @@
+"""What one forward step sees: a flattened varlen batch plus where each sequence's memory lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.phase import Phase
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] all scheduled tokens, sequence after sequence
+    positions: torch.Tensor  # [T]
+    query_starts: list[int]  # [B + 1] offsets of each sequence's tokens in the flat batch
+    context_lens: list[int]  # [B] tokens in the KV cache once this step has written its own
+    phases: list[Phase]  # [B]
+    state_slots: list[int]  # [B] Mamba state slot of each sequence
+    block_tables: torch.Tensor  # [B, max_blocks] paged KV block ids (padding: 0)
+    kv_write_index: torch.Tensor  # [T] flat cache row (block * block_size + offset) per token
+    block_size: int
+    logits_indices: torch.Tensor  # [B] flat index of each sequence's last token
+    decode_rows: list[int] = field(init=False)
+    prefill_rows: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
+        self.prefill_rows = [i for i, p in enumerate(self.phases) if p is not Phase.DECODE]
+        device = self.input_ids.device
+        rows = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
+        self.decode_token_index = torch.tensor(
+            [self.query_starts[i] for i in self.decode_rows], dtype=torch.long, device=device
+        )
+        self.decode_slots = torch.tensor(
+            [self.state_slots[i] for i in self.decode_rows], dtype=torch.long, device=device
+        )
+        self.decode_context_lens = torch.tensor(
+            [self.context_lens[i] for i in self.decode_rows], dtype=torch.long, device=device
+        )
+        self.decode_block_tables = self.block_tables.index_select(0, rows)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.phases)
+
+    def query_len(self, row: int) -> int:
+        return self.query_starts[row + 1] - self.query_starts[row]
+
+
+@dataclass
+class LayerCaches:
+    """Per model layer: (k, v) for attention layers, (conv, ssm) for Mamba layers, else None."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor] | None]
+    state: list[tuple[torch.Tensor, torch.Tensor] | None]

@@ -1,0 +1,160 @@
+"""Reading HF-format checkpoint folders: config.json and (sharded) safetensors.
+
+Every failure names the file, the key and what was expected, because a serving system that
+half-loads a checkpoint produces garbage that looks like a model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    config = read_json(model_dir / "config.json")
+    if "model_type" not in config:
+        raise CheckpointError(f"{model_dir / 'config.json'}: missing key 'model_type'")
+    return config
+
+
+class ConfigReader:
+    """Typed access to config.json fields with errors that name the file and key."""
+
+    def __init__(self, config: dict[str, Any], path: Path):
+        self.config = config
+        self.path = path
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., *, allow_none=False):
+        if key not in self.config or (self.config[key] is None and not allow_none):
+            if default is ...:
+                raise CheckpointError(f"{self.path}: missing key {key!r} (expected {_kind_name(kind)})")
+            return default
+        value = self.config[key]
+        if value is None and allow_none:
+            return None
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and kind is not bool and not (isinstance(kind, tuple) and bool in kind):
+            raise CheckpointError(f"{self.path}: key {key!r} is {value!r}, expected {_kind_name(kind)}")
+        if not isinstance(value, kind):
+            raise CheckpointError(f"{self.path}: key {key!r} is {value!r}, expected {_kind_name(kind)}")
+        return value
+
+    def positive_int(self, key: str, default: Any = ...) -> int:
+        value = self.get(key, int, default)
+        if value is not None and value <= 0:
+            raise CheckpointError(f"{self.path}: key {key!r} is {value}, expected a positive integer")
+        return value
+
+    def unsupported(self, key: str, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: key {key!r} = {self.config.get(key)!r}: {message}")
+
+
+def _kind_name(kind) -> str:
+    if isinstance(kind, tuple):
+        return " or ".join(k.__name__ for k in kind)
+    return kind.__name__
+
+
+class WeightFiles:
+    """Name -> tensor access over model.safetensors or a sharded set with its index."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self._file_of: dict[str, Path] = {}
+        index = model_dir / "model.safetensors.index.json"
+        single = model_dir / "model.safetensors"
+        if index.exists():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: missing key 'weight_map' (expected an object)")
+            for name, shard in weight_map.items():
+                shard_path = model_dir / shard
+                if not shard_path.exists():
+                    raise CheckpointError(f"{index}: tensor {name!r} points to missing shard {shard}")
+                self._file_of[name] = shard_path
+        elif single.exists():
+            with safe_open(single, framework="pt") as f:
+                for name in f.keys():
+                    self._file_of[name] = single
+        else:
+            raise CheckpointError(
+                f"{model_dir}: no model.safetensors or model.safetensors.index.json found"
+            )
+        self._handles: dict[Path, Any] = {}
+        self.used: set[str] = set()
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        path = self._file_of.get(name)
+        if path is None:
+            expect = f" of shape {list(shape)}" if shape is not None else ""
+            raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}{expect}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        tensor = handle.get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
+            )
+        self.used.add(name)
+        return tensor
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def load_into(module: torch.nn.Module, weights: WeightFiles, name_map, ignore=lambda name: False):
+    """Fill every parameter of `module` from `weights` through `name_map(our_name) -> source`.
+
+    `source` is an HF tensor name, or a callable (weights -> tensor) for parameters that are
+    assembled from several HF tensors (fused MoE experts). Leftover checkpoint tensors that
+    `ignore` does not excuse are an error: they mean the architecture was read wrong.
+    """
+    with torch.no_grad():
+        for our_name, param in module.named_parameters():
+            source = name_map(our_name)
+            if callable(source):
+                tensor = source(weights)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise CheckpointError(
+                        f"{weights.model_dir}: {our_name} assembled to shape {list(tensor.shape)}, "
+                        f"expected {list(param.shape)}"
+                    )
+            else:
+                tensor = weights.get(source, tuple(param.shape))
+            param.copy_(tensor.to(param.dtype))
+    leftover = [n for n in weights.names() if n not in weights.used and not ignore(n)]
+    if leftover:
+        shown = ", ".join(sorted(leftover)[:5])
+        raise CheckpointError(
+            f"{weights.model_dir}: {len(leftover)} checkpoint tensors not used by the model "
+            f"(config and weights disagree?): {shown}"
+        )

@@ -1,0 +1,175 @@
+"""Building blocks shared by the model families."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; supported: {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts with full capacity (no dropped tokens).
+
+    Expert weights are stacked ([experts, 2*inter, hidden] gate+up, [experts, hidden, inter]
+    down) so each hit expert is one pair of matmuls over exactly the tokens routed to it.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
+                 normalize_top_k: bool):
+        super().__init__()
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        flat_experts = experts.flatten()
+        order = torch.argsort(flat_experts, stable=True)
+        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
+        token_of = order // self.top_k
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picks = order[start:start + count]
+            tokens = token_of[start:start + count]
+            start += count
+            gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down[expert])
+            out.index_add_(0, tokens, y * weights.flatten()[picks, None])
+        return out
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the scaling kinds HF configs carry: default, linear, dynamic, llama3, yarn.
+
+    'dynamic' NTK only rescales beyond the original context, and the engine caps max_model_len
+    at that context, so within what we serve it equals default RoPE (a per-batch rescale would
+    make one request's output depend on its batch neighbours).
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, theta: float, scaling: dict | None,
+                 max_position: int):
+        super().__init__()
+        scaling = dict(scaling or {})
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        # Plain CPU tensors, not buffers: models are built on the meta device before loading.
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
+        inv_freq = 1.0 / (theta ** exponents)
+        self.attention_scaling = 1.0
+        if kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "yarn":
+            inv_freq, self.attention_scaling = _yarn_inv_freq(theta, rotary_dim, scaling, max_position)
+        elif kind not in ("default", "dynamic"):
+            raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, "
+                             "dynamic, llama3, yarn)")
+        self.rotary_dim = rotary_dim
+        self.inv_freq = inv_freq
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> rotated copies."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
+        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+
+def _rotate(x, cos, sin, rotary_dim):
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def _llama3_inv_freq(inv_freq, s):
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(theta, dim, s, max_position):
+    original = s.get("original_max_position_embeddings") or max_position
+    factor = s.get("factor") or max_position / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)

@@ -1,0 +1,142 @@
+"""Mamba (v1) mixer over a varlen batch with a slot-indexed state pool.
+
+Per sequence, by phase (see engine.phase):
+- FRESH_PREFILL: conv and ssm state start from explicit zeros; the slot is only written.
+- CONTINUED_PREFILL: starts from the slot's state (this request's own, checked by the runner).
+- DECODE: reads the slot's state, updates it with one token, writes it back.
+Prefill uses a chunked parallel scan (`selective_scan`), never a Python loop over tokens;
+`selective_scan_ref` is the token-by-token definition it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.batch import ForwardBatch
+from engine.models.layers import RMSNorm, activation
+from engine.phase import Phase
+
+# Elements of one [chunk, d_inner, d_state] scan tensor; bounds the scan's working memory.
+SCAN_CHUNK_ELEMENTS = 1 << 22
+
+
+def selective_scan_ref(x, dt, A, B, C, h0):
+    """Definition: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t ; y_t = C_t . h_t (no D, no gate).
+
+    x, dt: [L, D]; A: [D, N]; B, C: [L, N]; h0: [D, N]. Returns y [L, D], h_L [D, N].
+    """
+    h = h0.float()
+    ys = []
+    for t in range(x.shape[0]):
+        h = torch.exp(dt[t, :, None] * A) * h + dt[t, :, None] * B[t, None, :] * x[t, :, None]
+        ys.append(h @ C[t])
+    return torch.stack(ys), h
+
+
+def selective_scan(x, dt, A, B, C, h0):
+    """Same contract as `selective_scan_ref`, computed chunk by chunk with a doubling scan.
+
+    Within a chunk the linear recurrence h_t = a_t h_{t-1} + b_t is combined in log2(chunk)
+    rounds (Hillis-Steele); every factor a_t = exp(dt A) is <= 1, so products never overflow.
+    """
+    length, d_inner = x.shape
+    d_state = A.shape[1]
+    chunk = max(1, min(length, SCAN_CHUNK_ELEMENTS // (d_inner * d_state)))
+    h = h0.float()
+    ys = []
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        dt_c = dt[start:end, :, None]
+        a = torch.exp(dt_c * A)  # [l, D, N]
+        b = dt_c * B[start:end, None, :] * x[start:end, :, None]
+        b[0] += a[0] * h
+        step = 1
+        while step < end - start:
+            b = torch.cat((b[:step], b[step:] + a[step:] * b[:-step]))
+            a = torch.cat((a[:step], a[step:] * a[:-step]))
+            step *= 2
+        ys.append(torch.einsum("ldn,ln->ld", b, C[start:end]))
+        h = b[-1]
+    return torch.cat(ys), h
+
+
+class MambaMixer(nn.Module):
+    def __init__(self, hidden: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
+                 conv_bias: bool, proj_bias: bool, act: str, bcdt_norm_eps: float | None):
+        super().__init__()
+        self.d_inner, self.d_state, self.d_conv, self.dt_rank = d_inner, d_state, d_conv, dt_rank
+        self.in_proj = nn.Linear(hidden, 2 * d_inner, bias=proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(d_inner, d_conv))
+        self.conv_bias = nn.Parameter(torch.zeros(d_inner)) if conv_bias else None
+        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d_inner, d_state))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, hidden, bias=proj_bias)
+        self.act = activation(act)
+        # Jamba normalises dt, B and C before use; plain Mamba does not.
+        if bcdt_norm_eps is not None:
+            self.dt_norm = RMSNorm(dt_rank, bcdt_norm_eps)
+            self.b_norm = RMSNorm(d_state, bcdt_norm_eps)
+            self.c_norm = RMSNorm(d_state, bcdt_norm_eps)
+        else:
+            self.dt_norm = self.b_norm = self.c_norm = None
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
+                state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        conv_state, ssm_state = state
+        x, gate = self.in_proj(hidden).chunk(2, dim=-1)
+        x = self._conv(x, batch, conv_state)
+        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if self.dt_norm is not None:
+            dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
+        dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty_like(x, dtype=torch.float32)
+        for row in batch.prefill_rows:
+            start, end = batch.query_starts[row], batch.query_starts[row + 1]
+            slot = batch.state_slots[row]
+            h0 = (torch.zeros(self.d_inner, self.d_state, device=x.device)
+                  if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
+            y[start:end], h = selective_scan(x[start:end].float(), dt[start:end].float(), A,
+                                             B[start:end].float(), C[start:end].float(), h0)
+            ssm_state[slot] = h.to(ssm_state.dtype)
+        if batch.decode_rows:
+            idx, slots = batch.decode_token_index, batch.decode_slots
+            h = ssm_state[slots].float()
+            dt_d = dt[idx].float()[:, :, None]
+            h = torch.exp(dt_d * A) * h + dt_d * B[idx].float()[:, None, :] * x[idx].float()[:, :, None]
+            ssm_state[slots] = h.to(ssm_state.dtype)
+            y[idx] = torch.einsum("bdn,bn->bd", h, C[idx].float())
+        y = (y + x * self.D) * F.silu(gate)
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv over each sequence, continuing from (and updating) its state.
+
+        conv_state[slot] holds the last d_conv inputs of the sequence, oldest first.
+        """
+        out = torch.empty_like(x)
+        weight = self.conv_weight.unsqueeze(1)
+        for row in batch.prefill_rows:
+            start, end = batch.query_starts[row], batch.query_starts[row + 1]
+            slot = batch.state_slots[row]
+            if batch.phases[row] is Phase.FRESH_PREFILL:
+                history = torch.zeros(self.d_inner, self.d_conv, dtype=x.dtype, device=x.device)
+            else:
+                history = conv_state[slot].to(x.dtype)
+            window = torch.cat((history, x[start:end].t()), dim=1)  # [D, d_conv + L]
+            conv = F.conv1d(window.unsqueeze(0), weight, self.conv_bias, groups=self.d_inner)
+            out[start:end] = conv[0, :, -(end - start):].t()
+            conv_state[slot] = window[:, -self.d_conv:].to(conv_state.dtype)
+        if batch.decode_rows:
+            idx, slots = batch.decode_token_index, batch.decode_slots
+            window = torch.cat((conv_state[slots][:, :, 1:].to(x.dtype), x[idx].unsqueeze(-1)), -1)
+            conv_state[slots] = window.to(conv_state.dtype)
+            conv = (window * self.conv_weight).sum(-1)
+            if self.conv_bias is not None:
+                conv = conv + self.conv_bias
+            out[idx] = conv
+        return self.act(out)
