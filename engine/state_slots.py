@@ -15,6 +15,10 @@ class OutOfSlots(RuntimeError):
     pass
 
 
+class StateOwnershipError(RuntimeError):
+    """A read of a state slot whose contents were not written for the reading request."""
+
+
 @dataclass(frozen=True)
 class SlotOwner:
     request_id: str
@@ -28,6 +32,7 @@ class StateSlotAllocator:
         self.num_slots = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._owner: list[SlotOwner | None] = [None] * num_slots
+        self._written_for: list[SlotOwner | None] = [None] * num_slots
         self._generation = 0
         self.slot_of: dict[str, int] = {}
 
@@ -56,12 +61,36 @@ class StateSlotAllocator:
     def owner_of(self, request_id: str) -> SlotOwner:
         return self._owner[self.slot_of[request_id]]
 
+    def mark_written(self, request_id: str) -> None:
+        """The slot's tensors now hold `request_id`'s state (after a prefill step or a hand-off)."""
+        slot = self.slot_of[request_id]
+        self._written_for[slot] = self._owner[slot]
+
+    def mark_unwritten(self, request_id: str) -> None:
+        """Forget the state (it is being recomputed from zero)."""
+        self._written_for[self.slot_of[request_id]] = None
+
+    def check_readable(self, request_id: str, slot: int) -> None:
+        """Raise unless `slot` is `request_id`'s and holds state written for this very ownership."""
+        owner = self._owner[slot]
+        written = self._written_for[slot]
+        if owner is None or owner.request_id != request_id:
+            raise StateOwnershipError(
+                f"request {request_id!r} would read state slot {slot} owned by {owner}"
+            )
+        if written != owner:
+            raise StateOwnershipError(
+                f"request {request_id!r} would read state slot {slot} whose contents were written "
+                f"for {written} (current owner {owner}): stale or missing state"
+            )
+
     def free(self, request_id: str) -> bool:
         """Release `request_id`'s slot; unknown ids are a no-op so aborts can call it freely."""
         slot = self.slot_of.pop(request_id, None)
         if slot is None:
             return False
         self._owner[slot] = None
+        self._written_for[slot] = None
         self._free.append(slot)
         return True
 

@@ -1,0 +1,51 @@
+"""Engine options: one dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ENGINE_MODES = ("colocated", "prefill", "decode")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    max_num_seqs: int = 64  # running sequences at once = Mamba state slots
+    max_num_batched_tokens: int = 2048  # per-step token budget; small values force chunked prefill
+    max_model_len: int | None = None  # default: the model's max positions, capped at 8192
+    num_kv_blocks: int | None = None  # overrides the count derived from cache_memory_bytes
+    cache_memory_bytes: int = 1 << 30  # KV blocks + state slots are carved from this at start
+    mode: str = "colocated"  # "prefill" / "decode": one half of a disaggregated pair
+    seed: int = 0
+    # Debug mode also poisons freed state slots with NaN so an unguarded read shows up at once.
+    debug: bool = os.environ.get("SPLITSERVE_DEBUG", "") not in ("", "0")
+
+    def __post_init__(self):
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model: {self.model!r} is not a directory")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} not in {sorted(_DTYPES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        for name in ("max_model_len", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,78 @@
+"""Turning sampled tokens into results: stop conditions, text, streaming deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request, RequestStatus
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    new_token_ids: list[int] = field(default_factory=list)  # since the previous output
+    new_text: str = ""  # since the previous output; held back while it may start a stop string
+    logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+class OutputTracker:
+    """Per-request text state and the stop rules applied after each new token."""
+
+    def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_token_ids: list[int],
+                 max_model_len: int):
+        self.request = request
+        params = request.sampling_params
+        self.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self.stop_ids.update(eos_token_ids)
+        self.detok = tokenizer.stream(params.skip_special_tokens) if tokenizer else None
+        self.max_model_len = max_model_len
+        self.text = ""
+        self.sent_text = 0
+        self.sent_tokens = 0
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def append(self, token_id: int, logprob: dict | None) -> None:
+        request = self.request
+        params = request.sampling_params
+        request.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
+        if self.detok is not None:
+            before = len(self.text)
+            self.text += self.detok.step(token_id)
+            for stop in params.stop:
+                at = self.text.find(stop, max(0, before - len(stop) + 1))
+                if at != -1:
+                    self.text = self.text[:at]
+                    request.finish(RequestStatus.FINISHED_STOPPED)
+                    return
+        if token_id in self.stop_ids:
+            request.finish(RequestStatus.FINISHED_STOPPED)
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            request.finish(RequestStatus.FINISHED_LENGTH)
+
+    def output(self) -> RequestOutput:
+        request = self.request
+        visible = len(self.text) if request.finished else max(self.sent_text, len(self.text) - self._holdback)
+        new_text = self.text[self.sent_text:visible]
+        new_tokens = request.output_token_ids[self.sent_tokens:]
+        self.sent_text, self.sent_tokens = visible, request.num_output_tokens
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, list(request.output_token_ids), self.text,
+            request.finished, request.finish_reason, new_tokens, new_text, self.logprobs,
+            error=request.error, arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time, finish_time=request.finish_time,
+        )

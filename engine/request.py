@@ -1,0 +1,90 @@
+"""A request's lifecycle: one ordered status and plain counters. No torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.phase import Phase, classify
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_STATE = 1  # blocks and slot reserved; KV + state coming from a prefill worker
+    PREFILLING = 2
+    DECODING = 3
+    PREEMPTED = 4  # blocks and slot dropped; waits to be recomputed from zero
+    HANDED_OFF = 5  # prefill worker: first token sampled, state being sent away
+    FINISHED_STOPPED = 6
+    FINISHED_LENGTH = 7
+    FINISHED_ABORTED = 8
+    FINISHED_ERROR = 9
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV / state this request's cache holds
+    num_prefill_tokens: int = 0  # tokens the current (re)prefill covers; set when it starts
+    num_preemptions: int = 0
+    error: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def phase(self) -> Phase:
+        return classify(self.num_computed_tokens, self.num_prefill_tokens, self.num_tokens)
+
+    def start_prefill(self) -> None:
+        """(Re)start from nothing: every token the request has must be computed again."""
+        self.num_computed_tokens = 0
+        self.num_prefill_tokens = self.num_tokens
+        self.status = RequestStatus.PREFILLING
+
+    def finish(self, status: RequestStatus, error: str | None = None) -> None:
+        assert status.finished
+        self.status = status
+        self.error = error
+        self.finish_time = time.monotonic()

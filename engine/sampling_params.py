@@ -1,0 +1,106 @@
+"""Per-request sampling parameters, validated on construction (errors name the field)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+
+
+class InvalidRequest(ValueError):
+    """Bad input from a caller. `field` names the offending parameter."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def _number(name, value, *, integer=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequest(name, f"must be a number, got {type(value).__name__}")
+    if integer and not (isinstance(value, int) or float(value).is_integer()):
+        raise InvalidRequest(name, f"must be an integer, got {value!r}")
+    if not math.isfinite(value):
+        raise InvalidRequest(name, f"must be finite, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = -1  # -1 or 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
+        if self.max_tokens < 1:
+            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        self.temperature = _number("temperature", self.temperature)
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest("temperature", f"must be in [0, 100], got {self.temperature}")
+        self.top_k = _number("top_k", self.top_k, integer=True)
+        if self.top_k < -1:
+            raise InvalidRequest("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        self.top_p = _number("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _number("seed", self.seed, integer=True)
+            if not 0 <= self.seed < 2**63:
+                raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _number(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequest(name, f"must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise InvalidRequest("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequest("stop", "must be a string or a list of strings")
+        self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not s:
+                raise InvalidRequest("stop", "stop strings must not be empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequest("stop", f"a stop string is {len(s)} chars, max {MAX_STOP_STRING_CHARS}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise InvalidRequest("stop_token_ids", "must be a list of integers")
+        self.stop_token_ids = [_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest("ignore_eos", "must be a boolean")
+        if self.logprobs is not None:
+            self.logprobs = _number("logprobs", self.logprobs, integer=True)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)

@@ -1,0 +1,113 @@
+"""transformers as the oracle: tiny random checkpoints and teacher-forced judging of our tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Near-tie tolerance on logits: our float32 forward differs from transformers' by ~1e-6 (other
+# op order: chunked scan, fused MoE); a token whose logit is within this of the best is a tie.
+TIE_TOLERANCE = 1e-4
+LOGIT_ATOL = 1e-4
+
+VOCAB = 192
+
+CONFIGS: dict[str, tuple[str, dict]] = {
+    # Jamba: attention every 2nd layer from 1, MoE on even layers, GQA 4:2, untied.
+    "jamba": ("jamba", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                            num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                            expert_layer_period=2, expert_layer_offset=0, mamba_d_state=8,
+                            mamba_d_conv=4, mamba_dt_rank=8)),
+    # Jamba: attention at 0 and 3, MQA, dense only, tied, d_conv 3, dt_rank auto.
+    "jamba_mqa_tied": ("jamba", dict(hidden_size=48, intermediate_size=64, num_hidden_layers=5,
+                                     num_attention_heads=4, num_key_value_heads=1, num_experts=1,
+                                     attn_layer_period=3, attn_layer_offset=0, mamba_d_state=16,
+                                     mamba_d_conv=3, tie_word_embeddings=True)),
+    # Jamba: MHA, 3 experts top-1 on odd layers, biases on projections, no conv bias, d_conv 2.
+    "jamba_top1_bias": ("jamba", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                      num_attention_heads=2, num_key_value_heads=2, num_experts=3,
+                                      num_experts_per_tok=1, attn_layer_period=4, attn_layer_offset=2,
+                                      expert_layer_period=2, expert_layer_offset=1, mamba_d_state=4,
+                                      mamba_d_conv=2, mamba_dt_rank=3, mamba_proj_bias=True,
+                                      mamba_conv_bias=False, mamba_expand=3)),
+    "mamba": ("mamba", dict(hidden_size=64, num_hidden_layers=3, state_size=8)),
+    "mamba_small_untied": ("mamba", dict(hidden_size=32, num_hidden_layers=2, state_size=4,
+                                         conv_kernel=2, expand=1, time_step_rank=3, use_bias=True,
+                                         tie_word_embeddings=False)),
+    "llama": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2)),
+    "llama_llama3_rope": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4,
+                                        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0,
+                                                             factor=8.0, low_freq_factor=1.0,
+                                                             high_freq_factor=4.0,
+                                                             original_max_position_embeddings=64))),
+    "llama_yarn": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                      original_max_position_embeddings=64))),
+    "llama_linear": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                   rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
+    "mistral_mqa_window": ("mistral", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=1,
+                                           sliding_window=24, head_dim=24)),
+    "qwen2_bias_tied": ("qwen2", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True)),
+}
+
+
+def save_tiny_model(name: str, path: Path):
+    import transformers as tf
+
+    model_type, kwargs = CONFIGS[name]
+    config_cls, model_cls = {
+        "jamba": (tf.JambaConfig, tf.JambaForCausalLM),
+        "mamba": (tf.MambaConfig, tf.MambaForCausalLM),
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    }[model_type]
+    kwargs = dict(kwargs)
+    kwargs.setdefault("initializer_range", 0.1)  # peakier logits: fewer genuine near-ties
+    config = config_cls(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, **kwargs)
+    torch.manual_seed(sum(map(ord, name)))
+    model = model_cls(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len, vocab] of the whole sequence in one forward."""
+    return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def judge_greedy(hf_model, prompt: list[int], output: list[int]) -> None:
+    """Each generated token must be transformers' argmax given the same prefix (or a near-tie)."""
+    assert output, "no tokens generated"
+    logits = hf_logits(hf_model, prompt + output)
+    for i, token in enumerate(output):
+        row = logits[len(prompt) - 1 + i]
+        best = int(row.argmax())
+        if token != best and float(row[best] - row[token]) > TIE_TOLERANCE:
+            raise AssertionError(
+                f"token {i} of output: ours {token} (logit {float(row[token]):.6f}), transformers "
+                f"{best} (logit {float(row[best]):.6f}); prompt len {len(prompt)}, output {output}"
+            )
+
+
+def assert_same_tokens(hf_model, prompt: list[int], ours: list[int], reference: list[int]) -> None:
+    """Two runs of ours must agree, except after a genuine near-tie (judged by transformers)."""
+    if ours == reference:
+        return
+    judge_greedy(hf_model, prompt, ours)
+    judge_greedy(hf_model, prompt, reference)
+    first = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
+    row = hf_logits(hf_model, prompt + ours[:first])[-1]
+    gap = abs(float(row[ours[first]] - row[reference[first]]))
+    assert gap <= TIE_TOLERANCE, f"runs diverge at token {first} with logit gap {gap}"

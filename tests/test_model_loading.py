@@ -1,0 +1,133 @@
+"""Checkpoint loading: sharded files, and clear errors for what we cannot load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.models import CheckpointError, load_model
+from engine.models.ssm import selective_scan, selective_scan_ref
+from tests.oracle import hf_logits
+
+
+@pytest.fixture()
+def jamba_copy(model_factory, tmp_path):
+    path, _ = model_factory("jamba")
+    dst = tmp_path / "model"
+    shutil.copytree(path, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_identically(model_factory, tmp_path):
+    path, hf = model_factory("jamba")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a, b = load_model(path), load_model(tmp_path / "sharded")
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+def test_unknown_model_type_names_the_file_and_key(jamba_copy):
+    config = json.loads((jamba_copy / "config.json").read_text())
+    config["model_type"] = "gpt_neo_x_42"
+    (jamba_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config\.json.*model_type 'gpt_neo_x_42'"):
+        load_model(jamba_copy)
+
+
+def test_missing_tensor_is_named(jamba_copy):
+    tensors = load_file(jamba_copy / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, jamba_copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"):
+        load_model(jamba_copy)
+
+
+def test_misshapen_tensor_is_named_with_both_shapes(jamba_copy):
+    tensors = load_file(jamba_copy / "model.safetensors")
+    tensors["model.layers.0.mamba.A_log"] = torch.zeros(3, 3)
+    save_file(tensors, jamba_copy / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"A_log' has shape \[3, 3\], expected \[128, 8\]"):
+        load_model(jamba_copy)
+
+
+def test_unused_tensors_mean_config_and_weights_disagree(jamba_copy):
+    config = json.loads((jamba_copy / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (jamba_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"not used by the model.*model\.layers\.3"):
+        load_model(jamba_copy)
+
+
+@pytest.mark.parametrize("key,value,pattern", [
+    ("num_attention_heads", "four", r"'num_attention_heads' is 'four', expected int"),
+    ("hidden_size", -4, r"'hidden_size' is -4, expected a positive integer"),
+    ("attn_layer_offset", 9, r"'attn_layer_offset' = 9: must be in \[0, period=2\)"),
+])
+def test_bad_config_values_are_named(jamba_copy, key, value, pattern):
+    config = json.loads((jamba_copy / "config.json").read_text())
+    config[key] = value
+    (jamba_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(jamba_copy)
+
+
+def test_unsupported_rope_kind_is_refused(model_factory, tmp_path):
+    path, _ = model_factory("llama")
+    dst = tmp_path / "m"
+    shutil.copytree(path, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"rope_parameters.*unsupported rope_type 'longrope'"):
+        load_model(dst)
+
+
+def test_missing_weights_file(tmp_path, model_factory):
+    path, _ = model_factory("llama")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        load_model(tmp_path)
+
+
+def test_fused_expert_layout_loads_too(model_factory, tmp_path):
+    """Checkpoints written with stacked experts (gate_up_proj / down_proj) load the same."""
+    path, hf = model_factory("jamba")
+    dst = tmp_path / "fused"
+    shutil.copytree(path, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for layer in (0, 2):
+        p = f"model.layers.{layer}.feed_forward.experts"
+        gate_up, down = [], []
+        for e in range(4):
+            gate_up.append(torch.cat([tensors.pop(f"{p}.{e}.gate_proj.weight"),
+                                      tensors.pop(f"{p}.{e}.up_proj.weight")]))
+            down.append(tensors.pop(f"{p}.{e}.down_proj.weight"))
+        tensors[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+        tensors[f"{p}.down_proj"] = torch.stack(down)
+    save_file(tensors, dst / "model.safetensors")
+    a, b = load_model(path), load_model(dst)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("length,chunk_elements", [(1, 1 << 22), (37, 1 << 22), (300, 64 * 8 * 16), (64, 7 * 8 * 16)])
+def test_chunked_scan_matches_token_loop(length, chunk_elements, monkeypatch):
+    import engine.models.ssm as ssm
+
+    monkeypatch.setattr(ssm, "SCAN_CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(length)
+    d, n = 8, 16
+    x = torch.randn(length, d, generator=g)
+    dt = torch.nn.functional.softplus(torch.randn(length, d, generator=g))
+    A = -torch.rand(d, n, generator=g) * 4
+    B, C = torch.randn(length, n, generator=g), torch.randn(length, n, generator=g)
+    h0 = torch.randn(d, n, generator=g)
+    y_ref, h_ref = selective_scan_ref(x, dt, A, B, C, h0)
+    y, h = selective_scan(x, dt, A, B, C, h0)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
