@@ -11,7 +11,7 @@ import torch
 TIE_TOLERANCE = 1e-4
 LOGIT_ATOL = 1e-4
 
-VOCAB = 192
+VOCAB = 320
 
 CONFIGS: dict[str, tuple[str, dict]] = {
     # Jamba: attention every 2nd layer from 1, MoE on even layers, GQA 4:2, untied.

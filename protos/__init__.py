@@ -1,0 +1,1 @@
+"""The gRPC API (splitserve.v1) and its generated stubs (interfaces issue)."""

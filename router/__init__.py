@@ -1,0 +1,1 @@
+"""splitserve's front door: CLI, request lifecycle, prefill/decode choice, cluster launch."""
