@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.cache import ModelCache, plan_cache
@@ -19,6 +21,31 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass
+class Handoff:
+    """Prefill side: a request whose prompt is computed and whose first token is sampled.
+
+    Its blocks and slot stay held until `finish_handoff`, so nothing overwrites them while
+    they are being sent.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_token: int
+    first_logprob: dict | None
+    block_ids: list[int]
+    slot: int
+
+
+@dataclass
+class Reservation:
+    """Decode side: where an incoming request's KV blocks and Mamba state must be written."""
+
+    request_id: str
+    block_ids: list[int]
+    slot: int
 
 
 class LLMEngine:
@@ -43,6 +70,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
+        self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
 
     # ------------------------------------------------------------------ requests in and out
@@ -129,7 +157,6 @@ class LLMEngine:
     def _accept(self, seq: ScheduledSeq, token_id: int, logprob) -> RequestOutput:
         request = seq.request
         if request.first_token_time is None:
-            import time
             request.first_token_time = time.monotonic()
         request.status = RequestStatus.DECODING
         tracker = self.trackers[request.request_id]
@@ -137,6 +164,12 @@ class LLMEngine:
         out = tracker.output()
         if request.finished:
             self._retire(request)
+        elif self.config.mode == "prefill":
+            request.status = RequestStatus.HANDED_OFF
+            self.scheduler.running.remove(request)
+            self._handoffs.append(Handoff(
+                request.request_id, request.prompt_token_ids, token_id, logprob,
+                list(self.blocks.table(request.request_id)), self.slots.slot_of[request.request_id]))
         return out
 
     def _fail(self, seqs: list[ScheduledSeq], message: str) -> list[RequestOutput]:
@@ -158,6 +191,57 @@ class LLMEngine:
         self.requests.pop(request.request_id, None)
         if emit and request.status is RequestStatus.FINISHED_ABORTED and tracker is not None:
             self._pending.append(tracker.output())
+
+    # ------------------------------------------------------------------ disaggregation
+
+    def take_handoffs(self) -> list[Handoff]:
+        """Prefill side: requests ready to send since the last call."""
+        ready, self._handoffs = self._handoffs, []
+        return ready
+
+    def finish_handoff(self, request_id: str, error: str | None = None) -> None:
+        """Prefill side: the send completed (or failed): free the request's blocks and slot."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if error is None:
+            request.finish(RequestStatus.FINISHED_STOPPED)  # done here; it lives on at the decoder
+        else:
+            request.finish(RequestStatus.FINISHED_ERROR, error)
+        self._retire(request, emit=False)
+
+    def reserve_for_handoff(self, prompt_token_ids: list[int], params: SamplingParams,
+                            request_id: str) -> Reservation:
+        """Decode side: hold blocks for the prompt's KV and a state slot before the prefill runs."""
+        ids = self.tokenize(list(prompt_token_ids))
+        self.validate_length(len(ids), params)
+        if request_id in self.requests:
+            raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
+        request = Request(request_id, ids, params)
+        table, slot = self.scheduler.reserve(request, len(ids) + 1)
+        request.num_prefill_tokens = len(ids)
+        self.requests[request_id] = request
+        self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids,
+                                                  self.max_model_len)
+        self.scheduler.add_reserved(request)
+        return Reservation(request_id, list(table), slot)
+
+    def accept_handoff(self, request_id: str, first_token: int, logprob: dict | None = None
+                       ) -> RequestOutput:
+        """Decode side: every KV block and state tensor has landed; start decoding."""
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.WAITING_FOR_STATE:
+            raise RuntimeError(f"request {request_id!r} is {request.status.name}, not waiting for state")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.slots.mark_written(request_id)
+        request.first_token_time = time.monotonic()
+        request.status = RequestStatus.DECODING
+        tracker = self.trackers[request_id]
+        tracker.append(first_token, logprob)
+        out = tracker.output()
+        if request.finished:
+            self._retire(request)
+        return out
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()

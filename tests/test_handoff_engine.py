@@ -1,0 +1,101 @@
+"""Prefill-mode and decode-mode engines with the hand-off done in-process (row copies).
+
+This pins the engine side of disaggregation independently of any transport: the decode
+engine must continue exactly where the prefill engine stopped, for every family.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
+from engine.state_slots import StateOwnershipError
+from tests.oracle import assert_same_tokens, judge_greedy
+
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def copy_state(src: LLMEngine, dst: LLMEngine, handoff, reservation) -> None:
+    """What kvtransfer does over a wire: the request's block rows and slot rows, nothing else."""
+    for (_, s), (_, d) in zip(src.cache.block_tensors(), dst.cache.block_tensors()):
+        d[reservation.block_ids[: len(handoff.block_ids)]] = s[handoff.block_ids]
+    for (_, s), (_, d) in zip(src.cache.slot_tensors(), dst.cache.slot_tensors()):
+        d[reservation.slot] = s[handoff.slot]
+
+
+def run_disaggregated(path, prompts, params, block_size=4, budget=16):
+    prefill = LLMEngine(EngineConfig(str(path), block_size=block_size, mode="prefill",
+                                     max_num_batched_tokens=budget))
+    decode = LLMEngine(EngineConfig(str(path), block_size=block_size, mode="decode"))
+    reservations = {}
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        reservations[rid] = decode.reserve_for_handoff(prompt, params, rid)
+        prefill.add_request(prompt, params, request_id=rid)
+    final = {}
+    while len(final) < len(prompts):
+        prefill.step()
+        for h in prefill.take_handoffs():
+            copy_state(prefill, decode, h, reservations[h.request_id])
+            prefill.finish_handoff(h.request_id)
+            decode.accept_handoff(h.request_id, h.first_token, h.first_logprob)
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out
+    for engine in (prefill, decode):
+        engine.check_integrity()
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert engine.slots.num_free_slots == engine.slots.num_slots
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_disaggregated_equals_colocated_and_transformers(family_model):
+    family, path, hf = family_model
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 3, 4, 5, 17, 40)]
+    disagg = run_disaggregated(path, prompts, PARAMS)
+    colocated = LLM(path, block_size=4).generate(prompts, PARAMS)
+    for prompt, d, c in zip(prompts, disagg, colocated):
+        assert len(d.token_ids) == PARAMS.max_tokens
+        judge_greedy(hf, prompt, d.token_ids)
+        assert_same_tokens(hf, prompt, d.token_ids, c.token_ids)
+
+
+def test_decode_without_landed_state_never_runs(model_factory):
+    path, _ = model_factory("jamba")
+    decode = LLMEngine(EngineConfig(str(path), block_size=4, mode="decode"))
+    decode.reserve_for_handoff([5, 6, 7], PARAMS, "r")
+    for _ in range(3):
+        assert decode.step() == []  # WAITING_FOR_STATE is never scheduled
+    assert decode.requests["r"].status is RequestStatus.WAITING_FOR_STATE
+    decode.abort("r")
+    decode.check_integrity()
+    assert decode.slots.num_free_slots == decode.slots.num_slots
+
+
+def test_decode_refuses_a_slot_nobody_wrote(model_factory):
+    """If a hand-off were marked landed without the state being written, the guard must fire."""
+    path, _ = model_factory("jamba")
+    decode = LLMEngine(EngineConfig(str(path), block_size=4, mode="decode"))
+    decode.reserve_for_handoff([5, 6, 7], PARAMS, "r")
+    request = decode.requests["r"]
+    request.num_computed_tokens = 3  # pretend it landed, skipping accept_handoff's mark_written
+    request.output_token_ids.append(9)
+    request.status = RequestStatus.DECODING
+    with pytest.raises(StateOwnershipError, match="stale or missing"):
+        decode.step()
+
+
+def test_first_token_that_finishes_is_not_handed_off(model_factory):
+    path, _ = model_factory("jamba")
+    prefill = LLMEngine(EngineConfig(str(path), block_size=4, mode="prefill"))
+    prefill.add_request([5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0), request_id="one")
+    outs = prefill.step()
+    assert outs[0].finished and outs[0].finish_reason == "length"
+    assert prefill.take_handoffs() == []
+    assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
