@@ -115,11 +115,11 @@ def test_fused_expert_layout_loads_too(model_factory, tmp_path):
         assert torch.equal(pa, pb), name
 
 
-@pytest.mark.parametrize("length,chunk_elements", [(1, 1 << 22), (37, 1 << 22), (300, 64 * 8 * 16), (64, 7 * 8 * 16)])
-def test_chunked_scan_matches_token_loop(length, chunk_elements, monkeypatch):
+@pytest.mark.parametrize("length,block_elements", [(1, 1 << 17), (37, 1 << 17), (300, 64 * 8 * 16), (64, 7 * 8 * 16), (50, 1)])
+def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     import engine.models.ssm as ssm
 
-    monkeypatch.setattr(ssm, "SCAN_CHUNK_ELEMENTS", chunk_elements)
+    monkeypatch.setattr(ssm, "SCAN_BLOCK_ELEMENTS", block_elements)
     g = torch.Generator().manual_seed(length)
     d, n = 8, 16
     x = torch.randn(length, d, generator=g)
