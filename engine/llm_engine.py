@@ -252,4 +252,5 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_free": self.blocks.num_free_blocks,
             "state_slots_total": self.slots.num_slots, "state_slots_free": self.slots.num_free_slots,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+            "preemptions": self.scheduler.num_preemptions,
         }

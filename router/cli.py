@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stream", action="store_true")
     run.set_defaults(func=_cmd_run)
 
+    try:  # client subcommands (generate, status) live with the gRPC client
+        from router.client_cli import add_client_commands
+    except ImportError:
+        pass
+    else:
+        add_client_commands(sub)
+
     bench = sub.add_parser("bench", help="benchmarks (`bench transfer --help`)")
     bench.add_argument("what", choices=["transfer"])
     bench.set_defaults(func=_cmd_bench)
