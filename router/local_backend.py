@@ -1,73 +1,17 @@
-"""One engine in a background thread behind the Backend protocol (no Ray).
-
-The engine is not thread-safe: only the loop thread touches it; callers hand it commands
-through a queue and receive outputs on their own asyncio loop.
-"""
+"""One engine in a background thread behind the Backend protocol (no Ray)."""
 
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 from pathlib import Path
 from typing import AsyncIterator
 
 from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backend import ModelInfo, Overloaded
-
-
-class EngineThread:
-    """Runs engine.step() whenever there is work; applies add/abort commands between steps."""
-
-    def __init__(self, engine: LLMEngine, max_queued: int = 1024):
-        self.engine = engine
-        self.max_queued = max_queued
-        self._commands: queue.Queue = queue.Queue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
-
-    def call(self, fn, *args):
-        """Run fn(engine, *args) on the loop thread; returns a concurrent future."""
-        import concurrent.futures
-
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, args, fut))
-        return fut
-
-    def subscribe(self, request_id: str, loop: asyncio.AbstractEventLoop, sink: asyncio.Queue):
-        self._sinks[request_id] = (loop, sink)
-
-    def unsubscribe(self, request_id: str):
-        self._sinks.pop(request_id, None)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
-            try:
-                while True:
-                    fn, args, fut = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-                    block = False
-                    try:
-                        fut.set_result(fn(self.engine, *args))
-                    except BaseException as e:  # delivered to the caller, never kills the loop
-                        fut.set_exception(e)
-            except queue.Empty:
-                pass
-            if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    target = self._sinks.get(out.request_id)
-                    if target is not None:
-                        loop, sink = target
-                        loop.call_soon_threadsafe(sink.put_nowait, out)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 class LocalBackend:
@@ -79,7 +23,15 @@ class LocalBackend:
                               spec.vocab_size, self.engine.max_model_len, list(spec.layer_kinds),
                               list(self.engine.eos_token_ids))
         self.max_queued = max_queued
-        self._loop = EngineThread(self.engine)
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._loop = EngineThread(self.engine, self._deliver)
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if target is not None:
+                loop, sink = target
+                loop.call_soon_threadsafe(sink.put_nowait, out)
 
     @property
     def tokenizer(self):
@@ -94,7 +46,7 @@ class LocalBackend:
             raise Overloaded(f"{len(self.engine.requests)} requests in flight (limit {self.max_queued})")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
-        self._loop.subscribe(request_id, loop, sink)
+        self._sinks[request_id] = (loop, sink)
         finished = False
         try:
             await asyncio.wrap_future(self._loop.call(
@@ -106,7 +58,7 @@ class LocalBackend:
                 if finished:
                     return
         finally:
-            self._loop.unsubscribe(request_id)
+            self._sinks.pop(request_id, None)
             if not finished:
                 self._loop.call(lambda engine: engine.abort(request_id))
 

@@ -1,0 +1,66 @@
+"""Runs an engine's step loop on its own thread; everything else talks to it through calls.
+
+The engine is not thread-safe: only this thread touches it. `call` queues a function to run
+on the loop thread between steps and returns a future. Outputs of each step are handed, all
+at once, to `on_outputs` (so a worker can ship one message per step for all its requests).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import Callable
+
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineThread:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
+                 after_step: Callable[[LLMEngine], None] | None = None, name: str = "engine-loop"):
+        self.engine = engine
+        self.on_outputs = on_outputs
+        self.after_step = after_step
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Run fn(engine, *args) on the loop thread."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, fut))
+        return fut
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished()
+            try:
+                while True:
+                    fn, args, fut = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
+                    idle = False
+                    try:
+                        fut.set_result(fn(self.engine, *args))
+                    except BaseException as e:  # goes to the caller; never kills the loop
+                        fut.set_exception(e)
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+                if self.after_step is not None:
+                    self.after_step(self.engine)
+            except Exception:  # the engine already failed the requests it could not run
+                log.exception("engine step failed")
+                continue
+            if outputs:
+                self.on_outputs(outputs)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
