@@ -117,11 +117,12 @@ class LLMEngine:
         self.scheduler.add(request)
         return request_id
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Finish a request early (aborted, or failed with `error`); its final output is queued."""
         request = self.requests.get(request_id)
         if request is None or request.finished:
             return False
-        request.finish(RequestStatus.FINISHED_ABORTED)
+        request.finish(RequestStatus.FINISHED_ABORTED if error is None else RequestStatus.FINISHED_ERROR, error)
         self._retire(request)
         return True
 
@@ -189,7 +190,8 @@ class LLMEngine:
         self.runner.sampler.forget(request.request_id)
         tracker = self.trackers.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
-        if emit and request.status is RequestStatus.FINISHED_ABORTED and tracker is not None:
+        if emit and request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) \
+                and tracker is not None:
             self._pending.append(tracker.output())
 
     # ------------------------------------------------------------------ disaggregation

@@ -30,6 +30,46 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    """Start (or join) a Ray cluster, place the workers, serve gRPC and HTTP until Ctrl-C."""
+    import logging
+    import signal
+
+    from router.cluster import launch
+    from router.frontdoor import FrontDoorConfig, start_frontdoor
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("splitserve")
+    door_config = FrontDoorConfig(grpc_port=args.grpc_port, http_port=args.http_port, host=args.host,
+                                  auth_token=args.auth_token, tls_cert=args.tls_cert,
+                                  tls_key=args.tls_key, max_queued=args.max_queued)
+    engine_options = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs),
+                                        ("num_kv_blocks", args.num_kv_blocks),
+                                        ("max_model_len", args.max_model_len)) if v is not None}
+    cluster = launch(args.model, prefill=args.prefill, decode=args.decode, transport=args.transport,
+                     address=args.address, local_prefill_tokens=args.local_prefill_tokens,
+                     max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
+                     gpus_per_worker=args.gpus_per_worker, prefill_resource=args.prefill_resource,
+                     decode_resource=args.decode_resource, pack_pairs=args.pack_pairs, **engine_options)
+    door = None
+    try:
+        door = start_frontdoor(cluster, door_config)
+        scheme = "https" if args.tls_cert else "http"
+        log.info("serving %s with %d prefill + %d decode workers over %s", cluster.info.model_path,
+                 args.prefill, args.decode, cluster.workers.transport)
+        log.info("gRPC on %s:%s, OpenAI HTTP on %s://%s:%s/v1", args.host, door.grpc_port, scheme,
+                 args.host, door.http_port)
+        signal.signal(signal.SIGTERM, lambda *_: door.stop())
+        door.wait()
+    except KeyboardInterrupt:
+        log.info("stopping")
+    finally:
+        if door is not None:
+            door.stop()
+        cluster.shutdown()
+    return 0
+
+
 def _cmd_bench(args, rest: list[str]) -> int:
     if args.what == "transfer":
         from kvtransfer.bench import main as bench_transfer
@@ -52,6 +92,33 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--stream", action="store_true")
     run.set_defaults(func=_cmd_run)
+
+    serve = sub.add_parser("serve", help="serve a model on a local or existing Ray cluster")
+    serve.add_argument("--model", default=None, help="HF-format folder (default: the bundled demo model)")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers")
+    serve.add_argument("--transport", default="auto", choices=["auto", "shm", "gloo", "nccl"],
+                       help="hand-off transport (auto: shm on one node, gloo across nodes)")
+    serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or host:port)")
+    serve.add_argument("--grpc-port", type=int, default=50051)
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 listens on all interfaces")
+    serve.add_argument("--auth-token", default=None, help="require this bearer token (or $SPLITSERVE_AUTH_TOKEN)")
+    serve.add_argument("--tls-cert", default=None)
+    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--max-queued", type=int, default=256, help="requests in flight before 429 / RESOURCE_EXHAUSTED")
+    serve.add_argument("--local-prefill-tokens", type=int, default=0,
+                       help="prompts this short prefill on the decode worker (conditional disaggregation)")
+    serve.add_argument("--cpus-per-worker", type=float, default=1.0)
+    serve.add_argument("--gpus-per-worker", type=float, default=0.0)
+    serve.add_argument("--prefill-resource", default=None, help="custom Ray resource pinning prefill workers")
+    serve.add_argument("--decode-resource", default=None, help="custom Ray resource pinning decode workers")
+    serve.add_argument("--pack-pairs", action="store_true", help="put prefill i and decode i on one node")
+    serve.add_argument("--block-size", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None)
+    serve.add_argument("--num-kv-blocks", type=int, default=None)
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.set_defaults(func=_cmd_serve)
 
     try:  # client subcommands (generate, status) live with the gRPC client
         from router.client_cli import add_client_commands

@@ -1,0 +1,127 @@
+"""Decode worker: reserves room for incoming requests, receives their state, runs the token loop.
+
+A request arrives in two steps: `reserve` (blocks + state slot held, WAITING_FOR_STATE,
+receiver told to expect it), then the prefill worker's hand-off lands and the request starts
+decoding. Outputs of every step, for all requests, leave in one `poll` reply.
+Short prompts can skip the split and prefill right here (`generate_local`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+from engine.request import RequestStatus
+from engine.sampling_params import SamplingParams
+from kvtransfer import CacheTensors, HandoffResult, HandoffTarget, TransferConfig, make_transport
+from prefill_worker.worker import _node_ip
+
+
+class DecodeWorker:
+    def __init__(self, name: str, model: str, engine_options: dict, transport: str,
+                 transfer_timeout_s: float = 30.0):
+        self.name = name
+        self.engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
+        cache = self.engine.cache
+        self.cache_tensors = CacheTensors.from_named(self.engine.config.block_size,
+                                                     cache.block_tensors(), cache.slot_tensors())
+        config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=_node_ip())
+        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, config,
+                                                           on_done=self._landed)
+        self._outbox: list[RequestOutput] = []
+        self._outbox_ready = threading.Condition()
+        self.thread = EngineThread(self.engine, self._deliver, name=f"{name}-loop")
+
+    # ---- router-facing (Ray actor methods) ----
+
+    def layout(self) -> dict:
+        return self.cache_tensors.layout.to_dict()
+
+    def facts(self) -> dict:
+        return {**model_facts(self.engine), "num_kv_blocks": self.engine.blocks.num_blocks,
+                "block_size": self.engine.config.block_size}
+
+    def accept(self, peer: str):
+        """An offer for prefill worker `peer` to connect its sender to this receiver."""
+        return self.receiver.accept(peer)
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams) -> HandoffTarget:
+        reservation = await asyncio.wrap_future(self.thread.call(
+            lambda engine: engine.reserve_for_handoff(prompt_token_ids, params, request_id)))
+        target = HandoffTarget(request_id, self.name, tuple(reservation.block_ids),
+                               reservation.slot if self.cache_tensors.num_slots else None)
+        self.receiver.expect(target)
+        return target
+
+    async def generate_local(self, request_id: str, prompt_token_ids: list[int],
+                             params: SamplingParams) -> None:
+        await asyncio.wrap_future(self.thread.call(
+            lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id)))
+
+    async def abort(self, request_id: str, error: str | None = None) -> None:
+        if request_id in self.receiver.pending():
+            # Rows may still be written: the receiver reports (and _landed frees) once they are not.
+            self.receiver.abort(request_id, error or "aborted by the router")
+            return
+        await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id, error)))
+
+    async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
+        """Every output since the last poll (one reply per step batch), waiting up to timeout_s."""
+        return await asyncio.to_thread(self._take_outbox, timeout_s)
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats["waiting_for_state"] = len(self.receiver.pending())
+        return stats
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def shutdown(self) -> None:
+        self.thread.stop()
+        self.receiver.close()
+
+    # ---- engine thread and transport callbacks ----
+
+    def _landed(self, result: HandoffResult) -> None:
+        def apply(engine: LLMEngine):
+            request = engine.requests.get(result.request_id)
+            if request is None or request.status is not RequestStatus.WAITING_FOR_STATE:
+                return None
+            if result.ok:
+                return engine.accept_handoff(result.request_id, result.first_token)
+            engine.abort(result.request_id, f"state hand-off failed: {result.error}")
+            return None
+
+        def deliver(fut):
+            out = fut.result() if fut.exception() is None else None
+            if out is not None:
+                self._deliver([out])
+
+        self.thread.call(apply).add_done_callback(deliver)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._outbox_ready:
+            self._outbox.extend(outputs)
+            self._outbox_ready.notify_all()
+
+    def _take_outbox(self, timeout_s: float) -> list[RequestOutput]:
+        with self._outbox_ready:
+            if not self._outbox:
+                self._outbox_ready.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+        return out
+
+
+def model_facts(engine: LLMEngine) -> dict:
+    spec = engine.spec
+    return {"model_type": spec.model_type, "vocab_size": spec.vocab_size,
+            "max_model_len": engine.max_model_len, "layer_kinds": list(spec.layer_kinds),
+            "eos_token_ids": list(engine.eos_token_ids)}

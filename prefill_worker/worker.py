@@ -1,0 +1,148 @@
+"""Prefill worker: a prefill-only engine that ships each finished prompt to its decode worker.
+
+Per request: the router passes the HandoffTarget (decode worker's reserved blocks and slot);
+the engine batches and chunks prompts like any engine; once a prompt's first token is
+sampled, its KV rows, Mamba state and the token go out through kvtransfer, and the blocks
+and slot are freed only when the transport reports it can no longer read them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import socket
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.engine_thread import EngineThread
+from engine.llm_engine import LLMEngine
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer import CacheTensors, HandoffResult, HandoffTarget, TransferConfig, make_transport
+
+
+@dataclass
+class PrefillOutcome:
+    """How a prefill ended, for the router: handed off, finished here, or failed."""
+
+    request_id: str
+    handed_off: bool
+    output: RequestOutput | None = None  # set when the request finished on this worker
+    error: str | None = None
+    handoff_bytes: int = 0
+    handoff_seconds: float = 0.0
+
+
+class PrefillWorker:
+    def __init__(self, name: str, model: str, engine_options: dict, transport: str,
+                 transfer_timeout_s: float = 30.0):
+        self.name = name
+        self.engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options))
+        cache = self.engine.cache
+        self.cache_tensors = CacheTensors.from_named(self.engine.config.block_size,
+                                                     cache.block_tensors(), cache.slot_tensors())
+        config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=_node_ip())
+        self.sender = make_transport(transport).sender(name, self.cache_tensors, config,
+                                                       on_done=self._handoff_done)
+        self._targets: dict[str, HandoffTarget] = {}
+        self._waiters: dict[str, concurrent.futures.Future] = {}
+        self._queued_tokens: dict[str, int] = {}
+        self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
+        self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
+
+    # ---- router-facing (Ray actor methods) ----
+
+    def layout(self) -> dict:
+        return self.cache_tensors.layout.to_dict()
+
+    def connect(self, peer: str, offer) -> None:
+        self.sender.connect(peer, offer)
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      target: HandoffTarget) -> PrefillOutcome:
+        waiter: concurrent.futures.Future = concurrent.futures.Future()
+        self._waiters[request_id] = waiter
+        self._targets[request_id] = target
+        self._queued_tokens[request_id] = len(prompt_token_ids)
+        try:
+            await asyncio.wrap_future(self.thread.call(
+                lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id)))
+            return await asyncio.wrap_future(waiter)
+        except Exception as e:
+            return PrefillOutcome(request_id, False, error=f"{type(e).__name__}: {e}")
+        finally:
+            self._waiters.pop(request_id, None)
+            self._targets.pop(request_id, None)
+            self._queued_tokens.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.sender.pending():
+            self.sender.abort(request_id)  # _handoff_done frees once the sender lets go
+        await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id)))
+
+    def stats(self) -> dict:
+        stats = self.engine.stats()
+        stats.update(queued_prompt_tokens=sum(self._queued_tokens.values()),
+                     handoff_count=self.handoffs["count"], handoff_failures=self.handoffs["failures"],
+                     handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"])
+        return stats
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def shutdown(self) -> None:
+        self.thread.stop()
+        self.sender.close()
+
+    # ---- engine thread and transport callbacks ----
+
+    def _ship(self, engine: LLMEngine) -> None:
+        for handoff in engine.take_handoffs():
+            target = self._targets.get(handoff.request_id)
+            if target is None:  # aborted meanwhile
+                engine.finish_handoff(handoff.request_id, "aborted")
+                continue
+            try:
+                self.sender.send(target, len(handoff.prompt_token_ids), handoff.block_ids,
+                                 handoff.slot if self.cache_tensors.num_slots else None,
+                                 handoff.first_token)
+            except Exception as e:
+                engine.finish_handoff(handoff.request_id, str(e))
+                self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e)))
+
+    def _handoff_done(self, result: HandoffResult) -> None:
+        # The transport no longer touches the rows: free them on the engine thread.
+        self.thread.call(lambda engine: engine.finish_handoff(result.request_id, result.error))
+        self.handoffs["count"] += 1
+        self.handoffs["seconds"] += result.elapsed_s
+        if result.ok:
+            self.handoffs["bytes"] += self.cache_tensors.layout.handoff_bytes(result.num_tokens)
+        else:
+            self.handoffs["failures"] += 1
+        self._resolve(result.request_id, PrefillOutcome(
+            result.request_id, result.ok, error=result.error,
+            handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
+            handoff_seconds=result.elapsed_s))
+
+    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            if out.finished and out.request_id in self._waiters:
+                # Finished at its first token (max_tokens=1, EOS, stop) or failed: no hand-off.
+                self._resolve(out.request_id, PrefillOutcome(out.request_id, False, output=out,
+                                                             error=out.error))
+
+    def _resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return socket.gethostbyname(socket.gethostname())

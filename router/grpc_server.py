@@ -1,0 +1,219 @@
+"""The gRPC front: splitserve.v1.SplitServe, grpc.health.v1.Health and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from contextlib import aclosing
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from engine.sampling_params import InvalidRequest, SamplingParams
+from protos.splitserve.v1 import splitserve_pb2 as pb
+from protos.splitserve.v1 import splitserve_pb2_grpc as pb_grpc
+from router.auth import GrpcTokenInterceptor, TokenCheck
+from router.backend import Overloaded, Unavailable
+from router.serving import Delta, GenerationFailed, ServingCore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name  # "splitserve.v1.SplitServe"
+SAMPLING_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence]
+SAMPLING_LISTS = ["stop", "stop_token_ids"]
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+WORKER_FIELDS = [f.name for f in pb.WorkerStatus.DESCRIPTOR.fields]
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Only the fields the caller set; unset ones keep engine.SamplingParams' defaults."""
+    kwargs = {name: getattr(msg, name) for name in SAMPLING_SCALARS if msg.HasField(name)}
+    kwargs.update({name: list(getattr(msg, name)) for name in SAMPLING_LISTS if getattr(msg, name)})
+    return SamplingParams(**kwargs)
+
+
+def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return request.text
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    raise InvalidRequest("prompt", "set text or token_ids")
+
+
+def field_path(field: str) -> str:
+    """engine's field name -> where it lives in GenerateRequest."""
+    return f"sampling.{field}" if field in SAMPLING_SCALARS or field in SAMPLING_LISTS else field
+
+
+def model_info_proto(core: ServingCore) -> pb.ModelInfo:
+    info = core.backend.info
+    return pb.ModelInfo(model_name=info.model_name, model_type=info.model_type,
+                        vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+                        layer_kinds=list(info.layer_kinds), eos_token_ids=list(info.eos_token_ids),
+                        has_tokenizer=core.backend.tokenizer is not None)
+
+
+def worker_proto(worker: dict) -> pb.WorkerStatus:
+    known = {}
+    for name in WORKER_FIELDS:
+        value = worker.get(name)
+        if value is not None:
+            known[name] = str(value) if name in ("id", "kind", "node") else value
+    return pb.WorkerStatus(**known)
+
+
+class SplitServeServicer(pb_grpc.SplitServeServicer):
+    def __init__(self, core: ServingCore):
+        self.core = core
+
+    async def Generate(self, request, context):
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        deadline = DeadlineWatch(context)
+        try:
+            try:
+                prompt = prompt_from_proto(request)
+                params = sampling_from_proto(request.sampling)
+            except InvalidRequest:
+                self.core.count_invalid("grpc")
+                raise
+            async with aclosing(self.core.generate(request_id, prompt, params, "grpc")) as events:
+                async for event in events:
+                    if isinstance(event, Delta):
+                        yield pb.GenerateResponse(request_id=request_id, token_ids=event.token_ids,
+                                                  text=event.text,
+                                                  logprobs=[_logprob_proto(t, lp) for t, lp in
+                                                            zip(event.token_ids, event.logprobs)])
+                    elif event.finish_reason == "abort":
+                        await context.abort(grpc.StatusCode.CANCELLED,
+                                            f"request {request_id!r} was aborted")
+                    else:
+                        yield _final_proto(request_id, event)
+        except asyncio.CancelledError:
+            if not deadline.passed:
+                raise  # the client went away; aclosing above already aborted the request
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
+        except InvalidRequest as e:
+            path = field_path(e.field)
+            message = str(e) if path == e.field else f"{path}: {str(e)[len(e.field) + 2:]}"
+            context.set_trailing_metadata((("invalid-field", path),))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e) or "server overloaded")
+        except Unavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e) or "no live worker")
+        except GenerationFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("Generate %s failed", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+        finally:
+            deadline.cancel()
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        return pb.AbortResponse(aborted=await self.core.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        return model_info_proto(self.core)
+
+    async def GetStatus(self, request, context):
+        status = await self.core.status()
+        return pb.ServerStatus(ready=await self.core.ready(), requests_in_flight=self.core.in_flight,
+                               max_queued=self.core.max_queued, model=model_info_proto(self.core),
+                               workers=[worker_proto(w) for w in status.get("workers", [])])
+
+
+class DeadlineWatch:
+    """Cancels the handler's task when the call's deadline passes, so the request is aborted
+    then rather than whenever the transport notices."""
+
+    def __init__(self, context):
+        remaining = context.time_remaining()
+        self.passed = False
+        self._timer = None
+        if remaining is not None:
+            task = asyncio.current_task()
+            self._timer = asyncio.get_running_loop().call_later(max(remaining, 0.0), self._fire, task)
+
+    def _fire(self, task):
+        self.passed = True
+        task.cancel()
+
+    def cancel(self):
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def _logprob_proto(token_id: int, lp: dict) -> pb.TokenLogprob:
+    top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.get("top", [])]
+    return pb.TokenLogprob(token_id=token_id, logprob=lp["token"], top=top)
+
+
+def _final_proto(request_id: str, final) -> pb.GenerateResponse:
+    u = final.usage
+    return pb.GenerateResponse(
+        request_id=request_id, finished=True, finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
+        usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                       cached_tokens=u.cached_tokens, total_tokens=u.total_tokens),
+        timings=pb.Timings(time_to_first_token_s=final.time_to_first_token_s,
+                           time_per_output_token_s=final.time_per_output_token_s, e2e_s=final.e2e_s))
+
+
+class GrpcFront:
+    """The gRPC server with health and reflection; health for SERVICE_NAME follows readiness."""
+
+    def __init__(self, core: ServingCore, host: str, port: int, auth_token: str | None,
+                 tls_cert: str | None, tls_key: str | None, health_poll_s: float):
+        interceptors = [GrpcTokenInterceptor(TokenCheck(auth_token))] if auth_token else []
+        # so_reuseport off: a second server asking for a taken port must fail, not share it
+        self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        self.core = core
+        self.health = health_aio.HealthServicer()  # "" is SERVING from the start: liveness
+        pb_grpc.add_SplitServeServicer_to_server(SplitServeServicer(core), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if tls_cert:
+            with open(tls_key, "rb") as k, open(tls_cert, "rb") as c:
+                credentials = grpc.ssl_server_credentials([(k.read(), c.read())])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"gRPC: could not bind {address}")
+        self._health_poll_s = health_poll_s
+        self._readiness_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._refresh_readiness()
+        self._readiness_task = asyncio.get_running_loop().create_task(self._follow_readiness())
+
+    async def _refresh_readiness(self) -> None:
+        try:
+            ready = await self.core.ready()
+        except Exception:
+            log.exception("backend.ready() failed")
+            ready = False
+        states = health_pb2.HealthCheckResponse
+        await self.health.set(SERVICE_NAME, states.SERVING if ready else states.NOT_SERVING)
+
+    async def _follow_readiness(self) -> None:
+        while True:
+            await asyncio.sleep(self._health_poll_s)
+            await self._refresh_readiness()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._readiness_task is not None:
+            self._readiness_task.cancel()
+        await self.health.enter_graceful_shutdown()  # balancers stop sending before we close
+        await self.server.stop(grace_s)

@@ -1,0 +1,103 @@
+"""Prometheus metrics of one front door: request latencies, and worker state read at scrape time.
+
+Each front door has its own CollectorRegistry (tests run several in one process). Worker
+gauges come from backend.status() when /metrics is scraped, never from a cached copy, so they
+cannot go stale when a worker dies.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                   0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+WORKER_LABELS = ["worker", "kind", "node"]
+
+
+class FrontDoorMetrics:
+    def __init__(self, status: Callable[[], dict]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("splitserve_time_to_first_token_seconds",
+                              "Admission to first token, at the front door", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("splitserve_inter_token_latency_seconds",
+                             "Gap between streamed tokens after the first (ITL)", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.tpot = Histogram("splitserve_time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1)", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("splitserve_e2e_request_latency_seconds", "Admission to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter("splitserve_requests", "Requests by protocol and outcome "
+                                "(stop, length, abort, error, cancelled, invalid, overloaded, "
+                                "unavailable)", ["protocol", "outcome"], registry=r)
+        self.prompt_tokens = Counter("splitserve_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("splitserve_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.in_flight = Gauge("splitserve_frontdoor_requests_in_flight",
+                               "Requests admitted by the front door and not yet finished", registry=r)
+        r.register(WorkerStatusCollector(status))
+
+    def render(self) -> bytes:
+        """The exposition text; calls backend.status(), so run it off the event loop."""
+        return generate_latest(self.registry)
+
+
+class WorkerStatusCollector:
+    """Per-worker gauges and counters from backend.status(), read at scrape time."""
+
+    def __init__(self, status: Callable[[], dict]):
+        self._status = status
+
+    def describe(self):
+        return []  # nothing to check at registration: the workers are only known at scrape time
+
+    def collect(self):
+        try:
+            workers = self._status().get("workers", [])
+        except Exception:  # a scrape must still answer while the cluster is in trouble
+            log.exception("backend.status() failed during a metrics scrape")
+            workers = []
+        gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
+        counter = lambda name, doc: CounterMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
+        alive = gauge("splitserve_worker_alive", "1 while the worker answers")
+        waiting = gauge("splitserve_worker_requests_waiting", "Requests queued on the worker")
+        running = gauge("splitserve_worker_requests_running", "Requests running on the worker")
+        blocks_used = gauge("splitserve_worker_kv_blocks_used", "Attention KV blocks in use")
+        blocks_free = gauge("splitserve_worker_kv_blocks_free", "Attention KV blocks free")
+        slots_used = gauge("splitserve_worker_state_slots_used", "Mamba state slots in use")
+        slots_free = gauge("splitserve_worker_state_slots_free", "Mamba state slots free")
+        preemptions = counter("splitserve_worker_preemptions", "Requests preempted (recomputed)")
+        handoff_bytes = counter("splitserve_worker_handoff_bytes", "KV and state bytes handed off")
+        handoff_failures = counter("splitserve_worker_handoff_failures", "Failed hand-offs")
+        handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
+                                              "Hand-off latency (count and sum)", labels=WORKER_LABELS)
+        for w in workers:
+            labels = [str(w.get("id", "?")), str(w.get("kind", "?")), str(w.get("node", "?"))]
+            alive.add_metric(labels, 1.0 if w.get("alive", True) else 0.0)
+            waiting.add_metric(labels, w.get("waiting", 0))
+            running.add_metric(labels, w.get("running", 0))
+            if "kv_blocks_total" in w:
+                blocks_used.add_metric(labels, w["kv_blocks_total"] - w.get("kv_blocks_free", 0))
+                blocks_free.add_metric(labels, w.get("kv_blocks_free", 0))
+            if "state_slots_total" in w:
+                slots_used.add_metric(labels, w["state_slots_total"] - w.get("state_slots_free", 0))
+                slots_free.add_metric(labels, w.get("state_slots_free", 0))
+            preemptions.add_metric(labels, w.get("preemptions", 0))
+            if "handoff_bytes" in w or "handoff_count" in w:
+                handoff_bytes.add_metric(labels, w.get("handoff_bytes", 0))
+                handoff_failures.add_metric(labels, w.get("handoff_failures", 0))
+                handoff_latency.add_metric(labels, count_value=w.get("handoff_count", 0),
+                                           sum_value=w.get("handoff_seconds_sum", 0.0))
+        yield from (alive, waiting, running, blocks_used, blocks_free, slots_used, slots_free,
+                    preemptions, handoff_bytes, handoff_failures, handoff_latency)

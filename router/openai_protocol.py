@@ -1,0 +1,161 @@
+"""OpenAI request bodies -> (prompt, SamplingParams), and the response objects back.
+
+Bodies are checked field by field so bad input is always an InvalidRequest naming the field
+(HTTP 400), never a crash further in (HTTP 500).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import InvalidRequest, SamplingParams
+from router.backend import ModelInfo
+from router.chat_template import chat_prompt_ids
+from router.serving import Usage
+
+# OpenAI fields and engine extensions (as vLLM spells them) passed to SamplingParams as they are
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty",
+                   "frequency_penalty", "stop", "top_k", "min_p", "repetition_penalty",
+                   "stop_token_ids", "ignore_eos", "skip_special_tokens")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# field -> values that mean "not used"; anything else is refused rather than silently ignored
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+               "response_format": (None, {"type": "text"})}
+
+
+class ModelNotFound(Exception):
+    """`model` names a model this server does not serve: HTTP 404."""
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage only
+    logprobs: int | None  # None: none; n: the chosen token's and the top n
+    return_token_ids: bool  # extension: token ids next to the text
+
+
+def _check_common(body, info: ModelInfo) -> None:
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != info.model_name:
+        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {info.model_name!r}")
+    for name, allowed in UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise InvalidRequest(name, f"{body.get(name)!r} is not supported")
+
+
+def _flag(body, name: str) -> bool:
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidRequest(name, "must be a boolean")
+    return value
+
+
+def _sampling(body, **overrides) -> SamplingParams:
+    kwargs = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    kwargs.update(overrides)
+    return SamplingParams(**kwargs)
+
+
+def _stream_options(body, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "must be an object")
+    return stream and _flag(options, "include_usage")
+
+
+def _completion_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt  # token ids; the backend checks them against the vocabulary
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequest("prompt", "batches of several prompts are not supported; send one per request")
+    raise InvalidRequest("prompt", "must be a string or a list of token ids")
+
+
+def parse_completion(body, info: ModelInfo) -> ParsedRequest:
+    _check_common(body, info)
+    if "prompt" not in body:
+        raise InvalidRequest("prompt", "required")
+    prompt = _completion_prompt(body["prompt"])
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
+        raise InvalidRequest("logprobs", "must be an integer (how many top tokens to return)")
+    stream = _flag(body, "stream")
+    defaults = {} if body.get("max_tokens") is not None else {"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS}
+    params = _sampling(body, logprobs=logprobs, **defaults)
+    return ParsedRequest(prompt, params, stream, _stream_options(body, stream), params.logprobs,
+                         _flag(body, "return_token_ids"))
+
+
+def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
+    _check_common(body, info)
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    logprobs = None
+    if _flag(body, "logprobs"):
+        logprobs = body.get("top_logprobs") or 0
+    elif body.get("top_logprobs") is not None:
+        raise InvalidRequest("top_logprobs", "needs logprobs: true")
+    stream = _flag(body, "stream")
+    # No max_tokens: up to the end of the context, as OpenAI does.
+    defaults = {} if body.get("max_tokens") is not None else {
+        "max_tokens": max(1, info.max_model_len - len(ids))}
+    params = _sampling(body, logprobs=logprobs, **defaults)
+    return ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
+                         _flag(body, "return_token_ids"))
+
+
+# ---------------------------------------------------------------- responses
+
+def usage_dict(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists, one entry per token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, logprobs):
+        text = token_text(tokenizer, token_id)
+        tokens.append(text)
+        values.append(lp["token"])
+        tops.append({token_text(tokenizer, t): v for t, v in lp.get("top", [])})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict]) -> dict:
+    def entry(token_id, value):
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+
+    content = [{**entry(t, lp["token"]), "top_logprobs": [entry(i, v) for i, v in lp.get("top", [])]}
+               for t, lp in zip(token_ids, logprobs)]
+    return {"content": content, "refusal": None}
+

@@ -1,0 +1,78 @@
+"""Where workers run: one Ray placement group per worker, or per prefill/decode pair.
+
+Each worker kind can be pinned to a node type through a custom resource that only those
+nodes advertise (`ray start --resources='{"splitserve_prefill": 4}'`), as Splitwise puts
+prefill and decode on different hardware. `pack_pairs` puts prefill i and decode i on one
+node (STRICT_PACK) so their hand-off stays on the fast local path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_RESOURCE = "splitserve_prefill"
+DECODE_RESOURCE = "splitserve_decode"
+
+
+@dataclass
+class PlacementConfig:
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    prefill_resource: str | None = None  # e.g. PREFILL_RESOURCE: only nodes offering it
+    decode_resource: str | None = None
+    pack_pairs: bool = False
+    ready_timeout_s: float = 120.0
+
+    def __post_init__(self):
+        if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
+            raise ValueError("cpus_per_worker and gpus_per_worker must be >= 0")
+        if not self.ready_timeout_s > 0:
+            raise ValueError("ready_timeout_s must be > 0")
+
+    def bundle(self, kind: str) -> dict:
+        bundle = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker:
+            bundle["GPU"] = self.gpus_per_worker
+        resource = self.prefill_resource if kind == "prefill" else self.decode_resource
+        if resource:
+            bundle[resource] = 1
+        return {k: v for k, v in bundle.items() if v}
+
+
+def place_workers(config: PlacementConfig, num_prefill: int, num_decode: int):
+    """Placement groups for the workers: returns (groups, [(group, bundle index)] per P, per D)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    groups, prefill_slots, decode_slots = [], [], []
+    pairs = min(num_prefill, num_decode) if config.pack_pairs else 0
+    for _ in range(pairs):
+        group = placement_group([config.bundle("prefill"), config.bundle("decode")], strategy="STRICT_PACK")
+        groups.append(group)
+        prefill_slots.append((group, 0))
+        decode_slots.append((group, 1))
+    for kind, count, slots in (("prefill", num_prefill, prefill_slots), ("decode", num_decode, decode_slots)):
+        for _ in range(count - pairs):
+            group = placement_group([config.bundle(kind)], strategy="PACK")
+            groups.append(group)
+            slots.append((group, 0))
+    for group in groups:
+        try:
+            ray.get(group.ready(), timeout=config.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_groups(groups)
+            raise RuntimeError(
+                f"Ray could not place bundles {group.bundle_specs} within {config.ready_timeout_s}s: "
+                "no node offers those resources (check --resources of `ray start`)"
+            ) from None
+    return groups, prefill_slots, decode_slots
+
+
+def remove_groups(groups) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        try:
+            remove_placement_group(group)
+        except Exception:
+            pass

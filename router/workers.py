@@ -1,0 +1,196 @@
+"""The router's view of its workers: start, connect, watch, choose, abort."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+
+from engine.sampling_params import InvalidRequest, SamplingParams
+from router.backend import Unavailable
+from router.placement import place_workers, remove_groups
+
+log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.25
+
+
+@dataclass
+class WorkerRef:
+    name: str
+    kind: str  # "prefill" or "decode"
+    handle: object  # Ray actor handle
+    node_id: str = ""
+    alive: bool = True
+    stats: dict = field(default_factory=dict)
+    queued_tokens: int = 0  # prefill: prompt tokens sent and not yet handed off
+    reserved_since_stats: int = 0  # decode: reservations the last stats do not show yet
+
+
+class WorkerSet:
+    def __init__(self, config):
+        self.config = config
+        self.prefill: list[WorkerRef] = []
+        self.decode: list[WorkerRef] = []
+        self.owner: dict[str, WorkerRef] = {}  # request id -> decode worker holding it
+        self.model_facts: dict = {}
+        self._groups = []
+        self._tasks: list[asyncio.Task] = []
+        self._started_ray = False
+        self.transport = config.transport
+
+    # ---- lifecycle ----
+
+    async def start(self, route) -> None:
+        import ray
+
+        from decode_worker.worker import DecodeWorker
+        from kvtransfer.shm import SHM_SENDER_ENV
+        from prefill_worker.worker import PrefillWorker
+
+        config, placement = self.config, self.config.placement
+        if not ray.is_initialized():
+            options = dict(config.ray_init_options)
+            if config.address is None:
+                workers = config.prefill + config.decode
+                options.setdefault("num_cpus", max(os.cpu_count() or 1,
+                                                   int(workers * placement.cpus_per_worker + 0.999)))
+                options.setdefault("include_dashboard", False)
+            ray.init(address=config.address, **options)
+            self._started_ray = True
+        self._groups, p_slots, d_slots = await asyncio.to_thread(
+            place_workers, placement, config.prefill, config.decode)
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        def spawn(cls, kind, index, slot, env):
+            group, bundle = slot
+            name = f"{kind}-{index}"
+            handle = ray.remote(cls).options(
+                name=None, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
+                max_concurrency=1000, runtime_env={"env_vars": env} if env else None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+            ).remote(name, config.model, config.engine_options, self.transport, config.transfer_timeout_s)
+            return WorkerRef(name, kind, handle)
+
+        if self.transport == "auto":
+            nodes = set().union(*(_group_nodes(g) for g in self._groups))
+            self.transport = "shm" if len(nodes) == 1 else "gloo"
+        env = SHM_SENDER_ENV if self.transport == "shm" else None
+        self.prefill = [spawn(PrefillWorker, "prefill", i, s, env) for i, s in enumerate(p_slots)]
+        self.decode = [spawn(DecodeWorker, "decode", i, s, None) for i, s in enumerate(d_slots)]
+        everyone = self.prefill + self.decode
+        layouts = await asyncio.gather(*(w.handle.layout.remote() for w in everyone))
+        for worker, layout in zip(everyone, layouts):
+            if layout != layouts[0]:
+                raise RuntimeError(f"worker {worker.name} has a different cache layout than {everyone[0].name}")
+        nodes = await asyncio.gather(*(w.handle.node_id.remote() for w in everyone))
+        for worker, node in zip(everyone, nodes):
+            worker.node_id = node
+        self.model_facts = await self.decode[0].handle.facts.remote()
+        for p in self.prefill:
+            for d in self.decode:
+                offer = await d.handle.accept.remote(p.name)
+                await p.handle.connect.remote(d.name, offer)
+        await self._refresh_stats()
+        self._tasks = [asyncio.ensure_future(self._poll(d, route)) for d in self.decode]
+        self._tasks.append(asyncio.ensure_future(self._watch()))
+
+    async def stop(self) -> None:
+        import ray
+
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.prefill + self.decode:
+            try:
+                await asyncio.wait_for(worker.handle.shutdown.remote(), 10)
+            except Exception:
+                pass
+            ray.kill(worker.handle, no_restart=True)
+        remove_groups(self._groups)
+        if self._started_ray:
+            ray.shutdown()
+
+    # ---- watching ----
+
+    async def _poll(self, worker: WorkerRef, route) -> None:
+        while True:
+            try:
+                outputs = await worker.handle.poll.remote(0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("poll of %s failed: %s", worker.name, e)
+                worker.alive = False
+                await asyncio.sleep(0.5)
+                continue
+            if outputs:
+                await route(outputs)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            await self._refresh_stats()
+
+    async def _refresh_stats(self) -> None:
+        workers = self.prefill + self.decode
+        results = await asyncio.gather(*(asyncio.wait_for(w.handle.stats.remote(), 5) for w in workers),
+                                       return_exceptions=True)
+        for worker, stats in zip(workers, results):
+            worker.alive = not isinstance(stats, BaseException)
+            if worker.alive:
+                worker.stats = stats
+                worker.reserved_since_stats = 0
+
+    def all_alive(self) -> bool:
+        return any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
+
+    # ---- choosing ----
+
+    def pick_decode(self) -> WorkerRef:
+        alive = [w for w in self.decode if w.alive]
+        if not alive:
+            raise Unavailable("no decode worker is alive")
+
+        def room(w: WorkerRef):
+            s = w.stats
+            return (s.get("state_slots_free", 0) - w.reserved_since_stats > 0,
+                    s.get("kv_blocks_free", 0), -(s.get("running", 0) + w.reserved_since_stats))
+
+        best = max(alive, key=room)
+        best.reserved_since_stats += 1
+        return best
+
+    def pick_prefill(self, num_tokens: int) -> WorkerRef:
+        alive = [w for w in self.prefill if w.alive]
+        if not alive:
+            raise Unavailable("no prefill worker is alive")
+        return min(alive, key=lambda w: w.queued_tokens)
+
+    def validate(self, ids, params: SamplingParams) -> list[int]:
+        facts = self.model_facts
+        if not isinstance(ids, list) or not ids:
+            raise InvalidRequest("prompt", "must be a non-empty string or list of token ids")
+        vocab = facts["vocab_size"]
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= facts["max_model_len"]:
+            raise InvalidRequest("prompt", f"{len(ids)} tokens; the context holds {facts['max_model_len']} "
+                                 "and at least one must be generated")
+        return ids
+
+    async def abort_everywhere(self, request_id: str) -> None:
+        calls = [w.handle.abort.remote(request_id) for w in self.prefill + self.decode if w.alive]
+        await asyncio.gather(*calls, return_exceptions=True)
+        self.owner.pop(request_id, None)
+
+    def status(self) -> dict:
+        return {"transport": self.transport, "workers": [
+            {"id": w.name, "kind": w.kind, "node": w.node_id, "alive": w.alive, **w.stats}
+            for w in self.prefill + self.decode]}
+
+
+def _group_nodes(group) -> set[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return set(placement_group_table(group).get("bundles_to_node_id", {}).values())

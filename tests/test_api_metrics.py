@@ -1,0 +1,105 @@
+"""Prometheus /metrics: latency histograms and per-worker gauges move when requests run."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.client import SplitServeClient
+from router.metrics import FrontDoorMetrics
+from tests.test_api_support import (LONG, backend, idle_backend, server, text_model_path,  # noqa: F401
+                                    wait_idle)
+
+
+def scrape(door) -> dict:
+    """{(sample name, frozenset(labels)): value}"""
+    text = httpx.get(f"http://127.0.0.1:{door.http_port}/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def worker_labels(backend) -> list[dict]:
+    return [dict(worker=w["id"], kind=w["kind"], node=w["node"]) for w in backend.status()["workers"]]
+
+
+def total(samples: dict, name: str, workers: list[dict]) -> float:
+    return sum(value(samples, name, **w) for w in workers)
+
+
+def test_latency_histograms_and_counters_move(server, idle_backend):
+    before = scrape(server)
+    with SplitServeClient(f"127.0.0.1:{server.grpc_port}") as client:
+        client.generate([5, 6, 7], max_tokens=5, temperature=0.0, ignore_eos=True)
+    httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", timeout=10,
+               json={"prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
+    httpx.post(f"http://127.0.0.1:{server.http_port}/v1/completions", timeout=10,
+               json={"prompt": [5, 6], "temperature": -1.0})
+    after = scrape(server)
+    grew = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+    assert grew("splitserve_time_to_first_token_seconds_count") == 2
+    assert grew("splitserve_e2e_request_latency_seconds_count") == 2
+    assert grew("splitserve_time_per_output_token_seconds_count") == 2
+    # one per token after each request's first message (tokens may arrive several at once)
+    assert 0 < grew("splitserve_inter_token_latency_seconds_count") <= 4 + 2
+    assert grew("splitserve_time_to_first_token_seconds_sum") > 0
+    assert grew("splitserve_requests_total", protocol="grpc", outcome="length") == 1
+    assert grew("splitserve_requests_total", protocol="http", outcome="length") == 1
+    assert grew("splitserve_requests_total", protocol="http", outcome="invalid") == 1
+    assert grew("splitserve_prompt_tokens_total") == 5
+    assert grew("splitserve_generation_tokens_total") == 8
+
+
+def test_worker_gauges_follow_a_running_request(server, idle_backend):
+    workers = worker_labels(idle_backend)
+    status = idle_backend.status()["workers"]
+    idle = scrape(server)
+    assert total(idle, "splitserve_worker_alive", workers) == len(workers)
+    assert total(idle, "splitserve_worker_requests_running", workers) == 0
+    assert total(idle, "splitserve_worker_kv_blocks_used", workers) == 0
+    assert total(idle, "splitserve_worker_kv_blocks_free", workers) == sum(w["kv_blocks_total"] for w in status)
+    assert total(idle, "splitserve_worker_state_slots_used", workers) == 0
+    assert all(("splitserve_worker_preemptions_total", frozenset(w.items())) in idle for w in workers)
+    with SplitServeClient(f"127.0.0.1:{server.grpc_port}") as client:
+        call = client.stream([5, 6, 7], max_tokens=LONG, temperature=0.0, ignore_eos=True)
+        next(call)
+        busy = scrape(server)
+        call.cancel()
+    assert total(busy, "splitserve_worker_requests_running", workers) == 1
+    assert total(busy, "splitserve_worker_kv_blocks_used", workers) >= 1
+    assert total(busy, "splitserve_worker_state_slots_used", workers) >= 1
+    assert value(busy, "splitserve_frontdoor_requests_in_flight") == 1
+    wait_idle(idle_backend)
+    assert total(scrape(server), "splitserve_worker_state_slots_used", workers) == 0
+
+
+def test_handoff_and_cluster_worker_metrics():
+    status = {"workers": [
+        {"id": "prefill-0", "kind": "prefill", "node": "n1", "alive": True, "kv_blocks_total": 10,
+         "kv_blocks_free": 7, "state_slots_total": 4, "state_slots_free": 3, "waiting": 2,
+         "running": 1, "preemptions": 5, "handoff_bytes": 4096, "handoff_count": 3,
+         "handoff_failures": 1, "handoff_seconds_sum": 0.25},
+        {"id": "decode-0", "kind": "decode", "node": "n2", "alive": False}]}
+    text = FrontDoorMetrics(lambda: status).render().decode()
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    p = dict(worker="prefill-0", kind="prefill", node="n1")
+    assert value(samples, "splitserve_worker_kv_blocks_used", **p) == 3
+    assert value(samples, "splitserve_worker_state_slots_used", **p) == 1
+    assert value(samples, "splitserve_worker_requests_waiting", **p) == 2
+    assert value(samples, "splitserve_worker_preemptions_total", **p) == 5
+    assert value(samples, "splitserve_worker_handoff_bytes_total", **p) == 4096
+    assert value(samples, "splitserve_worker_handoff_failures_total", **p) == 1
+    assert value(samples, "splitserve_worker_handoff_seconds_count", **p) == 3
+    assert value(samples, "splitserve_worker_handoff_seconds_sum", **p) == 0.25
+    assert value(samples, "splitserve_worker_alive", worker="decode-0", kind="decode", node="n2") == 0
+
+
+def test_a_failing_status_still_scrapes():
+    def broken():
+        raise RuntimeError("cluster gone")
+
+    assert b"splitserve_time_to_first_token_seconds" in FrontDoorMetrics(broken).render()

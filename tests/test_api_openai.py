@@ -1,0 +1,187 @@
+"""The OpenAI-compatible HTTP API through the official `openai` client, and raw HTTP for errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine.tokenizer import Tokenizer
+from router.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_ids
+from tests.test_api_support import (LONG, MODEL_NAME, backend, idle_backend,  # noqa: F401
+                                    running_requests, server, text_model_path, wait_idle)
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none",
+                       max_retries=0, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=30) as c:
+        yield c
+
+
+def test_models_and_health(client, http):
+    (model,) = client.models.list().data
+    assert model.id == MODEL_NAME and model.owned_by == "splitserve"
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    assert http.get("/health").status_code == 200
+
+
+def test_completion_with_text_and_token_id_prompts(client, idle_backend):
+    ids = idle_backend.tokenizer.encode("def fibonacci(n):")
+    by_text = client.completions.create(model=MODEL_NAME, prompt="def fibonacci(n):", max_tokens=6,
+                                        temperature=0.0, extra_body={"ignore_eos": True,
+                                                                     "return_token_ids": True})
+    by_ids = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6,
+                                       temperature=0.0, extra_body={"ignore_eos": True,
+                                                                    "return_token_ids": True})
+    choice = by_text.choices[0]
+    assert choice.finish_reason == "length" and choice.text == by_ids.choices[0].text
+    assert choice.model_extra["token_ids"] == by_ids.choices[0].model_extra["token_ids"]
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 6
+    assert by_text.usage.total_tokens == len(ids) + 6
+    assert by_text.model == MODEL_NAME and by_text.object == "text_completion"
+
+
+def test_completion_default_max_tokens_and_logprobs(client, idle_backend):
+    done = client.completions.create(model=MODEL_NAME, prompt=[5, 6, 7], logprobs=2, **GREEDY)
+    assert done.usage.completion_tokens == 16  # OpenAI's default for completions
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 16
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_streamed_completion_adds_up(client, idle_backend):
+    whole = client.completions.create(model=MODEL_NAME, prompt="for i in", max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="for i in", max_tokens=10,
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10  # usage in the final chunk
+
+
+def test_chat_uses_the_checkpoint_template(client, idle_backend, text_model_path):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    done = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=5,
+                                          **GREEDY)
+    tok = Tokenizer(text_model_path)
+    expected = tok.encode("<s><|system|>be brief<|user|>hi there<|assistant|>", add_special_tokens=False)
+    assert done.usage.prompt_tokens == len(expected) == len(chat_prompt_ids(tok, messages))
+    message = done.choices[0].message
+    assert message.role == "assistant" and isinstance(message.content, str)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 5
+
+
+def test_chat_default_template_when_checkpoint_has_none(text_model_path):
+    tok = Tokenizer(text_model_path)
+    tok.chat_template = None
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert tok.decode(ids) == "user: hi\nassistant:"
+    assert "messages" in DEFAULT_CHAT_TEMPLATE
+
+
+def test_streamed_chat_adds_up_and_reports_usage(client, idle_backend):
+    messages = [{"role": "user", "content": "def f(x):"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_logprobs(client, idle_backend):
+    done = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY)
+    content = done.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(prompt="x", temperature=-1), "temperature"),
+    (dict(prompt="x", max_tokens=0), "max_tokens"),
+    (dict(prompt="x", top_p=5), "top_p"),
+    (dict(prompt=[5, 100000]), "prompt"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", n=2), "n"),
+    (dict(prompt="x", logprobs=50), "logprobs"),
+    (dict(prompt="x", stop=[""]), "stop"),
+])
+def test_invalid_completion_is_a_400_naming_the_field(client, idle_backend, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, **kwargs)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+    assert e.value.body["type"] == "invalid_request_error" and param in e.value.body["message"]
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="x", max_tokens=1)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+    ("/v1/completions", b"{}"),
+    ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode()),
+    ("/v1/completions", json.dumps({"prompt": [[1], [2]]}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x", "seed": "abc"}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x", "stop": 5}).encode()),
+    ("/v1/completions", json.dumps({"prompt": "x", "stream": True, "max_tokens": -3}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": []}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "top_logprobs": 2}).encode()),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                         "tools": [{"type": "function"}]}).encode()),
+])
+def test_bad_bodies_are_400_never_500(http, idle_backend, path, body):
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_oversized_body_is_a_413(http):
+    response = http.post("/v1/completions", content=b"[" + b"1," * (9 << 20) + b"1]")
+    assert response.status_code == 413 and response.json()["error"]["param"] == "body"
+
+
+def test_unknown_route_is_an_openai_style_404(http):
+    response = http.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+def test_http_stream_disconnect_aborts(server, idle_backend):
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": LONG, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert running_requests(idle_backend) == 1
+    wait_idle(idle_backend)
+
+
+def test_http_disconnect_before_a_whole_answer_aborts(server, idle_backend):
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": LONG, "temperature": 0.0,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(idle_backend)

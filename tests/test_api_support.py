@@ -1,0 +1,104 @@
+"""Shared pieces of the API tests (tests/test_api_*.py): a live front door over a tiny model.
+
+make_backend() is the one place that decides what the servers run over; swap it for the
+cluster backend to run every API test against the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from router.frontdoor import FrontDoorConfig, start_frontdoor
+from router.local_backend import LocalBackend
+from tests.test_tokenizer import make_tokenizer
+
+MODEL_NAME = "tiny-jamba"
+LONG = 900  # max_tokens for requests meant to be cut short (seconds of work on this model)
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_backend(model_path):
+    return LocalBackend(model_path, model_name=MODEL_NAME, num_kv_blocks=160, max_num_seqs=8)
+
+
+def backend_is_idle(backend) -> bool:
+    """On every worker nothing queued or running, and every KV block and state slot free again."""
+    for w in backend.status()["workers"]:
+        if w.get("waiting") or w.get("running"):
+            return False
+        if w.get("kv_blocks_free") != w.get("kv_blocks_total"):
+            return False
+        if w.get("state_slots_free") != w.get("state_slots_total"):
+            return False
+    engine = getattr(backend, "engine", None)  # LocalBackend: also no request left in the engine
+    return engine is None or not engine.requests
+
+
+def running_requests(backend) -> int:
+    return sum(w.get("running", 0) for w in backend.status()["workers"])
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def wait_idle(backend, timeout: float = 10.0) -> None:
+    wait_until(lambda: backend_is_idle(backend), timeout, "the backend to free every request")
+
+
+@contextmanager
+def serving(backend, **config):
+    """A front door on free ports of 127.0.0.1 over `backend`; stopped on exit."""
+    config.setdefault("grpc_port", 0)
+    config.setdefault("http_port", 0)
+    config.setdefault("auth_token", "")  # never pick up SPLITSERVE_AUTH_TOKEN from the environment
+    config.setdefault("grace_s", 1.0)
+    config.setdefault("health_poll_s", 0.1)
+    door = start_frontdoor(backend, FrontDoorConfig(**config))
+    try:
+        yield door
+    finally:
+        door.stop()
+
+
+@pytest.fixture(scope="module")
+def text_model_path(model_factory, tmp_path_factory):
+    """The tiny random Jamba with a tokenizer.json and a chat template."""
+    path, _ = model_factory("jamba")
+    folder = tmp_path_factory.mktemp("api_model")
+    shutil.copytree(path, folder, dirs_exist_ok=True)
+    make_tokenizer(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def backend(text_model_path):
+    b = make_backend(text_model_path)
+    yield b
+    b.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(backend):
+    with serving(backend) as door:
+        yield door
+
+
+@pytest.fixture
+def idle_backend(backend):
+    """The module's backend, checked to have freed everything after the test."""
+    yield backend
+    wait_idle(backend)
