@@ -48,6 +48,7 @@ class PrefillWorker:
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
+        self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
@@ -80,6 +81,11 @@ class PrefillWorker:
             self.sender.abort(request_id)  # _handoff_done frees once the sender lets go
         await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id)))
 
+    def inject_stalled_handoffs(self, count: int) -> None:
+        """Fault injection for tests and drills: the next `count` hand-offs start and then stall,
+        as if the sender hung mid-transfer; both sides must time out and free."""
+        self._stall_next = count
+
     def stats(self) -> dict:
         stats = self.engine.stats()
         stats.update(queued_prompt_tokens=sum(self._queued_tokens.values()),
@@ -104,9 +110,13 @@ class PrefillWorker:
             if target is None:  # aborted meanwhile
                 engine.finish_handoff(handoff.request_id, "aborted")
                 continue
+            slot = handoff.slot if self.cache_tensors.num_slots else None
             try:
-                self.sender.send(target, len(handoff.prompt_token_ids), handoff.block_ids,
-                                 handoff.slot if self.cache_tensors.num_slots else None,
+                if self._stall_next > 0:
+                    self._stall_next -= 1
+                    self.sender.begin(target, len(handoff.prompt_token_ids), handoff.block_ids, slot)
+                    continue
+                self.sender.send(target, len(handoff.prompt_token_ids), handoff.block_ids, slot,
                                  handoff.first_token)
             except Exception as e:
                 engine.finish_handoff(handoff.request_id, str(e))

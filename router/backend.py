@@ -46,8 +46,8 @@ class Backend(Protocol):
         """True once a request could be served now (all worker kinds alive)."""
         ...
 
-    def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
-                 ) -> AsyncIterator[RequestOutput]:
+    def stream(self, request_id: str, prompt: str | list[int], params: SamplingParams
+               ) -> AsyncIterator[RequestOutput]:
         """Stream outputs (deltas in new_token_ids / new_text); the last has finished=True.
 
         Raises engine.InvalidRequest for bad input (before anything is streamed), Overloaded,

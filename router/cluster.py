@@ -88,8 +88,8 @@ class Cluster:
     def ready(self) -> bool:
         return self.workers.all_alive()
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, prompt, params: SamplingParams
+                     ) -> AsyncIterator[RequestOutput]:
         """Usable from any event loop: the request itself runs on the router loop."""
         caller = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
@@ -121,8 +121,8 @@ class Cluster:
 
     # ---- the Python handle ----
 
-    def generate_all(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
-                     ) -> list[RequestOutput]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
         """Like engine.LLM.generate: every prompt to completion, results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -131,7 +131,7 @@ class Cluster:
 
         async def one(prompt, p):
             final = None
-            async for out in self.generate(f"gen-{next(self._ids)}", prompt, p):
+            async for out in self.stream(f"gen-{next(self._ids)}", prompt, p):
                 final = out
             return final
 
@@ -140,7 +140,6 @@ class Cluster:
 
         return asyncio.run(everything())
 
-    generate_sync = generate_all
 
     def shutdown(self) -> None:
         try:
@@ -187,7 +186,6 @@ class Cluster:
         asyncio.ensure_future(self._prefill(prefill, decode, request_id, ids, params, target, stream))
 
     async def _prefill(self, prefill, decode, request_id, ids, params, target, stream) -> None:
-        prefill.queued_tokens += len(ids)
         try:
             outcome = await prefill.handle.prefill.remote(request_id, ids, params, target)
         except Exception as e:  # the actor died or the call failed

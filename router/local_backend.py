@@ -40,8 +40,8 @@ class LocalBackend:
     def ready(self) -> bool:
         return True
 
-    async def generate(self, request_id: str, prompt, params: SamplingParams
-                       ) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, prompt, params: SamplingParams
+                     ) -> AsyncIterator[RequestOutput]:
         if len(self.engine.requests) >= self.max_queued:
             raise Overloaded(f"{len(self.engine.requests)} requests in flight (limit {self.max_queued})")
         loop = asyncio.get_running_loop()

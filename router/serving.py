@@ -94,7 +94,7 @@ class ServingCore:
         first_token_at = None
         stream = None
         try:
-            stream = self.backend.generate(request_id, prompt, params)
+            stream = self.backend.stream(request_id, prompt, params)
             async for out in stream:
                 now = time.monotonic()
                 new = list(out.new_token_ids)

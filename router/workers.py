@@ -164,7 +164,9 @@ class WorkerSet:
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise Unavailable("no prefill worker is alive")
-        return min(alive, key=lambda w: w.queued_tokens)
+        best = min(alive, key=lambda w: w.queued_tokens)
+        best.queued_tokens += num_tokens  # counted from the choice on, so a burst spreads out
+        return best
 
     def validate(self, ids, params: SamplingParams) -> list[int]:
         facts = self.model_facts

@@ -1,0 +1,184 @@
+"""Gloo transport: CPU workers on any nodes, over a stateless two-rank Gloo group per pair.
+
+Each pair gets its own ProcessGroupGloo on its own store prefix; nothing touches
+torch.distributed's global process group, so a worker may pair with any number of peers
+and re-pair after a failure. The receiver hosts one TCPStore (ephemeral port) for all its
+pairs; the offer carries its address to the sender.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.errors import WireError, WireTimeoutError
+from kvtransfer.messages import GlooOffer
+from kvtransfer.receiver import HandoffReceiver
+from kvtransfer.sender import HandoffSender
+from kvtransfer.stream_channel import StreamReceiverChannel, StreamSenderChannel, handshake
+
+# Gloo closes a pair when any wait times out, so every wait here has a real deadline.
+_IDLE_FOREVER = datetime.timedelta(days=365)
+_TAG_SPACE = 1 << 30
+_DOORBELL_NAP = datetime.timedelta(hours=1)  # bounded only so a lost wake-up cannot hang forever
+RECEIVER_RANK, SENDER_RANK = 0, 1
+
+
+class GlooPending:
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout_s: float | None) -> None:
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else _IDLE_FOREVER.total_seconds())
+        for work in self._works:
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as error:
+                kind = WireTimeoutError if "Timed out" in str(error) else WireError
+                raise kind(f"gloo: {error}") from None
+
+
+class GlooWire:
+    """A two-rank Gloo group plus a doorbell in the store.
+
+    A Gloo wait can be neither cancelled (abort() leaves it hanging) nor timed out without
+    closing the pair, so an idle receiver must not sit in one. It sleeps on a store key
+    instead: the sender rings before each request, and close() rings it to wake the thread.
+    """
+
+    def __init__(self, group: dist.ProcessGroupGloo, store: dist.Store, waiting_store: dist.Store, rank: int):
+        self.device = torch.device("cpu")
+        self._group, self._peer = group, 1 - rank
+        self._doorbell = dist.PrefixStore("doorbell/", store)
+        # A TCPStore client holds its lock through a wait, so the waiting side needs a
+        # connection of its own or nobody could ring (close() included) while it sleeps.
+        self._doorbell_waiter = dist.PrefixStore("doorbell/", waiting_store)
+        self._send_seq = self._recv_seq = 0
+        self._rung = self._answered = 0
+        self.aborted = False
+
+    def announce(self) -> None:
+        self._rung += 1
+        self._doorbell.set(str(self._rung), b"go")
+
+    def await_announcement(self) -> bool:
+        """Sleep until the peer announces the next request (True) or the wire is closed (False)."""
+        key = str(self._answered + 1)
+        while not self.aborted:
+            try:
+                self._doorbell_waiter.wait([key], _DOORBELL_NAP)
+            except RuntimeError:  # nap over: look at the aborted flag again
+                continue
+            self._answered += 1
+            value = self._doorbell_waiter.get(key)
+            self._doorbell_waiter.delete_key(key)
+            return value == b"go" and not self.aborted
+        return False
+
+    def send(self, tensors: list[torch.Tensor]) -> GlooPending:
+        return GlooPending([self._send_one(t) for t in tensors])
+
+    def recv(self, tensors: list[torch.Tensor]) -> GlooPending:
+        return GlooPending([self._recv_one(t) for t in tensors])
+
+    def exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> GlooPending:
+        return GlooPending([self._send_one(t) for t in outgoing] + [self._recv_one(t) for t in incoming])
+
+    def _send_one(self, tensor: torch.Tensor):
+        self._send_seq += 1
+        return self._live_group().send([tensor], self._peer, self._send_seq % _TAG_SPACE)
+
+    def _recv_one(self, tensor: torch.Tensor):
+        self._recv_seq += 1
+        return self._live_group().recv([tensor], self._peer, self._recv_seq % _TAG_SPACE)
+
+    def _live_group(self) -> dist.ProcessGroupGloo:
+        group = self._group
+        if group is None:
+            raise WireError("gloo: the wire was closed")
+        return group
+
+    def on_stream(self):
+        return contextlib.nullcontext()
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def fence(self) -> None:
+        pass  # CPU copies are synchronous
+
+    def abort(self) -> None:
+        if self.aborted:
+            return
+        self.aborted = True
+        with contextlib.suppress(Exception):
+            self._doorbell.set(str(max(self._rung, self._answered) + 1), b"closed")  # wakes whichever side waits
+        with contextlib.suppress(Exception):
+            self._group.abort()
+        # Destroy the group now, while the interpreter is alive: destroyed during interpreter
+        # shutdown, its threads can hit a finalizing interpreter and abort the process.
+        self._group = None
+
+
+def _pair_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroupGloo:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = _IDLE_FOREVER
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore("group/", store), rank, 2, options)
+
+
+def _store_client(host: str, port: int, prefix: str, config) -> dist.Store:
+    timeout = datetime.timedelta(seconds=config.connect_timeout_s)
+    return dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=timeout))
+
+
+class GlooReceiver(HandoffReceiver):
+    transport = "gloo"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._store: dist.TCPStore | None = None
+
+    def accept(self, peer: str) -> GlooOffer:
+        timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
+        if self._store is None:
+            self._store = dist.TCPStore(self.config.advertise_host, 0, None, True, timeout=timeout, wait_for_workers=False)
+        prefix = f"kvtransfer/{self.name}/{peer}/{uuid.uuid4().hex}/"
+        joiner = threading.Thread(target=self._join, args=(peer, prefix), name=f"kvtransfer-accept-{peer}", daemon=True)
+        joiner.start()
+        return GlooOffer(self.name, self.config.advertise_host, self._store.port, prefix)
+
+    def _join(self, peer: str, prefix: str) -> None:
+        wire = None
+        try:
+            store, waiting_store = (_store_client(self.config.advertise_host, self._store.port, prefix, self.config) for _ in range(2))
+            wire = GlooWire(_pair_group(store, RECEIVER_RANK, self.config.advertise_host), store, waiting_store, RECEIVER_RANK)
+            handshake(wire, self.layout, self.name, peer, "receiver", self.config.connect_timeout_s)
+        except Exception as error:
+            if wire is not None:
+                wire.abort()
+            self._channel_failed_to_open(peer, error)
+            return
+        self._install_channel(peer, StreamReceiverChannel(self, peer, wire))
+
+
+class GlooSender(HandoffSender):
+    transport = "gloo"
+
+    def _open_channel(self, peer: str, offer: GlooOffer) -> StreamSenderChannel:
+        if not isinstance(offer, GlooOffer) or offer.receiver != peer:
+            raise ValueError(f"expected a GlooOffer from receiver {peer!r}, got {offer!r}")
+        store = _store_client(offer.host, offer.port, offer.prefix, self.config)
+        wire = GlooWire(_pair_group(store, SENDER_RANK, self.config.advertise_host), store, store, SENDER_RANK)
+        try:
+            handshake(wire, self.layout, self.name, peer, "sender", self.config.connect_timeout_s)
+        except Exception:
+            wire.abort()
+            raise
+        return StreamSenderChannel(self, peer, wire)

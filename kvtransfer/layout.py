@@ -1,0 +1,214 @@
+"""What a worker's cache looks like (CacheLayout) and the live tensors behind it (CacheTensors).
+
+A cache is a list of named tensors. "block" tensors are indexed by block id in dim 0
+(attention K and V: [num_blocks, block_size, heads, head_dim]); "slot" tensors are
+indexed by state slot in dim 0 (Mamba conv_state and ssm_state). Entries are ordered by
+model layer index, so a sender can ship layer i as soon as layer i is computed.
+Two workers can exchange state only if their layouts agree on everything except the
+number of rows (each worker sizes its own cache).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from kvtransfer.errors import LayoutMismatchError
+
+BLOCK = "block"
+SLOT = "slot"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str  # e.g. "layer3.k"
+    layer: int  # model layer index
+    layer_kind: str  # "attention", "mamba", ...
+    role: str  # BLOCK or SLOT: what dim 0 indexes
+    row_shape: tuple[int, ...]  # shape of one row (one block or one slot)
+    dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.role not in (BLOCK, SLOT):
+            raise ValueError(f"{self.name}: role must be {BLOCK!r} or {SLOT!r}, got {self.role!r}")
+        if self.layer < 0:
+            raise ValueError(f"{self.name}: layer index must be >= 0, got {self.layer}")
+        object.__setattr__(self, "row_shape", tuple(int(d) for d in self.row_shape))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        return prod(self.row_shape) * self.torch_dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    block_size: int
+    specs: tuple[TensorSpec, ...]  # sorted by (layer, name)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate tensor names in layout: {names}")
+        object.__setattr__(self, "specs", tuple(sorted(self.specs, key=lambda s: (s.layer, s.name))))
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({s.layer for s in self.specs})
+
+    @property
+    def has_blocks(self) -> bool:
+        return any(s.role == BLOCK for s in self.specs)
+
+    @property
+    def has_slots(self) -> bool:
+        return any(s.role == SLOT for s in self.specs)
+
+    def specs_of_layer(self, layer: int) -> list[TensorSpec]:
+        return [s for s in self.specs if s.layer == layer]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size) if self.has_blocks else 0
+
+    def handoff_bytes(self, num_tokens: int) -> int:
+        """Bytes one request of num_tokens prompt tokens moves (whole blocks, one slot)."""
+        blocks = self.num_blocks_for(num_tokens)
+        return sum(s.row_bytes * (blocks if s.role == BLOCK else 1) for s in self.specs)
+
+    def to_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "specs": [
+                [s.name, s.layer, s.layer_kind, s.role, list(s.row_shape), s.dtype] for s in self.specs
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CacheLayout:
+        specs = tuple(TensorSpec(n, lay, kind, role, tuple(shape), dt) for n, lay, kind, role, shape, dt in data["specs"])
+        return cls(int(data["block_size"]), specs)
+
+    def differences(self, other: CacheLayout) -> list[str]:
+        """Human-readable list of what differs; empty when the two can exchange state."""
+        diffs = []
+        if self.block_size != other.block_size:
+            diffs.append(f"block_size {self.block_size} vs {other.block_size}")
+        kinds = [{s.layer: s.layer_kind for s in layout.specs} for layout in (self, other)]
+        other_kind = set()
+        for layer in sorted(kinds[0].keys() | kinds[1].keys()):
+            a, b = kinds[0].get(layer, "no cache"), kinds[1].get(layer, "no cache")
+            if a != b:
+                diffs.append(f"layer {layer}: {a} vs {b}")
+                other_kind.add(layer)
+        mine = {s.name: s for s in self.specs if s.layer not in other_kind}
+        theirs = {s.name: s for s in other.specs if s.layer not in other_kind}
+        for name in sorted(mine.keys() - theirs.keys()):
+            diffs.append(f"tensor {name!r} only on this side")
+        for name in sorted(theirs.keys() - mine.keys()):
+            diffs.append(f"tensor {name!r} only on the peer")
+        for name in sorted(mine.keys() & theirs.keys()):
+            a, b = mine[name], theirs[name]
+            for field in ("layer", "role", "row_shape", "dtype"):
+                if getattr(a, field) != getattr(b, field):
+                    diffs.append(f"{name}: {field} {getattr(a, field)} vs {getattr(b, field)}")
+        return diffs
+
+    def check_compatible(self, other: CacheLayout, this_side: str, peer_side: str) -> None:
+        diffs = self.differences(other)
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; ... {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise LayoutMismatchError(
+                f"cache layout mismatch between {this_side} and {peer_side} "
+                f"(values are {this_side} vs {peer_side}): {shown}"
+            )
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    name: str
+    layer: int
+    layer_kind: str
+    role: str
+    tensor: torch.Tensor
+
+
+class CacheTensors:
+    """The live cache tensors of one worker, validated, with their layout."""
+
+    def __init__(self, block_size: int, entries: list[CacheEntry]):
+        if not entries:
+            raise ValueError("a cache needs at least one tensor")
+        self.layout = CacheLayout(
+            block_size,
+            tuple(
+                TensorSpec(e.name, e.layer, e.layer_kind, e.role, tuple(e.tensor.shape[1:]), str(e.tensor.dtype).removeprefix("torch."))
+                for e in entries
+            ),
+        )
+        self.tensors = {e.name: e.tensor for e in entries}
+        self.device = entries[0].tensor.device
+        rows = {BLOCK: set(), SLOT: set()}
+        for e in entries:
+            if e.tensor.device != self.device:
+                raise ValueError(f"{e.name} is on {e.tensor.device}, other cache tensors on {self.device}")
+            if not e.tensor.is_contiguous() or e.tensor.dim() < 1:
+                raise ValueError(f"{e.name} must be a contiguous tensor with a row dimension")
+            rows[e.role].add(e.tensor.shape[0])
+        for role, counts in rows.items():
+            if len(counts) > 1:
+                raise ValueError(f"all {role} tensors must have the same dim 0, got {sorted(counts)}")
+        self.num_blocks = rows[BLOCK].pop() if rows[BLOCK] else 0
+        self.num_slots = rows[SLOT].pop() if rows[SLOT] else 0
+
+    @classmethod
+    def hybrid(
+        cls,
+        block_size: int,
+        attention: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        mamba: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> CacheTensors:
+        """attention: {model layer: (k_cache, v_cache)}; mamba: {model layer: (conv_state, ssm_state)}."""
+        entries = []
+        for layer, (k, v) in sorted((attention or {}).items()):
+            entries += [CacheEntry(f"layer{layer}.k", layer, "attention", BLOCK, k), CacheEntry(f"layer{layer}.v", layer, "attention", BLOCK, v)]
+        for layer, (conv, ssm) in sorted((mamba or {}).items()):
+            entries += [CacheEntry(f"layer{layer}.conv", layer, "mamba", SLOT, conv), CacheEntry(f"layer{layer}.ssm", layer, "mamba", SLOT, ssm)]
+        return cls(block_size, entries)
+
+    @classmethod
+    def from_named(
+        cls,
+        block_size: int,
+        block_tensors: list[tuple[str, torch.Tensor]],
+        slot_tensors: list[tuple[str, torch.Tensor]],
+    ) -> CacheTensors:
+        """From engine.cache.ModelCache.block_tensors() / slot_tensors(): names like "layer3.k"."""
+        entries = []
+        for role, kind, named in ((BLOCK, "attention", block_tensors), (SLOT, "mamba", slot_tensors)):
+            for name, tensor in named:
+                match = re.fullmatch(r"layer(\d+)\.\w+", name)
+                if match is None:
+                    raise ValueError(f"cache tensor name {name!r} is not of the form 'layer<index>.<part>'")
+                entries.append(CacheEntry(name, int(match.group(1)), kind, role, tensor))
+        return cls(block_size, entries)
+
+    def check_rows(self, block_ids: list[int], slot: int | None, what: str) -> None:
+        """Refuse ids outside this cache before any byte moves."""
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"{what}: block ids {bad[:5]} outside [0, {self.num_blocks})")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"{what}: duplicate block ids")
+        if self.layout.has_slots:
+            if slot is None or not 0 <= slot < self.num_slots:
+                raise ValueError(f"{what}: state slot {slot} outside [0, {self.num_slots})")
+        elif slot is not None:
+            raise ValueError(f"{what}: this cache has no state slots but slot {slot} was given")

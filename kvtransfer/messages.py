@@ -1,0 +1,120 @@
+"""Small explicit messages: what the caller passes in, what it gets back, what goes on the wire."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class HandoffTarget:
+    """Where one request's state goes: told to the sender by the caller before the prefill.
+
+    The decode side reserved dst_block_ids (at least one per prompt block; only the first
+    ceil(prompt tokens / block_size) are written) and dst_slot (None for a cache without
+    Mamba layers) before the prefill started; the sender writes only there.
+    """
+
+    request_id: str
+    receiver: str  # the receiver endpoint's name, as given to connect()
+    dst_block_ids: tuple[int, ...]
+    dst_slot: int | None
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be non-empty")
+        if len(self.request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            raise ValueError(f"request_id longer than {MAX_REQUEST_ID_BYTES} bytes: {self.request_id[:40]}...")
+        object.__setattr__(self, "dst_block_ids", tuple(int(b) for b in self.dst_block_ids))
+
+    def digest(self) -> int:
+        """Checksum of the destination rows, so a receiver can refuse a sender aiming elsewhere."""
+        data = struct.pack(f"<q{len(self.dst_block_ids)}q", -1 if self.dst_slot is None else self.dst_slot, *self.dst_block_ids)
+        return zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class HandoffResult:
+    """The outcome of one hand-off on one side. ok=False always carries an error naming the request."""
+
+    request_id: str
+    ok: bool
+    side: str  # "sender" or "receiver"
+    first_token: int | None = None
+    num_tokens: int = 0
+    error: str | None = None
+    elapsed_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class GlooOffer:
+    receiver: str
+    host: str
+    port: int
+    prefix: str
+
+
+@dataclass(frozen=True)
+class NcclOffer:
+    receiver: str
+    unique_id: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ShmOffer:
+    receiver: str
+    socket_name: str
+    token: str
+
+
+# ---- fixed-size wire records of the stream transports (Gloo, NCCL) ----
+
+MAX_REQUEST_ID_BYTES = 400
+HEADER_BYTES = 512
+TRAILER_BYTES = 16
+_MAGIC = 0x4B565846  # "KVXF"
+_HEADER = struct.Struct("<IHHqqqIH")
+_TRAILER = struct.Struct("<IIq")
+STATUS_OK = 0
+STATUS_ABORTED = 1
+
+
+@dataclass(frozen=True)
+class WireHeader:
+    request_id: str
+    num_tokens: int
+    num_blocks: int
+    dst_slot: int | None
+    dst_digest: int
+    pipelined: bool
+
+    def encode(self) -> torch.Tensor:
+        rid = self.request_id.encode()
+        head = _HEADER.pack(_MAGIC, 1, int(self.pipelined), self.num_tokens, self.num_blocks,
+                            -1 if self.dst_slot is None else self.dst_slot, self.dst_digest, len(rid))
+        buf = bytearray(HEADER_BYTES)
+        buf[: len(head) + len(rid)] = head + rid
+        return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+    @classmethod
+    def decode(cls, data: torch.Tensor) -> WireHeader:
+        raw = bytes(data.cpu().numpy())
+        magic, _version, flags, num_tokens, num_blocks, slot, digest, rid_len = _HEADER.unpack_from(raw)
+        if magic != _MAGIC:
+            raise ValueError(f"bad hand-off header magic {magic:#x}: the stream is out of sync")
+        rid = raw[_HEADER.size : _HEADER.size + rid_len].decode()
+        return cls(rid, num_tokens, num_blocks, None if slot < 0 else slot, digest, bool(flags & 1))
+
+
+def encode_trailer(status: int, first_token: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(_TRAILER.pack(_MAGIC, status, first_token)), dtype=torch.uint8).clone()
+
+
+def decode_trailer(data: torch.Tensor) -> tuple[int, int]:
+    magic, status, first_token = _TRAILER.unpack(bytes(data.cpu().numpy()))
+    if magic != _MAGIC:
+        raise ValueError(f"bad hand-off trailer magic {magic:#x}: the stream is out of sync")
+    return status, first_token

@@ -1,0 +1,149 @@
+"""NCCL transport: GPU workers, the stream protocol of stream_channel over a pairwise communicator.
+
+Each pair has its own two-rank communicator (receiver rank 0, sender rank 1) and its own
+CUDA streams on each side (one for NCCL, one for packing/scattering), so transfers never
+queue behind compute. Ordering against
+compute is by events: a sender packs layer i only after the event recorded at
+layer_done(i); a receiver scatters only after the event recorded at expect() (the last
+use of the reserved blocks and slot by their previous owner), and reports DONE only after
+its stream has run every scatter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvtransfer.errors import WireError, WireTimeoutError
+from kvtransfer.messages import NcclOffer
+from kvtransfer.nccl import IN_PROGRESS, NcclCommunicator, load_library
+from kvtransfer.receiver import HandoffReceiver
+from kvtransfer.sender import HandoffSender
+from kvtransfer.stream_channel import StreamReceiverChannel, StreamSenderChannel, handshake
+
+RECEIVER_RANK, SENDER_RANK = 0, 1
+_FIRST_NAP_S, _LAST_NAP_S = 10e-6, 1e-3
+
+
+class NcclPending:
+    def __init__(self, wire: NcclWire, event: torch.cuda.Event, tensors: list[torch.Tensor]):
+        self._wire, self._event = wire, event
+        self._tensors = tensors  # NCCL may still read or write them until the event fires
+
+    def wait(self, timeout_s: float | None) -> None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        nap = _FIRST_NAP_S
+        while not self._event.query():
+            self._wire.raise_if_failed()
+            if deadline is not None and time.monotonic() > deadline:
+                raise WireTimeoutError(f"nccl: not done within {timeout_s:.3f}s")
+            time.sleep(nap)
+            nap = min(nap * 2, _LAST_NAP_S)
+        self._tensors = []
+
+
+class NcclWire:
+    def __init__(self, comm: NcclCommunicator, rank: int):
+        self.device = comm.device
+        self.comm, self._peer = comm, 1 - rank
+        self.stream = torch.cuda.Stream(self.device)  # NCCL kernels only
+        # Packing and scattering run here, so a scatter never queues behind a posted receive
+        # of a later segment and its completion can be awaited on its own (release()).
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.aborted = False
+        self._comm_lock = threading.Lock()  # abort() frees the communicator other threads query
+
+    def raise_if_failed(self) -> None:
+        with self._comm_lock:
+            if self.aborted:
+                raise WireError("nccl: the wire was closed")
+            code = self.comm.async_error()
+        if code not in (0, IN_PROGRESS):
+            raise WireError(f"nccl: {self.comm.lib.error_string(code)}")
+
+    def announce(self) -> None:
+        pass  # an idle NCCL receive can be polled and cancelled, no doorbell needed
+
+    def await_announcement(self) -> bool:
+        return not self.aborted
+
+    def _issue(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> NcclPending:
+        with self._comm_lock, torch.cuda.device(self.device):
+            if self.aborted:
+                raise WireError("nccl: the wire was closed")
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # tensors made on the caller's stream
+            self.stream.wait_stream(self.copy_stream)  # packed rows are in place
+            with self.comm.group():
+                for t in outgoing:
+                    self.comm.send(t, self._peer, self.stream)
+                for t in incoming:
+                    self.comm.recv(t, self._peer, self.stream)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return NcclPending(self, event, outgoing + incoming)
+
+    def send(self, tensors: list[torch.Tensor]) -> NcclPending:
+        return self._issue(tensors, [])
+
+    def recv(self, tensors: list[torch.Tensor]) -> NcclPending:
+        return self._issue([], tensors)
+
+    def exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> NcclPending:
+        return self._issue(outgoing, incoming)
+
+    def on_stream(self):
+        return torch.cuda.stream(self.copy_stream)
+
+    def wait_event(self, event) -> None:
+        self.copy_stream.wait_event(event)
+
+    def fence(self) -> None:
+        self.copy_stream.synchronize()
+
+    def abort(self) -> None:
+        with self._comm_lock:
+            if self.aborted:
+                return
+            self.aborted = True
+            try:
+                self.comm.abort()
+            except Exception:  # the communicator is being discarded either way
+                pass
+
+
+class NcclReceiver(HandoffReceiver):
+    transport, devices = "nccl", ("cuda",)
+
+    def accept(self, peer: str) -> NcclOffer:
+        unique_id = load_library().unique_id()
+        threading.Thread(target=self._join, args=(peer, unique_id), name=f"kvtransfer-nccl-accept-{peer}", daemon=True).start()
+        return NcclOffer(self.name, unique_id)
+
+    def _join(self, peer: str, unique_id: bytes) -> None:
+        wire = None
+        try:
+            wire = NcclWire(NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK)
+            handshake(wire, self.layout, self.name, peer, "receiver", self.config.connect_timeout_s)
+        except Exception as error:
+            if wire is not None:
+                wire.abort()
+            self._channel_failed_to_open(peer, error)
+            return
+        self._install_channel(peer, StreamReceiverChannel(self, peer, wire))
+
+
+class NcclSender(HandoffSender):
+    transport, devices = "nccl", ("cuda",)
+
+    def _open_channel(self, peer: str, offer: NcclOffer) -> StreamSenderChannel:
+        if not isinstance(offer, NcclOffer) or offer.receiver != peer:
+            raise ValueError(f"expected an NcclOffer from receiver {peer!r}, got {offer!r}")
+        wire = NcclWire(NcclCommunicator(offer.unique_id, SENDER_RANK, 2, self.cache.device), SENDER_RANK)
+        try:
+            handshake(wire, self.layout, self.name, peer, "sender", self.config.connect_timeout_s)
+        except Exception:
+            wire.abort()
+            raise
+        return StreamSenderChannel(self, peer, wire)

@@ -1,0 +1,210 @@
+"""Hand-offs over a point-to-point message wire: the protocol shared by Gloo and NCCL.
+
+Per request, in order on the pair: a fixed header (request id, token and block counts,
+checksum of the destination rows), one packed message per segment (one layer when
+pipelined, else all layers), and a fixed trailer (status, first token). The sender
+packs its rows into a reused buffer; the receiver lands each segment in its own reused
+buffer and scatters it into the reserved rows only while the reservation is live. So a
+late or aborted stream can only ever write the channel's buffer, never a freed block,
+and the stream stays in step: a request the receiver no longer wants is drained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+from kvtransfer.errors import ChannelClosedError
+from kvtransfer.layout import CacheLayout
+from kvtransfer.messages import HEADER_BYTES, STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
+from kvtransfer.rows import byte_rows, copy_rows, packed_rows, plan_packing, request_rows
+from kvtransfer.sender import ALL_LAYERS
+
+log = logging.getLogger(__name__)
+PROTOCOL_VERSION = 1
+
+
+class Pending(Protocol):
+    def wait(self, timeout_s: float | None) -> None:
+        """Block until done; raises WireTimeoutError (wire unusable afterwards) or WireError."""
+
+
+class Wire(Protocol):
+    """Ordered messages between exactly two processes; the n-th recv matches the peer's n-th send."""
+
+    device: torch.device
+
+    def announce(self) -> None: ...  # sender: a request follows
+    def await_announcement(self) -> bool: ...  # receiver: sleep until one follows; False once closed
+    def send(self, tensors: list[torch.Tensor]) -> Pending: ...
+    def recv(self, tensors: list[torch.Tensor]) -> Pending: ...
+    def exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> Pending: ...
+    def on_stream(self) -> AbstractContextManager: ...  # where packing/scattering is enqueued
+    def wait_event(self, event) -> None: ...  # transfer work after this waits for a compute-stream event
+    def fence(self) -> None: ...  # returns once all work enqueued on the transfer stream has run
+    def abort(self) -> None: ...  # unblocks every pending wait with an error; the wire is dead
+
+
+def handshake(wire: Wire, layout: CacheLayout, me: str, peer: str, role: str, timeout_s: float) -> None:
+    """Swap layouts with the peer; both sides raise the same LayoutMismatchError on a mismatch."""
+    mine = json.dumps({"version": PROTOCOL_VERSION, "name": me, "role": role, "layout": layout.to_dict()}).encode()
+    size_out = torch.tensor([len(mine)], dtype=torch.int64, device=wire.device)
+    size_in = torch.zeros(1, dtype=torch.int64, device=wire.device)
+    wire.exchange([size_out], [size_in]).wait(timeout_s)
+    data_out = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(wire.device)
+    data_in = torch.empty(int(size_in.item()), dtype=torch.uint8, device=wire.device)
+    wire.exchange([data_out], [data_in]).wait(timeout_s)
+    theirs = json.loads(bytes(data_in.cpu().numpy()))
+    if theirs["version"] != PROTOCOL_VERSION:
+        raise RuntimeError(f"{peer} speaks hand-off protocol {theirs['version']}, {me} speaks {PROTOCOL_VERSION}")
+    layout.check_compatible(CacheLayout.from_dict(theirs["layout"]), f"{role} {me}", f"{theirs['role']} {peer}")
+
+
+class _Buffer:
+    """One packed hand-off buffer per channel, grown on demand and reused (no per-request allocation)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.tensor = device, torch.empty(0, dtype=torch.uint8, device=device)
+
+    def at_least(self, nbytes: int) -> torch.Tensor:
+        if self.tensor.numel() < nbytes:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.tensor
+
+
+class StreamSenderChannel:
+    def __init__(self, sender, peer: str, wire: Wire):
+        self.sender, self.peer, self.wire = sender, peer, wire
+        self._src_rows = {name: byte_rows(t) for name, t in sender.cache.tensors.items()}
+        self._buffer = _Buffer(wire.device)
+        self._queue: queue.Queue = queue.Queue()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtransfer-send-{sender.name}-{peer}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job) -> None:
+        self._queue.put(job)
+
+    def close(self) -> None:
+        self._closing = True
+        self._queue.put(None)
+        self.wire.abort()
+        self.sender._abort_jobs_of(self, ChannelClosedError(f"channel to {self.peer} closed by sender {self.sender.name}"))
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        try:
+            while (job := self._queue.get()) is not None:
+                if self.sender._start(job, self):
+                    self._send(job)
+        except Exception as error:  # the wire is broken: fail everything queued on it
+            if not self._closing:
+                log.warning("kvtransfer: channel %s -> %s broke: %s", self.sender.name, self.peer, error)
+            self.wire.abort()
+            self.sender._channel_broken(self, self.peer, error)
+
+    def _send(self, job) -> None:
+        pipelined = self.sender.config.pipeline_layers
+        plan = plan_packing(self.sender.layout, len(job.src_block_ids), pipelined)
+        buffer = self._buffer.at_least(plan.total_bytes)
+        target = job.target
+        header = WireHeader(job.request_id, job.num_tokens, len(job.src_block_ids), target.dst_slot, target.digest(), pipelined)
+        self.wire.announce()
+        pending = [self.wire.send([header.encode().to(self.wire.device)])]
+        ok = True
+        for segment in plan.segments:
+            if ok:
+                ok, ready_event = self.sender._wait_ready(job, segment.layers[-1])
+            if ok:  # else the segment goes out as filler, keeping the stream in step
+                with self.wire.on_stream():
+                    if ready_event is not None:
+                        self.wire.wait_event(ready_event)
+                    for entry in segment.entries:
+                        rows = request_rows(entry.spec, job.src_block_ids, job.src_slot)
+                        copy_rows(self._src_rows[entry.spec.name], rows, packed_rows(buffer, entry), list(range(entry.rows)))
+            pending.append(self.wire.send([buffer[segment.offset : segment.offset + segment.nbytes]]))
+        if ok:
+            ok, _ = self.sender._wait_ready(job, ALL_LAYERS)
+        trailer = encode_trailer(STATUS_OK if ok else STATUS_ABORTED, job.first_token if ok else -1)
+        pending.append(self.wire.send([trailer.to(self.wire.device)]))
+        if not ok:
+            self.wire.fence()  # no packing of source rows is still queued
+            self.sender._finalize(job, ok=False)
+        for p in pending:
+            p.wait(max(job.deadline - time.monotonic(), 1.0))
+        if ok:
+            self.sender._finalize(job, ok=True)
+
+
+class StreamReceiverChannel:
+    def __init__(self, receiver, peer: str, wire: Wire):
+        self.receiver, self.peer, self.wire = receiver, peer, wire
+        self._dst_rows = {name: byte_rows(t) for name, t in receiver.cache.tensors.items()}
+        self._buffer = _Buffer(wire.device)
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtransfer-recv-{receiver.name}-{peer}", daemon=True)
+        self._thread.start()
+
+    def release(self, incoming) -> bool:
+        """Called once incoming is no longer live: after this no scatter of it runs."""
+        with incoming.write_lock:
+            self.wire.fence()
+        return True
+
+    def close(self) -> None:
+        self._closing = True
+        self.wire.abort()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        error: Exception = ChannelClosedError(f"sender {self.peer} closed the channel")
+        try:
+            while self.wire.await_announcement():
+                header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire.device)
+                self.wire.recv([header]).wait(None)
+                self._receive(WireHeader.decode(header))
+        except Exception as exc:
+            error = exc
+        if not self._closing:
+            log.info("kvtransfer: channel %s <- %s ended: %s", self.receiver.name, self.peer, error)
+        self.wire.abort()
+        self.receiver._channel_broken(self, self.peer, error)
+
+    def _receive(self, header: WireHeader) -> None:
+        incoming, why = self.receiver._claim(header.request_id, header.num_tokens, header.num_blocks, header.dst_digest, header.dst_slot, self)
+        if incoming is None:
+            log.warning("kvtransfer: draining hand-off: %s", why)
+        plan = plan_packing(self.receiver.layout, header.num_blocks, header.pipelined)
+        buffer = self._buffer.at_least(plan.total_bytes)
+        segments = [(s, self.wire.recv([buffer[s.offset : s.offset + s.nbytes]])) for s in plan.segments]
+        trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire.device)
+        trailer_pending = self.wire.recv([trailer])
+        stall_limit = self.receiver.config.timeout_s  # a sender silent this long mid-request is gone
+        waited_for_compute = False
+        for segment, pending in segments:
+            pending.wait(stall_limit)
+            if incoming is None:
+                continue
+            with incoming.write_lock:
+                if not incoming.live:
+                    continue
+                with self.wire.on_stream():
+                    if not waited_for_compute and incoming.compute_ready is not None:
+                        self.wire.wait_event(incoming.compute_ready)  # previous owner of the rows is done
+                    waited_for_compute = True
+                    target = incoming.target
+                    for entry in segment.entries:
+                        rows = request_rows(entry.spec, incoming.dst_block_ids, target.dst_slot)
+                        copy_rows(packed_rows(buffer, entry), list(range(entry.rows)), self._dst_rows[entry.spec.name], rows)
+        trailer_pending.wait(stall_limit)
+        status, first_token = decode_trailer(trailer)
+        if incoming is not None:
+            self.wire.fence()  # every scatter has run before DONE is reported
+            self.receiver._landed(incoming, status == STATUS_OK, first_token, "the sender aborted the hand-off")

@@ -1,0 +1,98 @@
+"""Helpers for tests of the hand-off (importable by spawned processes): small random caches,
+a byte-exact landing check, and a sender process body."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvtransfer.config import TransferConfig
+from kvtransfer.layout import BLOCK, CacheTensors
+from kvtransfer.messages import HandoffTarget
+from kvtransfer.transport import make_transport
+
+LAYOUT_KINDS = ("hybrid", "attention", "mamba")
+
+
+def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed: int, device: str = "cpu",
+               heads: int = 2, head_dim: int = 8, d_inner: int = 24) -> CacheTensors:
+    """Random bytes in every row (NaN patterns included): a copy must be exact, not merely close."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def filled(shape, dtype):
+        t = torch.empty(shape, dtype=dtype)
+        t.view(torch.uint8).random_(0, 256, generator=generator)
+        return t.to(device)
+
+    kv = (num_blocks, block_size, heads, head_dim)
+    attention, mamba = {}, {}
+    if kind == "hybrid":
+        mamba = {0: (filled((num_slots, d_inner, 4), torch.bfloat16), filled((num_slots, d_inner, 8), torch.float32)),
+                 2: (filled((num_slots, d_inner, 4), torch.bfloat16), filled((num_slots, d_inner, 8), torch.float32))}
+        attention = {1: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16)),
+                     3: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16))}
+    elif kind == "attention":
+        attention = {i: (filled(kv, torch.float16), filled(kv, torch.float16)) for i in range(3)}
+    elif kind == "mamba":
+        mamba = {i: (filled((num_slots, d_inner, 4), torch.float32), filled((num_slots, d_inner, 8), torch.float32)) for i in range(3)}
+    else:
+        raise ValueError(f"unknown layout kind {kind!r}; one of {LAYOUT_KINDS}")
+    return CacheTensors.hybrid(block_size, attention, mamba)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def landed_exactly(src: CacheTensors, src_blocks: list[int], src_slot: int | None,
+                   dst: CacheTensors, dst_blocks: list[int], dst_slot: int | None, num_tokens: int) -> list[str]:
+    """Names of tensors whose rows differ between the sender's and the receiver's copy (empty: exact)."""
+    blocks = src.layout.num_blocks_for(num_tokens)
+    bad = []
+    for spec in src.layout.specs:
+        s, d = src.tensors[spec.name].cpu(), dst.tensors[spec.name].cpu()
+        if spec.role == BLOCK:
+            ok = same_bytes(s[list(src_blocks[:blocks])], d[list(dst_blocks[:blocks])])
+        else:
+            ok = same_bytes(s[src_slot], d[dst_slot])
+        if not ok:
+            bad.append(spec.name)
+    return bad
+
+
+def random_request(rng: random.Random, layout, num_blocks: int, num_slots: int, max_tokens: int,
+                   taken_blocks: set[int], taken_slots: set[int]) -> tuple[int, list[int], int | None]:
+    """(num_tokens, block ids, slot) not overlapping earlier picks on the same cache."""
+    num_tokens = rng.randint(1, max_tokens)
+    needed = layout.num_blocks_for(num_tokens)
+    blocks = rng.sample(sorted(set(range(num_blocks)) - taken_blocks), needed)
+    slot = rng.choice(sorted(set(range(num_slots)) - taken_slots)) if layout.has_slots else None
+    taken_blocks.update(blocks)
+    if slot is not None:
+        taken_slots.add(slot)
+    return num_tokens, blocks, slot
+
+
+def sender_process(transport: str, name: str, cache_args: dict, offers: list, jobs: list, conn, pipelined_layers: bool = True) -> None:
+    """A prefill worker in a child process: connect, send every job at once, report results."""
+    torch.set_num_threads(1)
+    cache = make_cache(**cache_args)
+    sender = make_transport(transport).sender(name, cache, TransferConfig(timeout_s=30))
+    try:
+        for offer in offers:
+            sender.connect(offer.receiver, offer)
+        handles = [sender.begin(HandoffTarget(*target), num_tokens, src_blocks, src_slot)
+                   for target, num_tokens, src_blocks, src_slot, _ in jobs]
+        if pipelined_layers:
+            for layer in cache.layout.layers:
+                for handle in handles:
+                    handle.layer_done(layer)
+        for handle, job in zip(handles, jobs):
+            handle.finish(job[-1])
+        results = sender.wait_for([h.request_id for h in handles], 30)
+        conn.send({rid: (r.ok, r.error) for rid, r in results.items()})
+    except Exception as error:  # reported to the parent, which fails the test with it
+        conn.send({"error": f"{type(error).__name__}: {error}"})
+    finally:
+        sender.close()

@@ -1,0 +1,133 @@
+"""The disaggregated cluster on a 3-node Ray cluster (ray.cluster_utils) on this machine."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.oracle import assert_same_tokens, judge_greedy
+
+ray = pytest.importorskip("ray")
+
+PREFILL_RES, DECODE_RES = "splitserve_prefill", "splitserve_decode"
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """Head (no worker resources), a prefill-kind node and a decode-kind node."""
+    from ray.cluster_utils import Cluster as RayTestCluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    prefill_node = nodes.add_node(num_cpus=4, resources={PREFILL_RES: 4})
+    decode_node = nodes.add_node(num_cpus=4, resources={DECODE_RES: 4})
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    yield nodes, prefill_node.node_id, decode_node.node_id
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_nodes, model_factory):
+    from router.cluster import launch
+
+    path, hf = model_factory("jamba")
+    handle = launch(path, prefill=2, decode=2, address=ray_nodes[0].address,
+                    prefill_resource=PREFILL_RES, decode_resource=DECODE_RES,
+                    block_size=4, num_kv_blocks=400, max_num_seqs=32, transfer_timeout_s=4.0)
+    yield handle, path, hf, ray_nodes
+    handle.shutdown()
+
+
+def idle(cluster) -> bool:
+    status = cluster.status()["workers"]
+    return all(w["alive"] and not w["running"] and not w["waiting"]
+               and w["kv_blocks_free"] == w["kv_blocks_total"]
+               and w["state_slots_free"] == w["state_slots_total"] for w in status)
+
+
+def wait_idle(cluster, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while not idle(cluster):
+        assert time.monotonic() < deadline, f"workers still hold requests: {cluster.status()}"
+        time.sleep(0.1)
+
+
+def test_workers_land_on_their_node_kinds(cluster):
+    handle, _, _, (_, prefill_node, decode_node) = cluster
+    kinds = {w["id"]: (w["kind"], w["node"]) for w in handle.status()["workers"]}
+    assert sorted(kinds) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+    for kind, node in kinds.values():
+        assert node == (prefill_node if kind == "prefill" else decode_node)
+    assert handle.workers.transport == "gloo"  # different nodes: the cross-node transport
+
+
+def test_64_concurrent_requests_match_transformers_and_colocated(cluster):
+    handle, path, hf, _ = cluster
+    rng = random.Random(64)
+    lengths = [1, 1, 2, 3, 4, 5, 8, 9] + [rng.randint(1, 60) for _ in range(56)]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+    outs = handle.generate(prompts, GREEDY)
+    local = LLM(path, block_size=4).generate(prompts, GREEDY)
+    for prompt, out, ref in zip(prompts, outs, local):
+        assert out.error is None and out.finish_reason == "length", out.error
+        judge_greedy(hf, prompt, out.token_ids)
+        assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+    handoffs = sum(w.get("handoff_count", 0) for w in handle.status()["workers"])
+    assert handoffs >= 64
+    wait_idle(handle)
+
+
+def test_max_tokens_one_and_cancellation_free_everything(cluster):
+    handle, path, hf, _ = cluster
+    outs = handle.generate([[5, 6, 7], [9]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert [len(o.token_ids) for o in outs] == [1, 1]
+    judge_greedy(hf, [5, 6, 7], outs[0].token_ids)
+
+    async def cancel_midway(n_tokens):
+        got = 0
+        agen = handle.stream(f"cancel-{n_tokens}", [4] * 20, SamplingParams(max_tokens=500, ignore_eos=True))
+        async for out in agen:
+            got += len(out.new_token_ids)
+            if got >= n_tokens:
+                break
+        await agen.aclose()
+        return got
+
+    async def cancel_before_any_token():
+        task = asyncio.ensure_future(_drain(handle.stream("cancel-early", [3] * 40, GREEDY)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+
+    async def main():
+        await asyncio.gather(cancel_midway(1), cancel_midway(5), cancel_before_any_token())
+
+    asyncio.run(main())
+    wait_idle(handle)
+
+
+async def _drain(agen):
+    async for _ in agen:
+        pass
+
+
+def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
+    handle, path, hf, _ = cluster
+    for p in handle.workers.prefill:
+        ray.get(p.handle.inject_stalled_handoffs.remote(1))
+    stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
+    for out in stalled:
+        assert out.finish_reason == "error" and out.error, out
+    wait_idle(handle)
+    healthy = handle.generate([[7, 7, 7]], GREEDY)[0]
+    assert healthy.error is None
+    judge_greedy(hf, [7, 7, 7], healthy.token_ids)
+    failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
+    assert failures >= 2

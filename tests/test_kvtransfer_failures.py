@@ -1,0 +1,232 @@
+"""Hand-off failures: each fails its request alone, both sides free every block and slot (through
+the engine's allocators, driven by on_done), freed rows are never written late, and a layout
+mismatch is refused at the handshake."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.state_slots import StateSlotAllocator
+from kvtransfer import ChannelClosedError, HandoffTarget, LayoutMismatchError, TransferConfig, make_transport
+from kvtransfer.testing import landed_exactly, make_cache
+
+CPU_TRANSPORTS = ["gloo", "shm"]
+
+
+class Worker:
+    """A cache plus the engine's allocators; on_done frees the request like a worker would."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.blocks = BlockManager(cache.num_blocks, cache.layout.block_size)
+        self.slots = StateSlotAllocator(cache.num_slots)
+        self.results = {}
+        self._lock = threading.Lock()
+
+    def reserve(self, rid: str, num_tokens: int):
+        with self._lock:
+            return list(self.blocks.allocate(rid, num_tokens)), self.slots.allocate(rid)
+
+    def on_done(self, result) -> None:
+        with self._lock:
+            self.results[result.request_id] = result
+            self.blocks.free(result.request_id)
+            self.slots.free(result.request_id)
+
+    def all_free(self) -> bool:
+        with self._lock:
+            self.blocks.check_integrity()
+            self.slots.check_integrity()
+            return self.blocks.num_free_blocks == self.blocks.num_blocks and self.slots.num_free_slots == self.slots.num_slots
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: t.clone() for name, t in self.cache.tensors.items()}
+
+    def unchanged_since(self, snapshot) -> bool:
+        return all(torch.equal(snapshot[n].view(torch.uint8), t.view(torch.uint8)) for n, t in self.cache.tensors.items())
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+@pytest.fixture(params=CPU_TRANSPORTS)
+def pair(request):
+    """(prefill worker, decode worker, sender, receiver) connected by the transport under test."""
+    transport = make_transport(request.param)
+    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
+    config = TransferConfig(timeout_s=10)
+    receiver = transport.receiver("D", decode.cache, config, on_done=decode.on_done)
+    sender = transport.sender("P", prefill.cache, config, on_done=prefill.on_done)
+    sender.connect("D", receiver.accept("P"))
+    yield request.param, prefill, decode, sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def start(prefill, decode, receiver, rid, num_tokens=10, receiver_timeout=None, target_blocks=None):
+    """Reserve on both sides and register the reservation; returns (target, src_blocks, src_slot)."""
+    src_blocks, src_slot = prefill.reserve(rid, num_tokens)
+    dst_blocks, dst_slot = decode.reserve(rid, num_tokens)
+    receiver.expect(HandoffTarget(rid, "D", tuple(dst_blocks), dst_slot), timeout_s=receiver_timeout)
+    target = HandoffTarget(rid, "D", tuple(target_blocks or dst_blocks), dst_slot)
+    return target, src_blocks, src_slot
+
+
+def send_ok(prefill, decode, sender, receiver, rid):
+    """A normal hand-off on the same channel (the failure before it failed alone); returns its rows."""
+    target, src_blocks, src_slot = start(prefill, decode, receiver, rid, num_tokens=7)
+    sender.send(target, 7, src_blocks, src_slot, first_token=3)
+    wait_until(lambda: rid in decode.results and rid in prefill.results)
+    assert decode.results[rid].ok and decode.results[rid].first_token == 3, decode.results[rid]
+    assert landed_exactly(prefill.cache, src_blocks, src_slot, decode.cache, list(target.dst_block_ids), target.dst_slot, 7) == []
+    return list(target.dst_block_ids), target.dst_slot
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+@pytest.mark.parametrize("theirs, expected", [
+    (dict(kind="hybrid", block_size=8), "block_size 8 vs 4"),
+    (dict(kind="attention", block_size=4), "layer 0: attention vs mamba"),
+    (dict(kind="hybrid", block_size=4, d_inner=32), "layer0.conv: row_shape (32, 4) vs (24, 4)"),
+])
+def test_layout_mismatch_is_refused_at_handshake(transport, theirs, expected):
+    t = make_transport(transport)
+    receiver = t.receiver("D", make_cache("hybrid", 4, 8, 2, seed=0))
+    sender = t.sender("P", make_cache(num_blocks=8, num_slots=2, seed=0, **theirs))
+    with pytest.raises(LayoutMismatchError, match="between sender P and receiver D") as info:
+        sender.connect("D", receiver.accept("P"))
+    assert expected in str(info.value)
+    wait_until(lambda: "P" in receiver.channel_errors)
+    assert "mismatch" in receiver.channel_errors["P"]
+    slot = 0 if sender.layout.has_slots else None
+    with pytest.raises(ChannelClosedError, match="no channel to receiver 'D'"):
+        sender.begin(HandoffTarget("r", "D", (0,), slot), 3, [0], slot)
+    sender.close()
+    receiver.close()
+
+
+def test_receiver_timeout_with_nothing_sent_fails_that_request_alone(pair):
+    _, prefill, decode, sender, receiver = pair
+    start(prefill, decode, receiver, "never", receiver_timeout=0.2)
+    send_ok(prefill, decode, sender, receiver, "fine")
+    wait_until(lambda: "never" in decode.results)
+    assert not decode.results["never"].ok and "timed out after 0.2s while waiting" in decode.results["never"].error
+    prefill.on_done(decode.results["never"])  # the prefill never ran it: its caller frees it
+    assert prefill.all_free() and decode.all_free()
+    assert receiver.pending() == [] and sender.pending() == []
+
+
+def test_stalled_prefill_times_out_on_both_sides(pair):
+    _, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "stalled", receiver_timeout=0.5)
+    handle = sender.begin(target, 10, src_blocks, src_slot, timeout_s=0.4)
+    handle.layer_done(1)  # the prefill stops after layer 1 and never finishes
+    wait_until(lambda: "stalled" in decode.results and "stalled" in prefill.results)
+    assert not decode.results["stalled"].ok and not prefill.results["stalled"].ok
+    assert "timed out" in prefill.results["stalled"].error and "stalled" in decode.results["stalled"].error
+    assert prefill.all_free() and decode.all_free()
+    send_ok(prefill, decode, sender, receiver, "next")
+
+
+def test_late_arrival_after_timeout_never_writes_the_freed_rows(pair):
+    transport, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "late", receiver_timeout=0.1)
+    wait_until(lambda: "late" in decode.results)
+    assert decode.all_free()  # its blocks and slot could now belong to anyone
+    before = decode.snapshot()
+    sender.send(target, 10, src_blocks, src_slot, first_token=1)
+    wait_until(lambda: "late" in prefill.results)
+    # shm refuses before writing; gloo has no back channel: the bytes left, the receiver drained them
+    assert prefill.results["late"].ok == (transport == "gloo")
+    blocks, slot = send_ok(prefill, decode, sender, receiver, "after")  # lands after the drain: same stream
+    for spec in decode.cache.layout.specs:
+        written = set(blocks) if spec.role == "block" else {slot}
+        now, then = decode.cache.tensors[spec.name], before[spec.name]
+        untouched = [r for r in range(now.shape[0]) if r not in written]
+        assert torch.equal(now[untouched].view(torch.uint8), then[untouched].view(torch.uint8)), spec.name
+    assert prefill.all_free() and decode.all_free()
+
+
+def test_sender_abort_mid_transfer_fails_both_sides(pair):
+    _, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "aborted")
+    handle = sender.begin(target, 10, src_blocks, src_slot)
+    handle.layer_done(0)
+    wait_until(lambda: receiver._incoming["aborted"].state == "landing")
+    handle.abort("prefill hit an error")
+    wait_until(lambda: "aborted" in decode.results and "aborted" in prefill.results)
+    assert not decode.results["aborted"].ok and not prefill.results["aborted"].ok
+    assert "prefill hit an error" in prefill.results["aborted"].error
+    assert prefill.all_free() and decode.all_free()
+    send_ok(prefill, decode, sender, receiver, "next")
+
+
+def test_receiver_abort_while_landing_stops_writes_before_reporting(pair):
+    transport, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "cancelled")
+    handle = sender.begin(target, 10, src_blocks, src_slot)
+    handle.layer_done(0)
+    wait_until(lambda: receiver._incoming["cancelled"].state == "landing")
+    receiver.abort("cancelled", "client went away")
+    wait_until(lambda: "cancelled" in decode.results)
+    assert "client went away" in decode.results["cancelled"].error
+    after_failure = decode.snapshot()
+    handle.finish(5)  # the rest of the prefill completes anyway
+    wait_until(lambda: "cancelled" in prefill.results)
+    # shm: the receiver revoked the grant; gloo: the rest was sent and drained
+    assert prefill.results["cancelled"].ok == (transport == "gloo")
+    assert decode.unchanged_since(after_failure), "rows were written after the failure was reported"
+    assert prefill.all_free() and decode.all_free()
+    send_ok(prefill, decode, sender, receiver, "next")
+
+
+def test_sender_disconnect_fails_its_landing_requests(pair):
+    _, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "orphan")
+    handle = sender.begin(target, 10, src_blocks, src_slot)
+    handle.layer_done(0)
+    wait_until(lambda: receiver._incoming["orphan"].state == "landing")
+    sender.close()
+    wait_until(lambda: "orphan" in decode.results and "orphan" in prefill.results)
+    assert not decode.results["orphan"].ok and not prefill.results["orphan"].ok
+    assert prefill.all_free() and decode.all_free()
+
+
+def test_sender_aiming_at_other_rows_is_refused(pair):
+    transport, prefill, decode, sender, receiver = pair
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "misrouted", target_blocks=[30, 31, 29])
+    before = decode.snapshot()
+    sender.send(target, 10, src_blocks, src_slot, first_token=1)
+    wait_until(lambda: "misrouted" in decode.results and "misrouted" in prefill.results)
+    assert "differ from the reservation" in decode.results["misrouted"].error
+    assert prefill.results["misrouted"].ok == (transport == "gloo")
+    assert decode.unchanged_since(before)
+    assert prefill.all_free() and decode.all_free()
+    send_ok(prefill, decode, sender, receiver, "next")
+
+
+def test_bad_arguments_are_refused_before_any_byte_moves(pair):
+    _, prefill, decode, sender, receiver = pair
+    with pytest.raises(ChannelClosedError, match="no channel to receiver 'X'"):
+        sender.begin(HandoffTarget("r", "X", (0, 1, 2), 0), 10, [0, 1, 2], 0)
+    with pytest.raises(ValueError, match="10 tokens need 3 blocks; got 2 source"):
+        sender.begin(HandoffTarget("r", "D", (0, 1, 2), 0), 10, [0, 1], 0)
+    with pytest.raises(ValueError, match=r"request r \(sender\): block ids \[99\] outside"):
+        sender.begin(HandoffTarget("r", "D", (0, 1, 2), 0), 10, [0, 1, 99], 0)
+    with pytest.raises(ValueError, match="state slot 9 outside"):
+        receiver.expect(HandoffTarget("r", "D", (0, 1, 2), 9))
+    with pytest.raises(ValueError, match="names receiver 'E'"):
+        receiver.expect(HandoffTarget("r", "E", (0, 1, 2), 0))
+    receiver.expect(HandoffTarget("dup", "D", (0,), 0))
+    with pytest.raises(ValueError, match="already expected"):
+        receiver.expect(HandoffTarget("dup", "D", (1,), 1))
+    receiver.abort("dup")
+    wait_until(lambda: "dup" in decode.results)

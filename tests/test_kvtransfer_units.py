@@ -1,0 +1,149 @@
+"""kvtransfer pieces that need no second endpoint: layouts, wire records, row copies, config."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtransfer import (
+    CacheEntry, CacheLayout, CacheTensors, HandoffTarget, LayoutMismatchError, TransferConfig,
+    default_cpu_transport, make_transport,
+)
+from kvtransfer.layout import BLOCK, TensorSpec
+from kvtransfer.messages import HEADER_BYTES, STATUS_ABORTED, WireHeader, decode_trailer, encode_trailer
+from kvtransfer.rows import byte_rows, copy_rows, plan_packing, runs
+from kvtransfer.testing import make_cache
+
+
+def test_layout_is_ordered_by_layer_and_round_trips():
+    cache = make_cache("hybrid", block_size=4, num_blocks=10, num_slots=3, seed=0)
+    layout = cache.layout
+    assert [s.layer for s in layout.specs] == sorted(s.layer for s in layout.specs)
+    assert layout.layers == [0, 1, 2, 3]
+    assert {s.name: s.role for s in layout.specs_of_layer(1)} == {"layer1.k": BLOCK, "layer1.v": BLOCK}
+    assert {s.layer_kind for s in layout.specs_of_layer(0)} == {"mamba"}
+    assert CacheLayout.from_dict(layout.to_dict()) == layout
+    assert (cache.num_blocks, cache.num_slots) == (10, 3)
+    # only rows differ between workers: layouts still match
+    assert make_cache("hybrid", 4, 99, 7, seed=1).layout == layout
+
+
+def test_handoff_bytes_counts_whole_blocks_and_one_slot():
+    layout = make_cache("hybrid", block_size=4, num_blocks=10, num_slots=3, seed=0).layout
+    kv_row = 4 * 2 * 8 * 2  # block_size * heads * head_dim * bf16
+    state = 2 * (24 * 4 * 2 + 24 * 8 * 4)
+    assert layout.num_blocks_for(9) == 3
+    assert layout.handoff_bytes(9) == 3 * 4 * kv_row + state
+    mamba = make_cache("mamba", 4, 10, 3, seed=0).layout
+    assert mamba.num_blocks_for(100) == 0  # no KV: block ids are bookkeeping only
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(block_size=8), "block_size 4 vs 8"),
+    (dict(kind="attention"), "layer 0: mamba vs attention; layer 2: mamba vs attention; layer 3: attention vs no cache"),
+    (dict(head_dim=16), "layer1.k: row_shape (4, 2, 8) vs (4, 2, 16)"),
+    (dict(d_inner=32), "layer0.ssm: row_shape (24, 8) vs (32, 8)"),
+])
+def test_layout_mismatch_names_the_difference(change, expected):
+    mine = make_cache("hybrid", 4, 10, 3, seed=0)
+    args = dict(kind="hybrid", block_size=4, num_blocks=10, num_slots=3, seed=0)
+    args.update(change)
+    theirs = make_cache(**args)
+    with pytest.raises(LayoutMismatchError, match="between receiver D and sender P") as info:
+        mine.layout.check_compatible(theirs.layout, "receiver D", "sender P")
+    assert expected in str(info.value)
+
+
+def test_dtype_and_layer_kind_mismatches():
+    k = torch.zeros(5, 4, 2, 8)
+    a = CacheTensors(4, [CacheEntry("layer0.k", 0, "attention", BLOCK, k)])
+    b = CacheTensors(4, [CacheEntry("layer0.k", 0, "attention", BLOCK, k.half())])
+    c = CacheTensors(4, [CacheEntry("layer0.k", 0, "mamba", BLOCK, k)])
+    assert a.layout.differences(b.layout) == ["layer0.k: dtype float32 vs float16"]
+    assert a.layout.differences(c.layout) == ["layer 0: attention vs mamba"]
+
+
+def test_cache_validation():
+    with pytest.raises(ValueError, match="contiguous"):
+        CacheTensors(4, [CacheEntry("layer0.k", 0, "attention", BLOCK, torch.zeros(5, 8, 4).transpose(1, 2))])
+    with pytest.raises(ValueError, match="same dim 0"):
+        CacheTensors.hybrid(4, attention={0: (torch.zeros(5, 4, 1, 2), torch.zeros(6, 4, 1, 2))})
+    with pytest.raises(ValueError, match="role"):
+        TensorSpec("x", 0, "attention", "row", (1,), "float32")
+    cache = make_cache("hybrid", 4, 10, 3, seed=0)
+    with pytest.raises(ValueError, match=r"block ids \[10\] outside \[0, 10\)"):
+        cache.check_rows([1, 10], 0, "req")
+    with pytest.raises(ValueError, match="duplicate block ids"):
+        cache.check_rows([1, 1], 0, "req")
+    with pytest.raises(ValueError, match="state slot 3 outside"):
+        cache.check_rows([1], 3, "req")
+
+
+def test_from_named_matches_the_engine_cache_naming():
+    cache = make_cache("hybrid", 4, 6, 2, seed=3)
+    blocks = [(n, t) for n, t in cache.tensors.items() if n.endswith((".k", ".v"))]
+    slots = [(n, t) for n, t in cache.tensors.items() if n.endswith((".conv", ".ssm"))]
+    assert CacheTensors.from_named(4, blocks, slots).layout == cache.layout
+    with pytest.raises(ValueError, match="layer<index>"):
+        CacheTensors.from_named(4, [("k_cache", torch.zeros(2, 4, 1, 1))], [])
+
+
+def test_pack_plan_segments_follow_layers():
+    layout = make_cache("hybrid", 4, 10, 3, seed=0).layout
+    per_layer = plan_packing(layout, num_blocks=3, pipelined=True)
+    assert [s.layers for s in per_layer.segments] == [(0,), (1,), (2,), (3,)]
+    assert per_layer.segments[1].entries[0].rows == 3 and per_layer.segments[0].entries[0].rows == 1
+    assert all(e.offset % 64 == 0 for s in per_layer.segments for e in s.entries)
+    whole = plan_packing(layout, num_blocks=3, pipelined=False)
+    assert len(whole.segments) == 1 and whole.total_bytes == per_layer.total_bytes
+
+
+def test_runs_and_copy_rows_are_exact():
+    assert runs([4, 5, 6, 9, 1], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (1, 7, 1)]
+    src = torch.randn(20, 4, 3).to(torch.bfloat16)
+    dst = torch.zeros_like(src)
+    copy_rows(byte_rows(src), [3, 4, 5, 0], byte_rows(dst), [10, 11, 12, 19])
+    assert torch.equal(dst[[10, 11, 12, 19]], src[[3, 4, 5, 0]])
+    assert dst[:10].abs().sum() == 0
+    with pytest.raises(ValueError, match="row count mismatch"):
+        copy_rows(byte_rows(src), [1], byte_rows(dst), [1, 2])
+    assert isinstance(byte_rows(src), np.ndarray) and byte_rows(src).shape == (20, 4 * 3 * 2)
+
+
+def test_wire_records_round_trip():
+    header = WireHeader("req-\u00e9", 17, 5, None, 12345, True)
+    data = header.encode()
+    assert data.numel() == HEADER_BYTES and WireHeader.decode(data) == header
+    assert decode_trailer(encode_trailer(STATUS_ABORTED, -1)) == (STATUS_ABORTED, -1)
+    with pytest.raises(ValueError, match="out of sync"):
+        WireHeader.decode(torch.zeros(HEADER_BYTES, dtype=torch.uint8))
+
+
+def test_target_validation_and_digest():
+    t = HandoffTarget("r", "D", [3, 1], 2)
+    assert t.dst_block_ids == (3, 1)
+    assert t.digest() != HandoffTarget("r", "D", (1, 3), 2).digest()
+    assert t.digest() != HandoffTarget("r", "D", (3, 1), None).digest()
+    with pytest.raises(ValueError, match="request_id"):
+        HandoffTarget("", "D", (), None)
+    with pytest.raises(ValueError, match="longer than"):
+        HandoffTarget("x" * 500, "D", (), None)
+
+
+def test_config_is_validated():
+    assert TransferConfig().timeout_s > 0
+    for bad in (dict(timeout_s=0), dict(connect_timeout_s=-1), dict(watchdog_interval_s=5), dict(advertise_host="")):
+        with pytest.raises(ValueError):
+            TransferConfig(**bad)
+
+
+def test_transport_factory():
+    assert default_cpu_transport(same_node=True) == "shm"
+    assert default_cpu_transport(same_node=False) == "gloo"
+    assert make_transport("gloo").name == "gloo"
+    with pytest.raises(ValueError, match="unknown transport 'tcp'"):
+        make_transport("tcp")
+    cache = make_cache("hybrid", 4, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="the nccl transport moves cuda caches; this one is on cpu"):
+        make_transport("nccl").sender("P", cache)
