@@ -49,8 +49,10 @@ def _cmd_serve(args) -> int:
     cluster = launch(args.model, prefill=args.prefill, decode=args.decode, transport=args.transport,
                      address=args.address, local_prefill_tokens=args.local_prefill_tokens,
                      max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
-                     gpus_per_worker=args.gpus_per_worker, prefill_resource=args.prefill_resource,
-                     decode_resource=args.decode_resource, pack_pairs=args.pack_pairs, **engine_options)
+                     gpus_per_worker=args.gpus_per_worker,
+                     prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
+                     decode_resource=None if args.decode_resource == "none" else args.decode_resource,
+                     pack_pairs=args.pack_pairs, **engine_options)
     door = None
     try:
         door = start_frontdoor(cluster, door_config)
@@ -111,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompts this short prefill on the decode worker (conditional disaggregation)")
     serve.add_argument("--cpus-per-worker", type=float, default=1.0)
     serve.add_argument("--gpus-per-worker", type=float, default=0.0)
-    serve.add_argument("--prefill-resource", default=None, help="custom Ray resource pinning prefill workers")
-    serve.add_argument("--decode-resource", default=None, help="custom Ray resource pinning decode workers")
+    serve.add_argument("--prefill-resource", default="auto",
+                       help="custom Ray resource pinning prefill workers (auto: splitserve_prefill if "
+                            "some node offers it; none: no pinning)")
+    serve.add_argument("--decode-resource", default="auto",
+                       help="custom Ray resource pinning decode workers (auto: splitserve_decode if "
+                            "some node offers it; none: no pinning)")
     serve.add_argument("--pack-pairs", action="store_true", help="put prefill i and decode i on one node")
     serve.add_argument("--block-size", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)

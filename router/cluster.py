@@ -43,7 +43,10 @@ class ClusterConfig:
     ray_init_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        EngineConfig(model=self.model, **self.engine_options)  # validates the engine options
+        if self.placement.gpus_per_worker and "device" not in self.engine_options:
+            self.engine_options["device"] = "cuda"
+        # Validate the engine options here; the device is checked on the workers that use it.
+        EngineConfig(model=self.model, **{**self.engine_options, "device": "cpu"})
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one worker of each kind, got prefill={self.prefill} "
                              f"decode={self.decode}")

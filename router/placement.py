@@ -18,8 +18,10 @@ DECODE_RESOURCE = "splitserve_decode"
 class PlacementConfig:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
-    prefill_resource: str | None = None  # e.g. PREFILL_RESOURCE: only nodes offering it
-    decode_resource: str | None = None
+    # A custom resource only nodes of the wanted kind offer; "auto": PREFILL_RESOURCE /
+    # DECODE_RESOURCE when some node of the Ray cluster advertises it, else no pinning.
+    prefill_resource: str | None = "auto"
+    decode_resource: str | None = "auto"
     pack_pairs: bool = False
     ready_timeout_s: float = 120.0
 
@@ -39,11 +41,18 @@ class PlacementConfig:
         return {k: v for k, v in bundle.items() if v}
 
 
+def resolve_auto_resources(config: PlacementConfig, cluster_resources: dict) -> None:
+    for attr, default in (("prefill_resource", PREFILL_RESOURCE), ("decode_resource", DECODE_RESOURCE)):
+        if getattr(config, attr) == "auto":
+            setattr(config, attr, default if cluster_resources.get(default) else None)
+
+
 def place_workers(config: PlacementConfig, num_prefill: int, num_decode: int):
     """Placement groups for the workers: returns (groups, [(group, bundle index)] per P, per D)."""
     import ray
     from ray.util.placement_group import placement_group
 
+    resolve_auto_resources(config, ray.cluster_resources())
     groups, prefill_slots, decode_slots = [], [], []
     pairs = min(num_prefill, num_decode) if config.pack_pairs else 0
     for _ in range(pairs):

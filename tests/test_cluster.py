@@ -41,7 +41,7 @@ def cluster(ray_nodes, model_factory):
     path, hf = model_factory("jamba")
     handle = launch(path, prefill=2, decode=2, address=ray_nodes[0].address,
                     prefill_resource=PREFILL_RES, decode_resource=DECODE_RES,
-                    block_size=4, num_kv_blocks=400, max_num_seqs=32, transfer_timeout_s=4.0)
+                    block_size=4, num_kv_blocks=400, max_num_seqs=32, transfer_timeout_s=15.0)
     yield handle, path, hf, ray_nodes
     handle.shutdown()
 
@@ -131,3 +131,96 @@ def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
     judge_greedy(hf, [7, 7, 7], healthy.token_ids)
     failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
     assert failures >= 2
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decoder(cluster):
+    handle, path, hf, _ = cluster
+
+    def handoffs():
+        time.sleep(0.6)  # let the router's stats refresh
+        return sum(w.get("handoff_count", 0) for w in handle.status()["workers"])
+
+    before = handoffs()
+    handle.config.local_prefill_tokens = 8
+    try:
+        prompts = [[5] * 3, [6] * 8, [7] * 9, [8] * 30]
+        outs = handle.generate(prompts, GREEDY)
+    finally:
+        handle.config.local_prefill_tokens = 0
+    for prompt, out in zip(prompts, outs):
+        judge_greedy(hf, prompt, out.token_ids)
+    assert handoffs() - before == 2  # only the 9- and 30-token prompts were split
+    wait_idle(handle)
+
+
+def test_packed_pair_shares_a_node_and_uses_shared_memory(cluster):
+    from router.cluster import launch
+
+    handle, path, hf, (nodes, _, _) = cluster
+    packed = launch(path, prefill=1, decode=1, address=nodes.address, pack_pairs=True,
+                    prefill_resource=None, decode_resource=None,
+                    block_size=4, num_kv_blocks=200, max_num_seqs=8)
+    try:
+        workers = packed.status()["workers"]
+        assert len({w["node"] for w in workers}) == 1
+        assert packed.workers.transport == "shm"
+        prompts = [[9, 8, 7], [1], [4] * 17]
+        for prompt, out in zip(prompts, packed.generate(prompts, GREEDY)):
+            judge_greedy(hf, prompt, out.token_ids)
+    finally:
+        packed.shutdown()
+
+
+def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from ray._private import state  # the GCS view; the state API needs the dashboard
+
+    from router.client import SplitServeClient
+
+    handle, path, hf, (nodes, _, _) = cluster
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def alive_actors():
+        return {actor_id for actor_id, info in state.actors().items() if info["State"] == "ALIVE"}
+
+    before = alive_actors()
+    grpc_port, http_port = free_port(), free_port()
+    env = {**os.environ, "SPLITSERVE_AUTH_TOKEN": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--model", str(path), "--address", nodes.address,
+         "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--num-kv-blocks", "100",
+         "--block-size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        with SplitServeClient(f"127.0.0.1:{grpc_port}", auth_token="") as client:
+            deadline = time.monotonic() + 90
+            while True:
+                try:
+                    if client.health(timeout=2):
+                        break
+                except Exception:
+                    pass
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "server did not become healthy"
+                time.sleep(0.5)
+            done = client.generate([5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True)
+        judge_greedy(hf, [5, 6, 7], list(done.token_ids))
+        assert len(alive_actors() - before) == 2  # its prefill and decode workers
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while alive_actors() - before:
+        assert time.monotonic() < deadline, "serve left actors behind"
+        time.sleep(0.5)
