@@ -10,12 +10,20 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "deploy.md"
-# The CLI surface the deploy docs may use (router's `splitserve` console script).
-SPLITSERVE_FLAGS = {
-    "serve": {"--address", "--model", "--prefill", "--decode", "--transport", "--grpc-port", "--http-port",
-              "--host", "--auth-token"},
-    "generate": {"--server", "--stream"},
-}
+
+
+def _cli_flags() -> dict[str, set[str]]:
+    """The CLI surface the deploy docs may use: what `splitserve`'s own parser accepts."""
+    import argparse
+
+    from router.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return {name: {opt for action in parser._actions for opt in action.option_strings}
+            for name, parser in sub.choices.items()}
+
+
+SPLITSERVE_FLAGS = _cli_flags()
 
 
 def _text() -> str:

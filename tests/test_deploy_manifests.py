@@ -249,11 +249,13 @@ def test_head_advertises_no_worker_resource_and_schedules_nothing(variant):
 def test_serve_flags_match_the_worker_groups(variant):
     cluster = _one(RAYCLUSTERS[variant])
     flags = _serve_args(cluster)
-    allowed = {"address", "model", "prefill", "decode", "transport", "grpc-port", "http-port", "host"}
+    allowed = {"address", "model", "prefill", "decode", "transport", "grpc-port", "http-port", "host",
+               "gpus-per-worker"}
     assert set(flags) <= allowed, set(flags) - allowed
     assert flags["address"] == "auto" and flags["host"] == "0.0.0.0"
     assert flags["grpc-port"] == "50051" and flags["http-port"] == "8000"
     assert flags["transport"] == {"cuda": "nccl", "cpu": "gloo"}[variant]
+    assert flags.get("gpus-per-worker") == {"cuda": "1", "cpu": None}[variant]
     for role, group in _groups(cluster).items():
         units = _parse_resources_param(group["rayStartParams"]["resources"])[f"splitserve_{role}"]
         assert int(flags[role]) == group["replicas"] * units, f"--{role} must equal the {role} capacity"
