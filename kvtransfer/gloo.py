@@ -157,8 +157,11 @@ class GlooReceiver(HandoffReceiver):
     def _join(self, peer: str, prefix: str) -> None:
         wire = None
         try:
-            store, waiting_store = (_store_client(self.config.advertise_host, self._store.port, prefix, self.config) for _ in range(2))
-            wire = GlooWire(_pair_group(store, RECEIVER_RANK, self.config.advertise_host), store, waiting_store, RECEIVER_RANK)
+            # Rendezvous, then doorbell waits, on a connection of this pair's own; rings (only
+            # close() rings here) go through the master's, which no one blocks on.
+            waiting_store = _store_client(self.config.advertise_host, self._store.port, prefix, self.config)
+            group = _pair_group(waiting_store, RECEIVER_RANK, self.config.advertise_host)
+            wire = GlooWire(group, dist.PrefixStore(prefix, self._store), waiting_store, RECEIVER_RANK)
             handshake(wire, self.layout, self.name, peer, "receiver", self.config.connect_timeout_s)
         except Exception as error:
             if wire is not None:

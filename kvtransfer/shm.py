@@ -144,6 +144,8 @@ class ShmReceiver(HandoffReceiver):
 
     def _close_channels(self) -> None:
         with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now
+        with contextlib.suppress(OSError):
             self._listener.close()
         self._accepter.join(timeout=2)
         super()._close_channels()

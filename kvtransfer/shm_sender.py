@@ -9,7 +9,7 @@ import threading
 
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError, HandoffAbortedError
-from kvtransfer.rows import byte_rows, copy_rows, request_rows
+from kvtransfer.rows import byte_rows, copy_rows, request_maps
 from kvtransfer.sender import ALL_LAYERS, ON_WIRE
 
 log = logging.getLogger(__name__)
@@ -85,14 +85,14 @@ class ShmSenderChannel:
             self.control.send("begin", request_id=rid, num_tokens=job.num_tokens, num_blocks=len(job.src_block_ids), digest=target.digest(), slot=target.dst_slot)
             ok = self._wait_granted(job)
             layout = self.sender.layout
+            maps = request_maps(layout, job.src_block_ids, job.src_slot, job.dst_block_ids, target.dst_slot)
             groups = [[layer] for layer in layout.layers] if self.sender.config.pipeline_layers else [layout.layers]
             for group in groups:
                 ok = ok and self.sender._wait_ready(job, group[-1])[0]  # False once revoked or aborted
                 if not ok:
                     break
                 for spec in (s for layer in group for s in layout.specs_of_layer(layer)):
-                    copy_rows(self._src_rows[spec.name], request_rows(spec, job.src_block_ids, job.src_slot),
-                              self._dst_rows[spec.name], request_rows(spec, job.dst_block_ids, target.dst_slot))
+                    copy_rows(self._src_rows[spec.name], self._dst_rows[spec.name], maps[spec.role])
             ok = ok and self.sender._wait_ready(job, ALL_LAYERS)[0]
             if ok:
                 self.control.send("done", request_id=rid, first_token=job.first_token)

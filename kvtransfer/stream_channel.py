@@ -24,7 +24,7 @@ import torch
 from kvtransfer.errors import ChannelClosedError
 from kvtransfer.layout import CacheLayout
 from kvtransfer.messages import HEADER_BYTES, STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
-from kvtransfer.rows import byte_rows, copy_rows, packed_rows, plan_packing, request_rows
+from kvtransfer.rows import byte_rows, copy_rows, packed, packed_rows, plan_packing, request_maps
 from kvtransfer.sender import ALL_LAYERS
 
 log = logging.getLogger(__name__)
@@ -118,6 +118,8 @@ class StreamSenderChannel:
         header = WireHeader(job.request_id, job.num_tokens, len(job.src_block_ids), target.dst_slot, target.digest(), pipelined)
         self.wire.announce()
         pending = [self.wire.send([header.encode().to(self.wire.device)])]
+        blocks = len(job.src_block_ids)
+        maps = request_maps(self.sender.layout, job.src_block_ids, job.src_slot, packed(blocks), 0 if job.src_slot is not None else None)
         ok = True
         for segment in plan.segments:
             if ok:
@@ -127,8 +129,7 @@ class StreamSenderChannel:
                     if ready_event is not None:
                         self.wire.wait_event(ready_event)
                     for entry in segment.entries:
-                        rows = request_rows(entry.spec, job.src_block_ids, job.src_slot)
-                        copy_rows(self._src_rows[entry.spec.name], rows, packed_rows(buffer, entry), list(range(entry.rows)))
+                        copy_rows(self._src_rows[entry.spec.name], packed_rows(buffer, entry), maps[entry.spec.role])
             pending.append(self.wire.send([buffer[segment.offset : segment.offset + segment.nbytes]]))
         if ok:
             ok, _ = self.sender._wait_ready(job, ALL_LAYERS)
@@ -188,6 +189,10 @@ class StreamReceiverChannel:
         trailer_pending = self.wire.recv([trailer])
         stall_limit = self.receiver.config.timeout_s  # a sender silent this long mid-request is gone
         waited_for_compute = False
+        maps = None
+        if incoming is not None:
+            blocks, slot = len(incoming.dst_block_ids), incoming.target.dst_slot
+            maps = request_maps(self.receiver.layout, packed(blocks), 0 if slot is not None else None, incoming.dst_block_ids, slot)
         for segment, pending in segments:
             pending.wait(stall_limit)
             if incoming is None:
@@ -199,10 +204,8 @@ class StreamReceiverChannel:
                     if not waited_for_compute and incoming.compute_ready is not None:
                         self.wire.wait_event(incoming.compute_ready)  # previous owner of the rows is done
                     waited_for_compute = True
-                    target = incoming.target
                     for entry in segment.entries:
-                        rows = request_rows(entry.spec, incoming.dst_block_ids, target.dst_slot)
-                        copy_rows(packed_rows(buffer, entry), list(range(entry.rows)), self._dst_rows[entry.spec.name], rows)
+                        copy_rows(packed_rows(buffer, entry), self._dst_rows[entry.spec.name], maps[entry.spec.role])
         trailer_pending.wait(stall_limit)
         status, first_token = decode_trailer(trailer)
         if incoming is not None:

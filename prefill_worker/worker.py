@@ -31,6 +31,7 @@ class PrefillOutcome:
     error: str | None = None
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
+    first_logprob: dict | None = None  # the wire carries the first token, not its logprobs
 
 
 class PrefillWorker:
@@ -47,6 +48,7 @@ class PrefillWorker:
         self._targets: dict[str, HandoffTarget] = {}
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
+        self._first_logprobs: dict[str, dict | None] = {}
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
@@ -75,6 +77,7 @@ class PrefillWorker:
             self._waiters.pop(request_id, None)
             self._targets.pop(request_id, None)
             self._queued_tokens.pop(request_id, None)
+            self._first_logprobs.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.sender.pending():
@@ -110,6 +113,7 @@ class PrefillWorker:
             if target is None:  # aborted meanwhile
                 engine.finish_handoff(handoff.request_id, "aborted")
                 continue
+            self._first_logprobs[handoff.request_id] = handoff.first_logprob
             slot = handoff.slot if self.cache_tensors.num_slots else None
             try:
                 if self._stall_next > 0:
@@ -134,7 +138,7 @@ class PrefillWorker:
         self._resolve(result.request_id, PrefillOutcome(
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
-            handoff_seconds=result.elapsed_s))
+            handoff_seconds=result.elapsed_s, first_logprob=self._first_logprobs.get(result.request_id)))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

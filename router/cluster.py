@@ -69,6 +69,8 @@ class Cluster:
         self._thread.start()
         self._ids = itertools.count()
         self._streams: dict[str, asyncio.Queue] = {}
+        # Request id -> the prefill worker's logprobs of the first token (decode never saw them).
+        self._first_logprobs: dict[str, asyncio.Future] = {}
         self.workers = WorkerSet(config)
         try:
             self._run(self.workers.start(self._route))
@@ -120,6 +122,11 @@ class Cluster:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._abort(request_id), self._loop))
 
     def status(self) -> dict:
+        """Fresh from every worker (a few ms): callers poll it to watch requests come and go."""
+        try:
+            self._run(self.workers.refresh_stats(), timeout=10)
+        except Exception:
+            log.warning("stats refresh failed; showing the last known", exc_info=True)
         return self.workers.status()
 
     # ---- the Python handle ----
@@ -164,29 +171,39 @@ class Cluster:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
             stream: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = stream
+            if params.logprobs is not None:
+                self._first_logprobs[request_id] = asyncio.get_running_loop().create_future()
             try:
-                await self._start(request_id, ids, params, stream)
+                split = await self._start(request_id, ids, params, stream)
+                first_logprob = self._first_logprobs.get(request_id) if split else None
                 while True:
                     out = await stream.get()
+                    if first_logprob is not None and out.error is None:
+                        entry = await first_logprob
+                        if entry is not None:
+                            out.logprobs = [entry] + list(out.logprobs or [])
                     emit(out)
                     if out.finished:
                         return
             finally:
                 self._streams.pop(request_id, None)
+                self._first_logprobs.pop(request_id, None)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             emit(e)
 
-    async def _start(self, request_id, ids, params, stream: asyncio.Queue) -> None:
+    async def _start(self, request_id, ids, params, stream: asyncio.Queue) -> bool:
+        """Place the request; True when it is split across a prefill and a decode worker."""
         decode = self.workers.pick_decode()
         if len(ids) <= self.config.local_prefill_tokens:
             await decode.handle.generate_local.remote(request_id, ids, params)
-            return
+            return False
         target = await decode.handle.reserve.remote(request_id, ids, params)
         self.workers.owner[request_id] = decode
         prefill = self.workers.pick_prefill(len(ids))
         asyncio.ensure_future(self._prefill(prefill, decode, request_id, ids, params, target, stream))
+        return True
 
     async def _prefill(self, prefill, decode, request_id, ids, params, target, stream) -> None:
         try:
@@ -198,6 +215,9 @@ class Cluster:
             error = outcome.error
         finally:
             prefill.queued_tokens -= len(ids)
+        waiter = self._first_logprobs.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome.first_logprob if outcome is not None and outcome.handed_off else None)
         if outcome is not None and outcome.handed_off:
             return
         await decode.handle.abort.remote(request_id, error)  # free the reservation
@@ -216,6 +236,8 @@ class Cluster:
     async def _abort(self, request_id: str) -> bool:
         stream = self._streams.pop(request_id, None)
         await self.workers.abort_everywhere(request_id)
+        if stream is not None:  # end the caller's stream the way an engine ends an aborted request
+            stream.put_nowait(RequestOutput(request_id, [], [], "", True, "abort"))
         return stream is not None
 
     def _tokenize(self, prompt) -> list[int]:

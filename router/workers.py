@@ -56,7 +56,8 @@ class WorkerSet:
                 options.setdefault("num_cpus", max(os.cpu_count() or 1,
                                                    int(workers * placement.cpus_per_worker + 0.999)))
                 options.setdefault("include_dashboard", False)
-            ray.init(address=config.address, **options)
+            # "local": a fresh Ray of our own even if another one runs on this machine.
+            ray.init(address=config.address or "local", **options)
             self._started_ray = True
         self._groups, p_slots, d_slots = await asyncio.to_thread(
             place_workers, placement, config.prefill, config.decode)
@@ -91,7 +92,7 @@ class WorkerSet:
             for d in self.decode:
                 offer = await d.handle.accept.remote(p.name)
                 await p.handle.connect.remote(d.name, offer)
-        await self._refresh_stats()
+        await self.refresh_stats()
         self._tasks = [asyncio.ensure_future(self._poll(d, route)) for d in self.decode]
         self._tasks.append(asyncio.ensure_future(self._watch()))
 
@@ -129,9 +130,9 @@ class WorkerSet:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            await self._refresh_stats()
+            await self.refresh_stats()
 
-    async def _refresh_stats(self) -> None:
+    async def refresh_stats(self) -> None:
         workers = self.prefill + self.decode
         results = await asyncio.gather(*(asyncio.wait_for(w.handle.stats.remote(), 5) for w in workers),
                                        return_exceptions=True)

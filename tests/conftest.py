@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("SPLITSERVE_DEBUG", "1")  # state-slot guard + NaN poisoning of freed slots
+# Triton kernels run under the interpreter on CPU-only machines; it must be chosen before
+# anything imports triton. scripts/gpu_check.py sets SPLITSERVE_TRITON_ON_GPU=1 to compile.
+if os.environ.get("SPLITSERVE_TRITON_ON_GPU") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -33,6 +37,45 @@ def model_factory(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+PREFILL_RES, DECODE_RES = "splitserve_prefill", "splitserve_decode"
+
+
+@pytest.fixture(scope="session")
+def ray_nodes():
+    """One Ray cluster for the whole session: a head (no worker resources), a prefill-kind
+    node and a decode-kind node, all on this machine (ray.cluster_utils)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster as RayTestCluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    nodes = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    prefill_node = nodes.add_node(num_cpus=6, resources={PREFILL_RES: 6})
+    decode_node = nodes.add_node(num_cpus=6, resources={DECODE_RES: 6})
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
+    yield nodes, prefill_node.node_id, decode_node.node_id
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture(scope="session")
+def api_model_path(model_factory, tmp_path_factory):
+    from tests.test_api_support import make_api_model
+
+    return make_api_model(model_factory, tmp_path_factory.mktemp("api_model"))
+
+
+@pytest.fixture(scope="session")
+def cluster_backend(api_model_path, ray_nodes):
+    """The API tests' server backend: a 1 prefill + 1 decode cluster on the session's Ray."""
+    from tests.test_api_support import make_backend
+
+    backend = make_backend(api_model_path, ray_nodes)
+    yield backend
+    backend.shutdown()
 
 
 @pytest.fixture(scope="session", params=["jamba", "mamba", "llama"])

@@ -35,7 +35,7 @@ def test_generate_reports_server_errors(server, capsys):
 def test_status_shows_workers_nodes_cache_and_queues(server, capsys):
     assert main(["status", "--server", f"127.0.0.1:{server.grpc_port}"]) == 0
     out = capsys.readouterr().out
-    for text in ("tiny-jamba", "ready: yes", "local-0", "colocated", "KV BLOCKS USED", "0/160 (0%)",
+    for text in ("tiny-jamba", "ready: yes", "prefill-0", "decode-0", "KV BLOCKS USED", "0/160 (0%)",
                  "0/8 (0%)", "WAITING", "RUNNING", "NODE"):
         assert text in out, text
 

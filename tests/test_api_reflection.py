@@ -54,4 +54,4 @@ def test_generic_unary_calls(reflected):
     info = json_format.MessageToDict(model_info(request_cls(), timeout=5))
     assert info["modelType"] == "jamba" and info["hasTokenizer"] is True
     request_cls, status = _method(channel, pool, "GetStatus")
-    assert json_format.MessageToDict(status(request_cls(), timeout=5))["workers"][0]["kind"] == "colocated"
+    assert json_format.MessageToDict(status(request_cls(), timeout=5))["workers"][0]["kind"] == "prefill"

@@ -23,8 +23,28 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def make_backend(model_path):
-    return LocalBackend(model_path, model_name=MODEL_NAME, num_kv_blocks=160, max_num_seqs=8)
+def make_api_model(model_factory, folder):
+    """The tiny random Jamba with a tokenizer.json and a chat template."""
+    path, _ = model_factory("jamba")
+    shutil.copytree(path, folder, dirs_exist_ok=True)
+    make_tokenizer(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def make_backend(model_path, ray_nodes=None):
+    """The cluster (1 prefill + 1 decode worker on the session's Ray test cluster) when a
+    Ray cluster is given, else one engine in-process."""
+    if ray_nodes is None:
+        return LocalBackend(model_path, model_name=MODEL_NAME, num_kv_blocks=160, max_num_seqs=8)
+    from router.cluster import launch
+
+    cluster = launch(model_path, prefill=1, decode=1, address=ray_nodes[0].address,
+                     num_kv_blocks=160, max_num_seqs=8, block_size=8)
+    cluster.info.model_name = MODEL_NAME
+    return cluster
 
 
 def backend_is_idle(backend) -> bool:
@@ -72,23 +92,14 @@ def serving(backend, **config):
 
 
 @pytest.fixture(scope="module")
-def text_model_path(model_factory, tmp_path_factory):
-    """The tiny random Jamba with a tokenizer.json and a chat template."""
-    path, _ = model_factory("jamba")
-    folder = tmp_path_factory.mktemp("api_model")
-    shutil.copytree(path, folder, dirs_exist_ok=True)
-    make_tokenizer(folder)
-    config_path = folder / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config_path.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return folder
+def text_model_path(api_model_path):
+    return api_model_path
 
 
 @pytest.fixture(scope="module")
-def backend(text_model_path):
-    b = make_backend(text_model_path)
-    yield b
-    b.shutdown()
+def backend(cluster_backend):
+    """What the API tests run against: the disaggregated cluster behind `splitserve serve`."""
+    return cluster_backend
 
 
 @pytest.fixture(scope="module")

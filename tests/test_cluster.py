@@ -13,25 +13,9 @@ from tests.oracle import assert_same_tokens, judge_greedy
 
 ray = pytest.importorskip("ray")
 
-PREFILL_RES, DECODE_RES = "splitserve_prefill", "splitserve_decode"
+from tests.conftest import DECODE_RES, PREFILL_RES
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ray_nodes():
-    """Head (no worker resources), a prefill-kind node and a decode-kind node."""
-    from ray.cluster_utils import Cluster as RayTestCluster
-
-    if ray.is_initialized():
-        ray.shutdown()
-    nodes = RayTestCluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    prefill_node = nodes.add_node(num_cpus=4, resources={PREFILL_RES: 4})
-    decode_node = nodes.add_node(num_cpus=4, resources={DECODE_RES: 4})
-    nodes.wait_for_nodes()
-    ray.init(address=nodes.address, include_dashboard=False, log_to_driver=False)
-    yield nodes, prefill_node.node_id, decode_node.node_id
-    ray.shutdown()
-    nodes.shutdown()
 
 
 @pytest.fixture(scope="module")

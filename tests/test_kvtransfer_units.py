@@ -12,7 +12,7 @@ from kvtransfer import (
 )
 from kvtransfer.layout import BLOCK, TensorSpec
 from kvtransfer.messages import HEADER_BYTES, STATUS_ABORTED, WireHeader, decode_trailer, encode_trailer
-from kvtransfer.rows import byte_rows, copy_rows, plan_packing, runs
+from kvtransfer.rows import RowMap, byte_rows, copy_rows, plan_packing, runs
 from kvtransfer.testing import make_cache
 
 
@@ -101,13 +101,16 @@ def test_pack_plan_segments_follow_layers():
 
 def test_runs_and_copy_rows_are_exact():
     assert runs([4, 5, 6, 9, 1], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (1, 7, 1)]
+    assert runs([], []) == []
     src = torch.randn(20, 4, 3).to(torch.bfloat16)
     dst = torch.zeros_like(src)
-    copy_rows(byte_rows(src), [3, 4, 5, 0], byte_rows(dst), [10, 11, 12, 19])
+    copy_rows(byte_rows(src), byte_rows(dst), RowMap([3, 4, 5, 0], [10, 11, 12, 19]))
     assert torch.equal(dst[[10, 11, 12, 19]], src[[3, 4, 5, 0]])
     assert dst[:10].abs().sum() == 0
     with pytest.raises(ValueError, match="row count mismatch"):
-        copy_rows(byte_rows(src), [1], byte_rows(dst), [1, 2])
+        RowMap([1], [1, 2])
+    with pytest.raises(IndexError, match=r"destination row ids outside \[0, 20\): \[20\]"):
+        copy_rows(byte_rows(src), byte_rows(dst), RowMap([1, 2], [3, 20]))
     assert isinstance(byte_rows(src), np.ndarray) and byte_rows(src).shape == (20, 4 * 3 * 2)
 
 

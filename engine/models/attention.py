@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import paged_attention_decode, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.layers import RotaryEmbedding
 
@@ -83,6 +84,9 @@ class PagedAttention(nn.Module):
 
     def _attend_decodes(self, q, k_cache, v_cache, batch: ForwardBatch):
         """q: [B, H, D], one query per decode sequence, all attending in one padded call."""
+        if uses_triton(q):
+            return paged_attention_decode(q, k_cache, v_cache, batch.decode_block_tables,
+                                          batch.decode_context_lens, self.scale, self.sliding_window)
         block_size = k_cache.shape[1]
         lens = batch.decode_context_lens
         max_len = int(lens.max())

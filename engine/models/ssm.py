@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import causal_conv1d_update, selective_state_update
 from engine.models.batch import ForwardBatch
 from engine.models.layers import RMSNorm, activation
 from engine.phase import Phase
@@ -107,13 +108,10 @@ class MambaMixer(nn.Module):
             y[start:end], h = selective_scan(x[start:end].float(), dt[start:end].float(), A,
                                              B[start:end].float(), C[start:end].float(), h0)
             ssm_state[slot] = h.to(ssm_state.dtype)
-        if batch.decode_rows:
+        if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_token_index, batch.decode_slots
-            h = ssm_state[slots].float()
-            dt_d = dt[idx].float()[:, :, None]
-            h = torch.exp(dt_d * A) * h + dt_d * B[idx].float()[:, None, :] * x[idx].float()[:, :, None]
-            ssm_state[slots] = h.to(ssm_state.dtype)
-            y[idx] = torch.einsum("bdn,bn->bd", h, C[idx].float())
+            y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
+                                            B[idx].float(), C[idx].float())
         y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
 
@@ -137,10 +135,5 @@ class MambaMixer(nn.Module):
             conv_state[slot] = window[:, -self.d_conv:].to(conv_state.dtype)
         if batch.decode_rows:
             idx, slots = batch.decode_token_index, batch.decode_slots
-            window = torch.cat((conv_state[slots][:, :, 1:].to(x.dtype), x[idx].unsqueeze(-1)), -1)
-            conv_state[slots] = window.to(conv_state.dtype)
-            conv = (window * self.conv_weight).sum(-1)
-            if self.conv_bias is not None:
-                conv = conv + self.conv_bias
-            out[idx] = conv
+            out[idx] = causal_conv1d_update(conv_state, slots, x[idx], self.conv_weight, self.conv_bias)
         return self.act(out)

@@ -1,0 +1,84 @@
+"""Hot-loop kernels: Triton on CUDA tensors, the torch reference everywhere else.
+
+Each operation has a `*_ref` (plain torch, the definition) and a `*_triton` beside it in its
+module; the functions here pick one per call:
+- SPLITSERVE_DISABLE_TRITON=1: always the reference (debugging a GPU run);
+- SPLITSERVE_FORCE_TRITON=1: always Triton, CPU tensors included (with TRITON_INTERPRET=1
+  this is how CPU-only CI exercises the kernels);
+- otherwise Triton when it is installed and the tensors are on CUDA.
+Triton stays optional: without it every call takes the reference path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from engine.kernels import _triton
+from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
+from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
+                                     scatter_rows_ref, scatter_rows_triton)
+from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
+
+__all__ = ["causal_conv1d_update", "copy_rows", "gather_rows", "paged_attention_decode", "scatter_rows",
+           "selective_state_update", "triton_available", "uses_triton"]
+
+
+def triton_available() -> bool:
+    return _triton.available()
+
+
+def uses_triton(tensor: torch.Tensor) -> bool:
+    """Whether an operation on `tensor` runs the Triton kernel under the current settings."""
+    if os.environ.get("SPLITSERVE_DISABLE_TRITON", "0") not in ("", "0"):
+        return False
+    if os.environ.get("SPLITSERVE_FORCE_TRITON", "0") not in ("", "0"):
+        if not _triton.available():
+            raise RuntimeError("SPLITSERVE_FORCE_TRITON is set but Triton is not installed")
+        return True
+    return tensor.is_cuda and _triton.available()
+
+
+def selective_state_update(ssm_state, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                           dt_softplus=False, out=None):
+    """Mamba decode step, in place at ssm_state[slots]; returns y [B, D] (float32 unless `out`).
+    See engine.kernels.ssm_update."""
+    impl = selective_state_update_triton if uses_triton(ssm_state) else selective_state_update_ref
+    return impl(ssm_state, slots, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                dt_softplus=dt_softplus, out=out)
+
+
+def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+    """Conv decode step, in place at conv_state[slots]; returns [B, D] in x's dtype.
+    See engine.kernels.conv_update."""
+    impl = causal_conv1d_update_triton if uses_triton(conv_state) else causal_conv1d_update_ref
+    return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out)
+
+
+def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
+                           sliding_window=None, out=None):
+    """One query per sequence over its paged KV; returns [B, H, Dh] in q's dtype.
+    See engine.kernels.paged_attention."""
+    impl = paged_attention_decode_triton if uses_triton(q) else paged_attention_decode_ref
+    return impl(q, k_cache, v_cache, block_tables, context_lens, scale,
+                sliding_window=sliding_window, out=out)
+
+
+def copy_rows(src, src_ids, dst, dst_ids, last_row_elems=None):
+    """dst[dst_ids[i]] = src[src_ids[i]] (ids None: 0..n-1); see engine.kernels.row_copy."""
+    impl = copy_rows_triton if uses_triton(dst) else copy_rows_ref
+    return impl(src, src_ids, dst, dst_ids, last_row_elems=last_row_elems)
+
+
+def gather_rows(src, ids, out=None, last_row_elems=None):
+    """packed[i] = src[ids[i]]; see engine.kernels.row_copy."""
+    impl = gather_rows_triton if uses_triton(src) else gather_rows_ref
+    return impl(src, ids, out=out, last_row_elems=last_row_elems)
+
+
+def scatter_rows(packed, ids, dst, last_row_elems=None):
+    """dst[ids[i]] = packed[i]; see engine.kernels.row_copy."""
+    impl = scatter_rows_triton if uses_triton(dst) else scatter_rows_ref
+    return impl(packed, ids, dst, last_row_elems=last_row_elems)

@@ -1,0 +1,70 @@
+"""Triton as an optional, lazily imported dependency.
+
+Nothing here imports Triton until a kernel is launched, for two reasons: the engine must
+import and run on CPU without it, and Triton fixes compiled-vs-interpreted mode
+(TRITON_INTERPRET) for its own library functions at the moment it is first imported, so
+importing it early would freeze whatever the environment said then.
+
+Kernel modules use `from __future__ import annotations` (Triton reads `tl.constexpr` from the
+annotation strings) and import the placeholder `tl` below; the first launch of one of their
+kernels rebinds that module's `tl` to `triton.language`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+tl = None  # placeholder; see the module docstring
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def mode_matches() -> bool:
+    """False when Triton was imported in the other mode than TRITON_INTERPRET now asks for."""
+    import triton.language.standard as standard
+
+    imported_interpreted = type(standard.sum).__name__ == "InterpretedFunction"
+    return imported_interpreted == interpreting()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class LazyKernel:
+    """`kernel[grid](...)` like a Triton kernel; Triton is imported and the function wrapped at
+    first launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._kernel = None
+
+    def __getitem__(self, grid):
+        if not available():
+            raise RuntimeError(f"{self.fn.__name__} needs Triton, which is not installed")
+        import triton
+
+        if not mode_matches():
+            raise RuntimeError(
+                f"Triton was imported with TRITON_INTERPRET={'0' if interpreting() else '1'} and "
+                f"it is now {os.environ.get('TRITON_INTERPRET')!r}; set it before anything imports triton")
+        if self._kernel is None:
+            self.fn.__globals__["tl"] = triton.language
+            self._kernel = triton.jit(self.fn)
+        return self._kernel[grid]
+
+
+def jit(fn) -> LazyKernel:
+    return LazyKernel(fn)

@@ -1,0 +1,103 @@
+"""causal-conv1d-update: one decode token through the depthwise causal conv of a Mamba layer.
+
+conv_state[slot] holds the last d_conv inputs of the sequence, oldest first (float32 pool).
+Per decode row b:  window = cat(conv_state[slot][:, 1:], x[b]) -> written back to the slot;
+                   out[b] = act(sum(window * weight, -1) + bias).
+Arithmetic is float32 whatever the input dtype; `out` gets x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels._triton import jit, next_power_of_2, tl
+
+ACTIVATIONS = (None, "silu")
+
+
+def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+    """conv_state: [slots, D, K] (updated in place at rows `slots`); slots: int64 [B];
+    x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu". Returns [B, D]."""
+    _check(conv_state, slots, x, weight, bias, activation)
+    window = torch.cat((conv_state[slots][:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
+    conv_state[slots] = window.to(conv_state.dtype)
+    y = (window * weight.float()).sum(-1)
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "silu":
+        y = F.silu(y)
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
+
+
+def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+    _check(conv_state, slots, x, weight, bias, activation)
+    batch, d_inner = x.shape
+    d_conv = conv_state.shape[2]
+    if out is None:
+        out = torch.empty_like(x)
+    if batch == 0:
+        return out
+    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    if conv_state.stride(2) != 1 or out.stride(1) != 1:
+        raise ValueError("conv_state and out need a unit stride in their last dimension")
+    block_d = min(128, next_power_of_2(d_inner))
+    grid = (batch, -(-d_inner // block_d))
+    _conv_update_kernel[grid](
+        conv_state, slots, x, weight, bias if bias is not None else weight, out,
+        d_inner, conv_state.stride(0), conv_state.stride(1), x.stride(0), weight.stride(0),
+        out.stride(0),
+        D_CONV=d_conv, K_PAD=next_power_of_2(d_conv), BLOCK_D=block_d,
+        HAS_BIAS=bias is not None, SILU=activation == "silu",
+    )
+    return out
+
+
+def _check(conv_state, slots, x, weight, bias, activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if conv_state.dim() != 3 or x.dim() != 2 or weight.shape != conv_state.shape[1:]:
+        raise ValueError(f"shapes: conv_state {tuple(conv_state.shape)} (want [slots, D, K]), "
+                         f"x {tuple(x.shape)} (want [B, D]), weight {tuple(weight.shape)} (want [D, K])")
+    if x.shape[1] != conv_state.shape[1] or slots.shape != (x.shape[0],):
+        raise ValueError(f"x {tuple(x.shape)}, slots {tuple(slots.shape)} and conv_state "
+                         f"{tuple(conv_state.shape)} disagree")
+    if bias is not None and bias.shape != (x.shape[1],):
+        raise ValueError(f"bias {tuple(bias.shape)} must be [D]")
+
+
+def _unit_last_stride(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@jit
+def _conv_update_kernel(state_ptr, slots_ptr, x_ptr, weight_ptr, bias_ptr, out_ptr,
+                        d_inner, state_stride_slot, state_stride_d, x_stride_row, weight_stride_d,
+                        out_stride_row,
+                        D_CONV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    k = tl.arange(0, K_PAD)
+    d_ok = d < d_inner
+    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
+    state = state_ptr + slot * state_stride_slot + d[:, None] * state_stride_d + k[None, :]
+
+    # Tap k of the new window is tap k + 1 of the old one; the last tap is the new input.
+    # All loads happen before the store below, so updating the slot in place is safe.
+    shifted = tl.load(state + 1, mask=d_ok[:, None] & (k[None, :] + 1 < D_CONV), other=0.0)
+    x = tl.load(x_ptr + row * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
+    window = tl.where(k[None, :] == D_CONV - 1, x[:, None], shifted.to(tl.float32))
+    tap_ok = d_ok[:, None] & (k[None, :] < D_CONV)
+    tl.store(state, window, mask=tap_ok)
+
+    weight = tl.load(weight_ptr + d[:, None] * weight_stride_d + k[None, :], mask=tap_ok, other=0.0)
+    y = tl.sum(window * weight.to(tl.float32), axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(out_ptr + row * out_stride_row + d, y, mask=d_ok)
