@@ -253,6 +253,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--scan-block", type=int, default=16)
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop training early after this long (0: never)")
+    ap.add_argument("--stop-after-steps", type=int, default=0,
+                    help="stop after this many steps of the --steps schedule (0: never); replays a time-limited run")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--sample-tokens", type=int, default=80)
     ap.add_argument("--eval-max-tokens", type=int, default=0, help="evaluate on a prefix of the held-out stream (0: all; for smoke tests)")
@@ -331,6 +333,10 @@ def main() -> None:
         if args.max_minutes and time.time() - t_train > args.max_minutes * 60:
             stopped_early = steps_done < args.steps
             log(f"time limit reached after {steps_done} steps")
+            break
+        if args.stop_after_steps and steps_done >= args.stop_after_steps:
+            stopped_early = steps_done < args.steps
+            log(f"stopping after {steps_done} steps as asked (schedule planned for {args.steps})")
             break
     train_seconds = time.time() - t_train
     tokens_seen = steps_done * args.batch_size * L
