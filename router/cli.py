@@ -34,6 +34,7 @@ def _cmd_serve(args) -> int:
     """Start (or join) a Ray cluster, place the workers, serve gRPC and HTTP until Ctrl-C."""
     import logging
     import signal
+    import threading
 
     from router.cluster import launch
     from router.frontdoor import FrontDoorConfig, start_frontdoor
@@ -61,7 +62,14 @@ def _cmd_serve(args) -> int:
                  args.prefill, args.decode, cluster.workers.transport)
         log.info("gRPC on %s:%s, OpenAI HTTP on %s://%s:%s/v1", args.host, door.grpc_port, scheme,
                  args.host, door.http_port)
-        signal.signal(signal.SIGTERM, lambda *_: door.stop())
+        def stop(signum, _frame):
+            log.info("%s: stopping", signal.Signals(signum).name)
+            threading.Thread(target=door.stop, daemon=True).start()
+
+        # Installed explicitly: a process started with SIGINT ignored (a background job of a
+        # non-interactive shell) would otherwise never see Ctrl-C.
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
         door.wait()
     except KeyboardInterrupt:
         log.info("stopping")
