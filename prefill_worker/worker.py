@@ -81,7 +81,9 @@ class PrefillWorker:
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.sender.pending():
-            self.sender.abort(request_id)  # _handoff_done frees once the sender lets go
+            # The transport may still read its rows: _handoff_done frees them once it lets go.
+            self.sender.abort(request_id)
+            return
         await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id)))
 
     def inject_stalled_handoffs(self, count: int) -> None:

@@ -106,7 +106,11 @@ def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
     handle, path, hf, _ = cluster
     for p in handle.workers.prefill:
         ray.get(p.handle.inject_stalled_handoffs.remote(1))
-    stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
+    try:
+        stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
+    finally:
+        for p in handle.workers.prefill:  # no leftover fault for later tests
+            ray.get(p.handle.inject_stalled_handoffs.remote(0))
     for out in stalled:
         assert out.finish_reason == "error" and out.error, out
     wait_idle(handle)
@@ -132,6 +136,7 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decoder(cluste
     finally:
         handle.config.local_prefill_tokens = 0
     for prompt, out in zip(prompts, outs):
+        assert out.error is None, out.error
         judge_greedy(hf, prompt, out.token_ids)
     assert handoffs() - before == 2  # only the 9- and 30-token prompts were split
     wait_idle(handle)
