@@ -46,6 +46,7 @@ class PrefillWorker:
         self.sender = make_transport(transport).sender(name, self.cache_tensors, config,
                                                        on_done=self._handoff_done)
         self._targets: dict[str, HandoffTarget] = {}
+        self._peers: set[str] = set()
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._first_logprobs: dict[str, dict | None] = {}
@@ -59,7 +60,12 @@ class PrefillWorker:
         return self.cache_tensors.layout.to_dict()
 
     def connect(self, peer: str, offer) -> None:
+        self._peers.add(peer)
         self.sender.connect(peer, offer)
+
+    def disconnected_peers(self) -> list[str]:
+        """Decode workers whose channel broke (e.g. a hand-off died mid-stream): reconnect them."""
+        return sorted(p for p in self._peers if not self.sender.connected(p))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       target: HandoffTarget) -> PrefillOutcome:

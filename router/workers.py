@@ -90,8 +90,7 @@ class WorkerSet:
         self.model_facts = await self.decode[0].handle.facts.remote()
         for p in self.prefill:
             for d in self.decode:
-                offer = await d.handle.accept.remote(p.name)
-                await p.handle.connect.remote(d.name, offer)
+                await self._connect(p, d)
         await self.refresh_stats()
         self._tasks = [asyncio.ensure_future(self._poll(d, route)) for d in self.decode]
         self._tasks.append(asyncio.ensure_future(self._watch()))
@@ -127,10 +126,34 @@ class WorkerSet:
             if outputs:
                 await route(outputs)
 
+    async def _connect(self, prefill: WorkerRef, decode: WorkerRef) -> None:
+        offer = await decode.handle.accept.remote(prefill.name)
+        await prefill.handle.connect.remote(decode.name, offer)
+
+    async def repair_channels(self) -> int:
+        """Reconnect every prefill -> decode channel that broke; returns how many were broken."""
+        by_name = {d.name: d for d in self.decode}
+        broken = 0
+        for p in [w for w in self.prefill if w.alive]:
+            try:
+                peers = await asyncio.wait_for(p.handle.disconnected_peers.remote(), 5)
+            except Exception:
+                continue
+            for name in peers:
+                broken += 1
+                if by_name.get(name) is not None and by_name[name].alive:
+                    try:
+                        await self._connect(p, by_name[name])
+                        log.info("reconnected %s -> %s", p.name, name)
+                    except Exception as e:
+                        log.warning("reconnecting %s -> %s failed: %s", p.name, name, e)
+        return broken
+
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
             await self.refresh_stats()
+            await self.repair_channels()
 
     async def refresh_stats(self) -> None:
         workers = self.prefill + self.decode

@@ -102,27 +102,6 @@ async def _drain(agen):
         pass
 
 
-def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
-    handle, path, hf, _ = cluster
-    for p in handle.workers.prefill:
-        ray.get(p.handle.inject_stalled_handoffs.remote(1))
-    try:
-        stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
-    finally:
-        for p in handle.workers.prefill:  # no leftover fault for later tests
-            ray.get(p.handle.inject_stalled_handoffs.remote(0))
-    for out in stalled:
-        assert out.finish_reason == "error" and out.error, out
-    wait_idle(handle)
-    # Enough requests that every prefill -> decode pair carries some: no channel stays broken.
-    prompts = [[7, 7, 7 + i] for i in range(8)]
-    for prompt, healthy in zip(prompts, handle.generate(prompts, GREEDY)):
-        assert healthy.error is None, healthy.error
-        judge_greedy(hf, prompt, healthy.token_ids)
-    failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
-    assert failures >= 2
-
-
 def test_conditional_disaggregation_prefills_short_prompts_on_the_decoder(cluster):
     handle, path, hf, _ = cluster
 
@@ -215,3 +194,28 @@ def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
     while alive_actors() - before:
         assert time.monotonic() < deadline, "serve left actors behind"
         time.sleep(0.5)
+
+
+def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
+    handle, path, hf, _ = cluster
+    for p in handle.workers.prefill:
+        ray.get(p.handle.inject_stalled_handoffs.remote(1))
+    try:
+        stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
+    finally:
+        for p in handle.workers.prefill:  # no leftover fault for later tests
+            ray.get(p.handle.inject_stalled_handoffs.remote(0))
+    for out in stalled:
+        assert out.finish_reason == "error" and out.error, out
+    wait_idle(handle)
+    deadline = time.monotonic() + 30  # the router reconnects channels a dead hand-off broke
+    while handle._run(handle.workers.repair_channels()):
+        assert time.monotonic() < deadline, "prefill -> decode channels were not repaired"
+        time.sleep(0.2)
+    # Enough requests that every prefill -> decode pair carries some: no channel stays broken.
+    prompts = [[7, 7, 7 + i] for i in range(8)]
+    for prompt, healthy in zip(prompts, handle.generate(prompts, GREEDY)):
+        assert healthy.error is None, healthy.error
+        judge_greedy(hf, prompt, healthy.token_ids)
+    failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
+    assert failures >= 2
