@@ -17,29 +17,22 @@ from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
-from kvtransfer import CacheTensors, HandoffResult, HandoffTarget, TransferConfig, make_transport
-from prefill_worker.worker import _node_ip
+from kvtransfer import HandoffResult, HandoffTarget, make_transport
+from kvtransfer.engine_endpoint import EngineEndpoint
 
 
-class DecodeWorker:
+class DecodeWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0):
-        self.name = name
-        self.engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
-        cache = self.engine.cache
-        self.cache_tensors = CacheTensors.from_named(self.engine.config.block_size,
-                                                     cache.block_tensors(), cache.slot_tensors())
-        config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=_node_ip())
-        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, config,
+        engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
+        super().__init__(name, engine, transfer_timeout_s)
+        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config,
                                                            on_done=self._landed)
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
         self.thread = EngineThread(self.engine, self._deliver, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
-
-    def layout(self) -> dict:
-        return self.cache_tensors.layout.to_dict()
 
     def facts(self) -> dict:
         return {**model_facts(self.engine), "num_kv_blocks": self.engine.blocks.num_blocks,
@@ -78,11 +71,6 @@ class DecodeWorker:
         stats = self.engine.stats()
         stats["waiting_for_state"] = len(self.receiver.pending())
         return stats
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         self.thread.stop()

@@ -7,6 +7,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
+from engine.prompts import as_batch
 from engine.sampling_params import SamplingParams
 
 
@@ -27,12 +28,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        prompts, sampling_params = as_batch(prompts, sampling_params)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.output import OutputTracker, RequestOutput
+from engine.prompts import check_prompt_length, prompt_token_ids
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq
@@ -76,26 +77,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests in and out
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest("prompt", "this model has no tokenizer.json; send token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequest("prompt", "must not be empty")
-        vocab = self.spec.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.spec.vocab_size)
 
     def validate_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens; the context holds "
-                                 f"{self.max_model_len} and at least one must be generated")
+        check_prompt_length(num_prompt_tokens, self.max_model_len)
         worst = min(num_prompt_tokens + params.max_tokens, self.max_model_len)
         if self.blocks.blocks_needed(worst) > self.blocks.num_blocks:
             raise InvalidRequest("max_tokens", f"prompt + max_tokens = {worst} tokens needs "

@@ -6,7 +6,6 @@ import torch
 
 from engine.cache import ModelCache
 from engine.models import ForwardBatch, HybridLM
-from engine.phase import Phase
 from engine.sampler import SampleResult, Sampler
 from engine.scheduler import ScheduledSeq
 from engine.state_slots import StateSlotAllocator
@@ -77,5 +76,3 @@ class ModelRunner:
         if self.debug:
             self.cache.poison_slot(slot)
 
-
-__all__ = ["ModelRunner", "Phase"]

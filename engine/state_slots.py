@@ -66,10 +66,6 @@ class StateSlotAllocator:
         slot = self.slot_of[request_id]
         self._written_for[slot] = self._owner[slot]
 
-    def mark_unwritten(self, request_id: str) -> None:
-        """Forget the state (it is being recomputed from zero)."""
-        self._written_for[self.slot_of[request_id]] = None
-
     def check_readable(self, request_id: str, slot: int) -> None:
         """Raise unless `slot` is `request_id`'s and holds state written for this very ownership."""
         owner = self._owner[slot]

@@ -21,7 +21,7 @@ from kvtransfer.errors import WireError, WireTimeoutError
 from kvtransfer.messages import GlooOffer
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
-from kvtransfer.stream_channel import StreamReceiverChannel, StreamSenderChannel, handshake
+from kvtransfer.stream_channel import StreamSenderChannel, handshake, join_as_receiver
 
 # Gloo closes a pair when any wait times out, so every wait here has a real deadline.
 _IDLE_FOREVER = datetime.timedelta(days=365)
@@ -155,20 +155,14 @@ class GlooReceiver(HandoffReceiver):
         return GlooOffer(self.name, self.config.advertise_host, self._store.port, prefix)
 
     def _join(self, peer: str, prefix: str) -> None:
-        wire = None
-        try:
+        def make_wire():
             # Rendezvous, then doorbell waits, on a connection of this pair's own; rings (only
             # close() rings here) go through the master's, which no one blocks on.
             waiting_store = _store_client(self.config.advertise_host, self._store.port, prefix, self.config)
             group = _pair_group(waiting_store, RECEIVER_RANK, self.config.advertise_host)
-            wire = GlooWire(group, dist.PrefixStore(prefix, self._store), waiting_store, RECEIVER_RANK)
-            handshake(wire, self.layout, self.name, peer, "receiver", self.config.connect_timeout_s)
-        except Exception as error:
-            if wire is not None:
-                wire.abort()
-            self._channel_failed_to_open(peer, error)
-            return
-        self._install_channel(peer, StreamReceiverChannel(self, peer, wire))
+            return GlooWire(group, dist.PrefixStore(prefix, self._store), waiting_store, RECEIVER_RANK)
+
+        join_as_receiver(self, peer, make_wire)
 
 
 class GlooSender(HandoffSender):

@@ -21,7 +21,7 @@ from kvtransfer.messages import NcclOffer
 from kvtransfer.nccl import IN_PROGRESS, NcclCommunicator, load_library
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
-from kvtransfer.stream_channel import StreamReceiverChannel, StreamSenderChannel, handshake
+from kvtransfer.stream_channel import StreamSenderChannel, handshake, join_as_receiver
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _FIRST_NAP_S, _LAST_NAP_S = 10e-6, 1e-3
@@ -122,16 +122,8 @@ class NcclReceiver(HandoffReceiver):
         return NcclOffer(self.name, unique_id)
 
     def _join(self, peer: str, unique_id: bytes) -> None:
-        wire = None
-        try:
-            wire = NcclWire(NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK)
-            handshake(wire, self.layout, self.name, peer, "receiver", self.config.connect_timeout_s)
-        except Exception as error:
-            if wire is not None:
-                wire.abort()
-            self._channel_failed_to_open(peer, error)
-            return
-        self._install_channel(peer, StreamReceiverChannel(self, peer, wire))
+        join_as_receiver(self, peer, lambda: NcclWire(
+            NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK))
 
 
 class NcclSender(HandoffSender):

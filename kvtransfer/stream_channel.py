@@ -211,3 +211,18 @@ class StreamReceiverChannel:
         if incoming is not None:
             self.wire.fence()  # every scatter has run before DONE is reported
             self.receiver._landed(incoming, status == STATUS_OK, first_token, "the sender aborted the hand-off")
+
+
+def join_as_receiver(receiver, peer: str, make_wire) -> None:
+    """Receiver side of pairing over a stream wire: build it, check layouts, install the
+    channel; any failure is reported for `peer` and leaves no half-open wire behind."""
+    wire = None
+    try:
+        wire = make_wire()
+        handshake(wire, receiver.layout, receiver.name, peer, "receiver", receiver.config.connect_timeout_s)
+    except Exception as error:
+        if wire is not None:
+            wire.abort()
+        receiver._channel_failed_to_open(peer, error)
+        return
+    receiver._install_channel(peer, StreamReceiverChannel(receiver, peer, wire))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import socket
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -18,7 +17,8 @@ from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvtransfer import CacheTensors, HandoffResult, HandoffTarget, TransferConfig, make_transport
+from kvtransfer import HandoffResult, HandoffTarget, make_transport
+from kvtransfer.engine_endpoint import EngineEndpoint
 
 
 @dataclass
@@ -34,16 +34,12 @@ class PrefillOutcome:
     first_logprob: dict | None = None  # the wire carries the first token, not its logprobs
 
 
-class PrefillWorker:
+class PrefillWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0):
-        self.name = name
-        self.engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options))
-        cache = self.engine.cache
-        self.cache_tensors = CacheTensors.from_named(self.engine.config.block_size,
-                                                     cache.block_tensors(), cache.slot_tensors())
-        config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=_node_ip())
-        self.sender = make_transport(transport).sender(name, self.cache_tensors, config,
+        engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options))
+        super().__init__(name, engine, transfer_timeout_s)
+        self.sender = make_transport(transport).sender(name, self.cache_tensors, self.transfer_config,
                                                        on_done=self._handoff_done)
         self._targets: dict[str, HandoffTarget] = {}
         self._peers: set[str] = set()
@@ -55,9 +51,6 @@ class PrefillWorker:
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
-
-    def layout(self) -> dict:
-        return self.cache_tensors.layout.to_dict()
 
     def connect(self, peer: str, offer) -> None:
         self._peers.add(peer)
@@ -103,11 +96,6 @@ class PrefillWorker:
                      handoff_count=self.handoffs["count"], handoff_failures=self.handoffs["failures"],
                      handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"])
         return stats
-
-    def node_id(self) -> str:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     def shutdown(self) -> None:
         self.thread.stop()
@@ -160,11 +148,3 @@ class PrefillWorker:
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome)
 
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return socket.gethostbyname(socket.gethostname())

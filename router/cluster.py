@@ -19,9 +19,10 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
+from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
-from router.backend import ModelInfo, Overloaded, Unavailable
+from router.backend import ModelInfo, Overloaded
 from router.placement import PlacementConfig
 from router.workers import WorkerSet
 
@@ -134,10 +135,7 @@ class Cluster:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Like engine.LLM.generate: every prompt to completion, results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(prompts)
+        prompts, params = as_batch(prompts, params)
 
         async def one(prompt, p):
             final = None
@@ -165,9 +163,10 @@ class Cluster:
         try:
             if len(self._streams) >= self.config.max_queued:
                 raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.config.max_queued})")
-            ids = self.workers.validate(self._tokenize(prompt), params)
+            facts = self.workers.model_facts
+            ids = prompt_token_ids(prompt, self._tokenizer, facts["vocab_size"])
+            check_prompt_length(len(ids), facts["max_model_len"])
             if request_id in self._streams:
-                from engine.sampling_params import InvalidRequest
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
             stream: asyncio.Queue = asyncio.Queue()
             self._streams[request_id] = stream
@@ -239,14 +238,6 @@ class Cluster:
         if stream is not None:  # end the caller's stream the way an engine ends an aborted request
             stream.put_nowait(RequestOutput(request_id, [], [], "", True, "abort"))
         return stream is not None
-
-    def _tokenize(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self._tokenizer is None:
-                from engine.sampling_params import InvalidRequest
-                raise InvalidRequest("prompt", "this model has no tokenizer.json; send token ids")
-            return self._tokenizer.encode(prompt)
-        return list(prompt) if isinstance(prompt, (list, tuple)) else prompt
 
 
 def launch(model: str | Path | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",

@@ -7,7 +7,6 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from engine.sampling_params import InvalidRequest, SamplingParams
 from router.backend import Unavailable
 from router.placement import place_workers, remove_groups
 
@@ -191,19 +190,6 @@ class WorkerSet:
         best = min(alive, key=lambda w: w.queued_tokens)
         best.queued_tokens += num_tokens  # counted from the choice on, so a burst spreads out
         return best
-
-    def validate(self, ids, params: SamplingParams) -> list[int]:
-        facts = self.model_facts
-        if not isinstance(ids, list) or not ids:
-            raise InvalidRequest("prompt", "must be a non-empty string or list of token ids")
-        vocab = facts["vocab_size"]
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab})")
-        if len(ids) >= facts["max_model_len"]:
-            raise InvalidRequest("prompt", f"{len(ids)} tokens; the context holds {facts['max_model_len']} "
-                                 "and at least one must be generated")
-        return ids
 
     async def abort_everywhere(self, request_id: str) -> None:
         calls = [w.handle.abort.remote(request_id) for w in self.prefill + self.decode if w.alive]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,13 +14,12 @@ from engine.state_slots import OutOfSlots, StateOwnershipError, StateSlotAllocat
 
 
 def test_allocators_import_no_torch():
-    code = ("import sys, engine.block_manager, engine.state_slots, engine.scheduler, engine.phase; "
-            "sys.exit('torch' in sys.modules)")
-    # engine/__init__ imports torch-backed modules; import the files' modules without it.
-    script = ("import importlib.util, sys, types; pkg = types.ModuleType('engine'); "
-              "pkg.__path__ = ['engine']; sys.modules['engine'] = pkg; "
-              + code.replace("import sys, ", "import "))
-    result = subprocess.run([sys.executable, "-c", script], cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    # engine/__init__ pulls in torch-backed modules, so load these files under a bare package.
+    script = ("import sys, types; pkg = types.ModuleType('engine'); pkg.__path__ = ['engine']; "
+              "sys.modules['engine'] = pkg; "
+              "import engine.block_manager, engine.state_slots, engine.scheduler, engine.phase; "
+              "sys.exit('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1])
     assert result.returncode == 0, "scheduler / allocators / phase must not import torch"
 
 

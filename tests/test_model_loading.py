@@ -11,7 +11,6 @@ from safetensors.torch import load_file, save_file
 
 from engine.models import CheckpointError, load_model
 from engine.models.ssm import selective_scan, selective_scan_ref
-from tests.oracle import hf_logits
 
 
 @pytest.fixture()

@@ -1,0 +1,40 @@
+"""Turning a prompt into checked token ids: shared by the engine and the cluster's router."""
+
+from __future__ import annotations
+
+from engine.sampling_params import InvalidRequest, SamplingParams
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
+    """Token ids of a text or token-id prompt; InvalidRequest("prompt", ...) if unusable."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("prompt", "this model has no tokenizer.json; send token ids")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)):
+        ids = list(prompt)
+    else:
+        raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequest("prompt", "must not be empty")
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens; the context holds "
+                             f"{max_model_len} and at least one must be generated")
+
+
+def as_batch(prompts, params: SamplingParams | list[SamplingParams] | None):
+    """(prompts, params) as two equal-length lists: one prompt or one params object is widened."""
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if params is None or isinstance(params, SamplingParams):
+        params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+    return prompts, params
