@@ -14,7 +14,7 @@ from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.output import OutputTracker, RequestOutput
 from engine.prompts import check_prompt_length, prompt_token_ids
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
@@ -33,7 +33,7 @@ class Handoff:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    num_tokens: int  # tokens whose KV and state are computed: the prompt (+ resumed outputs)
     first_token: int
     first_logprob: dict | None
     block_ids: list[int]
@@ -88,19 +88,29 @@ class LLMEngine:
                                  f"{self.blocks.num_blocks}")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        params = params or SamplingParams()
+                    request_id: str | None = None, resume: Resume | None = None) -> str:
+        request = self._new_request(prompt, params or SamplingParams(), request_id, resume)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _new_request(self, prompt, params: SamplingParams, request_id: str | None,
+                     resume: Resume | None) -> Request:
         ids = self.tokenize(prompt)
         self.validate_length(len(ids), params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
         request = Request(request_id, ids, params)
+        if resume is not None:
+            done = self.tokenize(list(resume.output_token_ids)) if resume.output_token_ids else []
+            if len(done) >= params.max_tokens or len(ids) + len(done) >= self.max_model_len:
+                raise InvalidRequest("resume", f"{len(done)} tokens already generated leave nothing to "
+                                     f"generate (max_tokens {params.max_tokens}, context {self.max_model_len})")
+            request.output_token_ids = list(done)
         self.requests[request_id] = request
         self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids,
-                                                  self.max_model_len)
-        self.scheduler.add(request)
-        return request_id
+                                                  self.max_model_len, resume.sent_chars if resume else 0)
+        return request
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         """Finish a request early (aborted, or failed with `error`); its final output is queued."""
@@ -154,7 +164,7 @@ class LLMEngine:
             request.status = RequestStatus.HANDED_OFF
             self.scheduler.running.remove(request)
             self._handoffs.append(Handoff(
-                request.request_id, request.prompt_token_ids, token_id, logprob,
+                request.request_id, request.num_computed_tokens, token_id, logprob,
                 list(self.blocks.table(request.request_id)), self.slots.slot_of[request.request_id]))
         return out
 
@@ -172,7 +182,6 @@ class LLMEngine:
         self.scheduler.release(request)
         if slot is not None:
             self.runner.on_slot_freed(slot)
-        self.runner.sampler.forget(request.request_id)
         tracker = self.trackers.pop(request.request_id, None)
         self.requests.pop(request.request_id, None)
         if emit and request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) \
@@ -198,18 +207,15 @@ class LLMEngine:
         self._retire(request, emit=False)
 
     def reserve_for_handoff(self, prompt_token_ids: list[int], params: SamplingParams,
-                            request_id: str) -> Reservation:
+                            request_id: str, resume: Resume | None = None) -> Reservation:
         """Decode side: hold blocks for the prompt's KV and a state slot before the prefill runs."""
-        ids = self.tokenize(list(prompt_token_ids))
-        self.validate_length(len(ids), params)
-        if request_id in self.requests:
-            raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-        request = Request(request_id, ids, params)
-        table, slot = self.scheduler.reserve(request, len(ids) + 1)
-        request.num_prefill_tokens = len(ids)
-        self.requests[request_id] = request
-        self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids,
-                                                  self.max_model_len)
+        request = self._new_request(list(prompt_token_ids), params, request_id, resume)
+        try:
+            table, slot = self.scheduler.reserve(request, request.num_tokens + 1)
+        except MemoryError:
+            del self.requests[request_id], self.trackers[request_id]
+            raise
+        request.num_prefill_tokens = request.num_tokens
         self.scheduler.add_reserved(request)
         return Reservation(request_id, list(table), slot)
 
@@ -219,7 +225,7 @@ class LLMEngine:
         request = self.requests[request_id]
         if request.status is not RequestStatus.WAITING_FOR_STATE:
             raise RuntimeError(f"request {request_id!r} is {request.status.name}, not waiting for state")
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.slots.mark_written(request_id)
         request.first_token_time = time.monotonic()
         request.status = RequestStatus.DECODING

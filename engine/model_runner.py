@@ -68,7 +68,6 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SampleResult:
         requests = [s.request for s in seqs]
         return self.sampler(logits, [r.sampling_params for r in requests],
-                            [r.request_id for r in requests],
                             [r.prompt_token_ids for r in requests],
                             [r.output_token_ids for r in requests])
 

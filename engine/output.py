@@ -30,7 +30,7 @@ class OutputTracker:
     """Per-request text state and the stop rules applied after each new token."""
 
     def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_token_ids: list[int],
-                 max_model_len: int):
+                 max_model_len: int, sent_chars: int = 0):
         self.request = request
         params = request.sampling_params
         self.stop_ids = set(params.stop_token_ids)
@@ -39,10 +39,15 @@ class OutputTracker:
         self.detok = tokenizer.stream(params.skip_special_tokens) if tokenizer else None
         self.max_model_len = max_model_len
         self.text = ""
-        self.sent_text = 0
-        self.sent_tokens = 0
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        # A resumed request: replay the outputs the caller already has, so text and deltas
+        # continue exactly where the caller's stream stopped.
+        for token_id in request.output_token_ids:
+            if self.detok is not None:
+                self.text += self.detok.step(token_id)
+        self.sent_tokens = request.num_output_tokens
+        self.sent_text = min(max(sent_chars, 0), len(self.text))
 
     def append(self, token_id: int, logprob: dict | None) -> None:
         request = self.request

@@ -35,6 +35,18 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class Resume:
+    """A request continued on another worker after a failure: what the caller already has.
+
+    Its tokens become the request's first outputs (they count for max_tokens, penalties and
+    seeded draws) and are recomputed with the prompt; `sent_chars` of their text were shown.
+    """
+
+    output_token_ids: tuple[int, ...]
+    sent_chars: int = 0
+
+
 @dataclass
 class Request:
     request_id: str

@@ -2,8 +2,10 @@
 
 Order: penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> draw.
 A draw is argmax(probs / E) with E ~ Exp(1) noise (the Gumbel-max trick in exponential form);
-a seeded request draws its noise from its own generator, so its tokens do not depend on
-which other requests share the batch. Logprobs are of the model's raw distribution.
+a seeded request's noise for its i-th output token comes from a generator seeded with
+(seed, i), so its tokens depend neither on which requests share the batch nor on which
+worker draws them (a prefill worker draws token 0, a decode worker the rest; a resumed
+request continues the same sequence). Logprobs are of the model's raw distribution.
 """
 
 from __future__ import annotations
@@ -25,12 +27,9 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
         self.vocab_size = vocab_size
         self.device = device
-        self._generators: dict[str, torch.Generator] = {}
+        self._generator = torch.Generator(device=device)
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  prompt_ids: list[list[int]], output_ids: list[list[int]]) -> SampleResult:
         logits = logits.float()
         rows = logits.shape[0]
@@ -48,7 +47,7 @@ class Sampler:
             scaled = self._apply_top_k(scaled, params)
             scaled = self._apply_top_p_min_p(scaled, params)
             probs = torch.softmax(scaled, dim=-1)
-            noise = self._exponential_noise(rows, params, request_ids, greedy)
+            noise = self._exponential_noise(rows, params, output_ids)
             sampled = (probs / noise).argmax(dim=-1)
             tokens = torch.where(greedy, tokens, sampled)
 
@@ -107,14 +106,19 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         return logits
 
-    def _exponential_noise(self, rows, params, request_ids, greedy):
+    def _exponential_noise(self, rows, params, output_ids):
         noise = torch.empty(rows, self.vocab_size, device=self.device).exponential_()
         for row, p in enumerate(params):
             if p.seed is None or p.greedy:
                 continue
-            gen = self._generators.get(request_ids[row])
-            if gen is None:
-                gen = torch.Generator(device=self.device).manual_seed(p.seed)
-                self._generators[request_ids[row]] = gen
-            noise[row] = torch.empty(self.vocab_size, device=self.device).exponential_(generator=gen)
+            self._generator.manual_seed(_token_seed(p.seed, len(output_ids[row])))
+            noise[row] = torch.empty(self.vocab_size, device=self.device).exponential_(generator=self._generator)
         return noise
+
+
+def _token_seed(seed: int, index: int) -> int:
+    """One 63-bit seed per (request seed, output index); splitmix64 keeps neighbours unrelated."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1

@@ -14,10 +14,9 @@ from tests.oracle import hf_logits
 V = 50
 
 
-def run(sampler, logits, params, outputs=None, prompts=None, ids=None):
+def run(sampler, logits, params, outputs=None, prompts=None):
     n = logits.shape[0]
-    return sampler(logits, params, ids or [f"r{i}" for i in range(n)],
-                   prompts or [[1]] * n, outputs or [[]] * n)
+    return sampler(logits, params, prompts or [[1]] * n, outputs or [[]] * n)
 
 
 def test_greedy_and_degenerate_filters_equal_argmax():
@@ -58,22 +57,29 @@ def test_sampling_frequencies_follow_temperature():
         assert abs(hits / 4000 - expected) < 0.03, (temperature, hits / 4000)
 
 
-def test_seed_gives_the_same_tokens_whatever_the_batch():
+def test_seed_gives_the_same_tokens_whatever_the_batch_or_sampler():
+    """A seeded request's i-th draw depends on (seed, i) only: not on its batch neighbours,
+    nor on which sampler (worker) draws it, so a hand-off or a resume continues the sequence."""
     g = torch.Generator().manual_seed(1)
     rows = torch.randn(5, V, generator=g)
     seeded = SamplingParams(temperature=1.0, seed=1234)
     alone = Sampler(V)
-    solo = [run(alone, rows[0:1], [seeded], ids=["x"]).token_ids[0] for _ in range(8)]
-    crowd = Sampler(V)
+    solo, done = [], []
+    for _ in range(8):
+        solo.append(run(alone, rows[0:1], [seeded], outputs=[list(done)]).token_ids[0])
+        done.append(solo[-1])
     mixed = []
     for step in range(8):
+        crowd = Sampler(V)  # a fresh sampler each step: as if every token came from another worker
         params = [SamplingParams(temperature=1.0)] * step + [seeded] + [SamplingParams(temperature=0.9)] * 2
         batch = torch.cat([rows[1:2]] * step + [rows[0:1]] + [rows[2:4]])
-        ids = [f"o{step}{j}" for j in range(step)] + ["x"] + ["p", "q"]
-        mixed.append(run(crowd, batch, params, ids=ids, prompts=[[1]] * len(params),
-                         outputs=[[]] * len(params)).token_ids[step])
+        outputs = [[7] * j for j in range(step)] + [solo[:step]] + [[], [3]]
+        mixed.append(run(crowd, batch, params, prompts=[[1]] * len(params), outputs=outputs).token_ids[step])
     assert solo == mixed
     assert len(set(solo)) > 1  # it really sampled
+    other = [run(alone, rows[0:1], [SamplingParams(temperature=1.0, seed=1235)], outputs=[solo[:i]]).token_ids[0]
+             for i in range(8)]
+    assert other != solo
 
 
 def test_penalties_match_their_definitions():
