@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
-from engine.request import RequestStatus
+from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
@@ -42,19 +42,19 @@ class DecodeWorker(EngineEndpoint):
         """An offer for prefill worker `peer` to connect its sender to this receiver."""
         return self.receiver.accept(peer)
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> HandoffTarget:
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      resume: Resume | None = None) -> HandoffTarget:
         reservation = await asyncio.wrap_future(self.thread.call(
-            lambda engine: engine.reserve_for_handoff(prompt_token_ids, params, request_id)))
+            lambda engine: engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)))
         target = HandoffTarget(request_id, self.name, tuple(reservation.block_ids),
                                reservation.slot if self.cache_tensors.num_slots else None)
         self.receiver.expect(target)
         return target
 
-    async def generate_local(self, request_id: str, prompt_token_ids: list[int],
-                             params: SamplingParams) -> None:
+    async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             resume: Resume | None = None) -> None:
         await asyncio.wrap_future(self.thread.call(
-            lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id)))
+            lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
 
     async def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self.receiver.pending():
@@ -69,7 +69,7 @@ class DecodeWorker(EngineEndpoint):
 
     def stats(self) -> dict:
         stats = self.engine.stats()
-        stats["waiting_for_state"] = len(self.receiver.pending())
+        stats.update(incarnation=self.incarnation, waiting_for_state=len(self.receiver.pending()))
         return stats
 
     def shutdown(self) -> None:
@@ -96,6 +96,7 @@ class DecodeWorker(EngineEndpoint):
         self.thread.call(apply).add_done_callback(deliver)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._crash_point()
         with self._outbox_ready:
             self._outbox.extend(outputs)
             self._outbox_ready.notify_all()

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
+from engine.request import Resume
 from engine.sampling_params import SamplingParams
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
@@ -32,6 +33,7 @@ class PrefillOutcome:
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
     first_logprob: dict | None = None  # the wire carries the first token, not its logprobs
+    retryable: bool = False  # failed in the plumbing (hand-off), not because of the request
 
 
 class PrefillWorker(EngineEndpoint):
@@ -61,14 +63,14 @@ class PrefillWorker(EngineEndpoint):
         return sorted(p for p in self._peers if not self.sender.connected(p))
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      target: HandoffTarget) -> PrefillOutcome:
+                      target: HandoffTarget, resume: Resume | None = None) -> PrefillOutcome:
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters[request_id] = waiter
         self._targets[request_id] = target
-        self._queued_tokens[request_id] = len(prompt_token_ids)
+        self._queued_tokens[request_id] = len(prompt_token_ids) + len(resume.output_token_ids if resume else ())
         try:
             await asyncio.wrap_future(self.thread.call(
-                lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id)))
+                lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
             return await asyncio.wrap_future(waiter)
         except Exception as e:
             return PrefillOutcome(request_id, False, error=f"{type(e).__name__}: {e}")
@@ -92,7 +94,7 @@ class PrefillWorker(EngineEndpoint):
 
     def stats(self) -> dict:
         stats = self.engine.stats()
-        stats.update(queued_prompt_tokens=sum(self._queued_tokens.values()),
+        stats.update(incarnation=self.incarnation, queued_prompt_tokens=sum(self._queued_tokens.values()),
                      handoff_count=self.handoffs["count"], handoff_failures=self.handoffs["failures"],
                      handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"])
         return stats
@@ -104,6 +106,7 @@ class PrefillWorker(EngineEndpoint):
     # ---- engine thread and transport callbacks ----
 
     def _ship(self, engine: LLMEngine) -> None:
+        self._crash_point()
         for handoff in engine.take_handoffs():
             target = self._targets.get(handoff.request_id)
             if target is None:  # aborted meanwhile
@@ -114,13 +117,14 @@ class PrefillWorker(EngineEndpoint):
             try:
                 if self._stall_next > 0:
                     self._stall_next -= 1
-                    self.sender.begin(target, len(handoff.prompt_token_ids), handoff.block_ids, slot)
+                    self.sender.begin(target, handoff.num_tokens, handoff.block_ids, slot)
                     continue
-                self.sender.send(target, len(handoff.prompt_token_ids), handoff.block_ids, slot,
+                self.sender.send(target, handoff.num_tokens, handoff.block_ids, slot,
                                  handoff.first_token)
             except Exception as e:
                 engine.finish_handoff(handoff.request_id, str(e))
-                self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e)))
+                self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e),
+                                                                 retryable=True))
 
     def _handoff_done(self, result: HandoffResult) -> None:
         # The transport no longer touches the rows: free them on the engine thread.
@@ -134,7 +138,8 @@ class PrefillWorker(EngineEndpoint):
         self._resolve(result.request_id, PrefillOutcome(
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
-            handoff_seconds=result.elapsed_s, first_logprob=self._first_logprobs.get(result.request_id)))
+            handoff_seconds=result.elapsed_s, first_logprob=self._first_logprobs.get(result.request_id),
+            retryable=not result.ok))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -4,15 +4,20 @@ Per request: pick a decode worker (most free slots and blocks, fewest running) a
 its room first, then pick a prefill worker (fewest queued prompt tokens) and prefill there;
 the decode worker streams every token (the first arrives with the hand-off). Prompts of at
 most `local_prefill_tokens` skip the split and prefill on the decode worker itself.
-All cluster bookkeeping runs on one asyncio loop of its own ("the router loop").
+When a worker dies or a hand-off breaks, the request runs again on live workers from the
+tokens the caller already has (router/tracking.py); Ray restarts the dead actor and the
+router pairs it up again. All cluster bookkeeping runs on one asyncio loop of its own
+("the router loop").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator
@@ -22,9 +27,10 @@ from engine.output import RequestOutput
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
-from router.backend import ModelInfo, Overloaded
+from router.backend import ModelInfo, Overloaded, Unavailable
 from router.placement import PlacementConfig
-from router.workers import WorkerSet
+from router.tracking import Failure, Tracked
+from router.workers import STATS_INTERVAL_S, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,9 @@ class ClusterConfig:
     local_prefill_tokens: int = 0  # conditional disaggregation threshold; 0: always split
     max_queued: int = 1024  # requests in flight before Overloaded
     transfer_timeout_s: float = 30.0
+    max_retries: int = 3  # attempts after the first, when a worker dies or a hand-off breaks
+    retry_wait_s: float = 60.0  # how long a retry waits for a live worker (Ray restarts dead ones)
+    max_restarts: int = -1  # Ray restarts of a dead worker actor; -1: always
     ray_init_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -55,6 +64,8 @@ class ClusterConfig:
             raise ValueError(f"transport: {self.transport!r} not in auto, shm, gloo, nccl")
         if self.local_prefill_tokens < 0 or self.max_queued < 1:
             raise ValueError("local_prefill_tokens must be >= 0 and max_queued >= 1")
+        if self.max_retries < 0 or self.retry_wait_s < 0 or self.max_restarts < -1:
+            raise ValueError("max_retries and retry_wait_s must be >= 0, max_restarts >= -1")
 
 
 class Cluster:
@@ -69,10 +80,11 @@ class Cluster:
         self._thread = threading.Thread(target=self._loop.run_forever, name="router-loop", daemon=True)
         self._thread.start()
         self._ids = itertools.count()
-        self._streams: dict[str, asyncio.Queue] = {}
-        # Request id -> the prefill worker's logprobs of the first token (decode never saw them).
-        self._first_logprobs: dict[str, asyncio.Future] = {}
-        self.workers = WorkerSet(config)
+        self._requests: dict[str, Tracked] = {}  # by the caller's request id
+        self._attempts: dict[str, Tracked] = {}  # by the current attempt's worker-side id
+        self._room = self._run(self._make_condition())  # signalled when capacity may have freed
+        self.retries = 0
+        self.workers = WorkerSet(config, on_lost=self._worker_lost, on_room=self._notify_room)
         try:
             self._run(self.workers.start(self._route))
         except BaseException:
@@ -85,6 +97,10 @@ class Cluster:
     @property
     def tokenizer(self):
         return self._tokenizer
+
+    @staticmethod
+    async def _make_condition() -> asyncio.Condition:
+        return asyncio.Condition()
 
     def _run(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -128,7 +144,7 @@ class Cluster:
             self._run(self.workers.refresh_stats(), timeout=10)
         except Exception:
             log.warning("stats refresh failed; showing the last known", exc_info=True)
-        return self.workers.status()
+        return {**self.workers.status(), "in_flight": len(self._requests), "retries": self.retries}
 
     # ---- the Python handle ----
 
@@ -161,83 +177,147 @@ class Cluster:
 
     async def _serve(self, request_id: str, prompt, params: SamplingParams, emit) -> None:
         try:
-            if len(self._streams) >= self.config.max_queued:
-                raise Overloaded(f"{len(self._streams)} requests in flight (limit {self.config.max_queued})")
+            if len(self._requests) >= self.config.max_queued:
+                raise Overloaded(f"{len(self._requests)} requests in flight (limit {self.config.max_queued})")
             facts = self.workers.model_facts
             ids = prompt_token_ids(prompt, self._tokenizer, facts["vocab_size"])
             check_prompt_length(len(ids), facts["max_model_len"])
-            if request_id in self._streams:
+            if request_id in self._requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            stream: asyncio.Queue = asyncio.Queue()
-            self._streams[request_id] = stream
-            if params.logprobs is not None:
-                self._first_logprobs[request_id] = asyncio.get_running_loop().create_future()
+            tracked = Tracked(request_id, ids, params)
+            self._requests[request_id] = tracked
             try:
-                split = await self._start(request_id, ids, params, stream)
-                first_logprob = self._first_logprobs.get(request_id) if split else None
-                while True:
-                    out = await stream.get()
-                    if first_logprob is not None and out.error is None:
-                        entry = await first_logprob
-                        if entry is not None:
-                            out.logprobs = [entry] + list(out.logprobs or [])
-                    emit(out)
-                    if out.finished:
-                        return
+                await self._follow(tracked, emit)
             finally:
-                self._streams.pop(request_id, None)
-                self._first_logprobs.pop(request_id, None)
+                self._requests.pop(request_id, None)
+                self._attempts.pop(tracked.worker_id, None)
+                self.workers.owner.pop(tracked.worker_id, None)
+                self._notify_room()
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             emit(e)
 
-    async def _start(self, request_id, ids, params, stream: asyncio.Queue) -> bool:
-        """Place the request; True when it is split across a prefill and a decode worker."""
+    async def _follow(self, tracked: Tracked, emit) -> None:
+        """Run attempts until the request finishes; the caller sees one stream."""
+        while True:
+            await self._launch(tracked)
+            while True:
+                event = await tracked.events.get()
+                failure = tracked.classify(event)
+                if failure is None:
+                    out = await tracked.delivered(event)
+                    emit(out)
+                    if out.finished:
+                        return
+                    continue
+                if not failure.retryable or tracked.attempt >= self.config.max_retries:
+                    emit(tracked.failed(failure.error))
+                    return
+                log.warning("request %s: attempt %d failed (%s); retrying with %d tokens delivered",
+                            tracked.request_id, tracked.attempt, failure.error, len(tracked.tokens))
+                await self._drop_attempt(tracked)
+                tracked.next_attempt()
+                self.retries += 1
+                break
+
+    async def _launch(self, tracked: Tracked) -> None:
+        """Place the current attempt, waiting while no decode worker has room (or, for a
+        retry, while no worker of a kind is alive: Ray may be restarting it)."""
+        self._attempts[tracked.worker_id] = tracked
+        deadline = time.monotonic() + self.config.retry_wait_s
+        while True:
+            try:
+                tracked.split = await self._start(tracked)
+                return
+            except MemoryError:  # the chosen decode worker had no room after all: wait for some
+                pass
+            except Unavailable:
+                if tracked.attempt == 0 or time.monotonic() > deadline:
+                    raise
+            except InvalidRequest:
+                raise
+            except Exception as e:  # the decode worker died under the reservation
+                if tracked.attempt >= self.config.max_retries or time.monotonic() > deadline:
+                    raise Unavailable(f"request {tracked.request_id}: cannot place it: {e}") from e
+                log.warning("request %s: placement failed (%s); trying again", tracked.request_id, e)
+            async with self._room:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), STATS_INTERVAL_S)
+
+    async def _start(self, tracked: Tracked) -> bool:
+        """Place the attempt; True when it is split across a prefill and a decode worker."""
+        wid, ids, params, resume = tracked.worker_id, tracked.prompt_ids, tracked.params, tracked.resume()
         decode = self.workers.pick_decode()
-        if len(ids) <= self.config.local_prefill_tokens:
-            await decode.handle.generate_local.remote(request_id, ids, params)
-            return False
-        target = await decode.handle.reserve.remote(request_id, ids, params)
-        self.workers.owner[request_id] = decode
-        prefill = self.workers.pick_prefill(len(ids))
-        asyncio.ensure_future(self._prefill(prefill, decode, request_id, ids, params, target, stream))
+        self.workers.owner[wid] = (decode, decode.incarnation)
+        try:
+            if tracked.num_tokens <= self.config.local_prefill_tokens:
+                await decode.handle.generate_local.remote(wid, ids, params, resume)
+                return False
+            target = await decode.handle.reserve.remote(wid, ids, params, resume)
+        except BaseException:
+            self.workers.owner.pop(wid, None)
+            raise
+        prefill = self.workers.pick_prefill(tracked.num_tokens)
+        if params.logprobs is not None:
+            tracked.first_logprob = asyncio.get_running_loop().create_future()
+        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target))
         return True
 
-    async def _prefill(self, prefill, decode, request_id, ids, params, target, stream) -> None:
+    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target) -> None:
+        waiter = tracked.first_logprob
         try:
-            outcome = await prefill.handle.prefill.remote(request_id, ids, params, target)
+            outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target,
+                                                          tracked.resume())
+            error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
-            outcome = None
-            error = f"prefill worker {prefill.name} failed: {e}"
-        else:
-            error = outcome.error
+            outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
         finally:
-            prefill.queued_tokens -= len(ids)
-        waiter = self._first_logprobs.get(request_id)
+            prefill.queued_tokens -= tracked.num_tokens
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome.first_logprob if outcome is not None and outcome.handed_off else None)
         if outcome is not None and outcome.handed_off:
             return
-        await decode.handle.abort.remote(request_id, error)  # free the reservation
+        with contextlib.suppress(Exception):  # free the reservation
+            await asyncio.wait_for(decode.handle.abort.remote(wid, error), 10)
         if outcome is not None and outcome.output is not None and outcome.output.error is None:
-            stream.put_nowait(outcome.output)  # finished at its first token on the prefill worker
-        elif request_id in self._streams:
-            stream.put_nowait(RequestOutput(request_id, ids, [], "", True, "error",
-                                            error=error or "prefill failed"))
+            self._deliver(wid, outcome.output)  # finished at its first token on the prefill worker
+        else:
+            self._deliver(wid, Failure(error or "prefill failed", retryable))
+
+    def _deliver(self, worker_id: str, event) -> None:
+        tracked = self._attempts.get(worker_id)
+        if tracked is not None:
+            tracked.events.put_nowait(event)
 
     async def _route(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+            self._deliver(out.request_id, out)
+
+    def _worker_lost(self, worker, incarnation: str) -> None:
+        """Every attempt that lived on this incarnation of a decode worker is gone."""
+        for wid, (owner, where) in list(self.workers.owner.items()):
+            if owner is worker and where == incarnation:
+                self._deliver(wid, Failure(f"decode worker {worker.name} died", retryable=True))
+
+    async def _drop_attempt(self, tracked: Tracked) -> None:
+        wid = tracked.worker_id
+        self._attempts.pop(wid, None)
+        await self.workers.abort_everywhere(wid)
+
+    def _notify_room(self) -> None:
+        async def notify():
+            async with self._room:
+                self._room.notify_all()
+        asyncio.ensure_future(notify())
 
     async def _abort(self, request_id: str) -> bool:
-        stream = self._streams.pop(request_id, None)
-        await self.workers.abort_everywhere(request_id)
-        if stream is not None:  # end the caller's stream the way an engine ends an aborted request
-            stream.put_nowait(RequestOutput(request_id, [], [], "", True, "abort"))
-        return stream is not None
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return False
+        self._deliver(tracked.worker_id, tracked.aborted())  # ends the caller's stream
+        await self.workers.abort_everywhere(tracked.worker_id)
+        return True
 
 
 def launch(model: str | Path | None = None, prefill: int = 1, decode: int = 1, transport: str = "auto",

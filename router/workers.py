@@ -24,14 +24,18 @@ class WorkerRef:
     stats: dict = field(default_factory=dict)
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet handed off
     reserved_since_stats: int = 0  # decode: reservations the last stats do not show yet
+    incarnation: str = ""  # the actor's current life; a new one after Ray restarts it
 
 
 class WorkerSet:
-    def __init__(self, config):
+    def __init__(self, config, on_lost=None, on_room=None):
         self.config = config
         self.prefill: list[WorkerRef] = []
         self.decode: list[WorkerRef] = []
-        self.owner: dict[str, WorkerRef] = {}  # request id -> decode worker holding it
+        # worker-side request id -> (decode worker holding it, that worker's incarnation then)
+        self.owner: dict[str, tuple[WorkerRef, str]] = {}
+        self._on_lost = on_lost or (lambda worker, incarnation: None)  # a decode incarnation died
+        self._on_room = on_room or (lambda: None)  # fresh stats: capacity may have freed
         self.model_facts: dict = {}
         self._groups = []
         self._tasks: list[asyncio.Task] = []
@@ -67,7 +71,7 @@ class WorkerSet:
             name = f"{kind}-{index}"
             handle = ray.remote(cls).options(
                 name=None, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
-                max_concurrency=1000, runtime_env={"env_vars": env} if env else None,
+                max_concurrency=1000, max_restarts=config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
             ).remote(name, config.model, config.engine_options, self.transport, config.transfer_timeout_s)
             return WorkerRef(name, kind, handle)
@@ -118,12 +122,20 @@ class WorkerSet:
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.warning("poll of %s failed: %s", worker.name, e)
-                worker.alive = False
+                self._lost(worker, e)
                 await asyncio.sleep(0.5)
                 continue
             if outputs:
                 await route(outputs)
+
+    def _lost(self, worker: WorkerRef, error) -> None:
+        """The worker stopped answering: nothing is placed on it until it answers as a (new)
+        incarnation and is reconnected; what its old incarnation held is failed over."""
+        if worker.alive:
+            log.warning("%s %s lost: %s", worker.kind, worker.name, error)
+        worker.alive = False
+        if worker.kind == "decode":
+            self._on_lost(worker, worker.incarnation)
 
     async def _connect(self, prefill: WorkerRef, decode: WorkerRef) -> None:
         offer = await decode.handle.accept.remote(prefill.name)
@@ -159,10 +171,28 @@ class WorkerSet:
         results = await asyncio.gather(*(asyncio.wait_for(w.handle.stats.remote(), 5) for w in workers),
                                        return_exceptions=True)
         for worker, stats in zip(workers, results):
-            worker.alive = not isinstance(stats, BaseException)
-            if worker.alive:
-                worker.stats = stats
-                worker.reserved_since_stats = 0
+            if isinstance(stats, BaseException):
+                self._lost(worker, stats)
+                continue
+            if worker.incarnation and stats["incarnation"] != worker.incarnation:
+                self._lost(worker, "restarted")
+                await self._rejoin(worker)
+            worker.incarnation = stats["incarnation"]
+            worker.stats = stats
+            worker.reserved_since_stats = 0
+            worker.alive = True
+        self._on_room()
+
+    async def _rejoin(self, worker: WorkerRef) -> None:
+        """A restarted worker: pair it again with every live worker of the other kind."""
+        pairs = ([(worker, d) for d in self.decode if d.alive] if worker.kind == "prefill"
+                 else [(p, worker) for p in self.prefill if p.alive])
+        for p, d in pairs:
+            try:
+                await self._connect(p, d)
+            except Exception as e:
+                log.warning("reconnecting %s -> %s failed: %s", p.name, d.name, e)
+        log.info("%s %s rejoined after a restart", worker.kind, worker.name)
 
     def all_alive(self) -> bool:
         return any(w.alive for w in self.prefill) and any(w.alive for w in self.decode)
@@ -192,7 +222,8 @@ class WorkerSet:
         return best
 
     async def abort_everywhere(self, request_id: str) -> None:
-        calls = [w.handle.abort.remote(request_id) for w in self.prefill + self.decode if w.alive]
+        calls = [asyncio.wait_for(w.handle.abort.remote(request_id), 10)
+                 for w in self.prefill + self.decode if w.alive]
         await asyncio.gather(*calls, return_exceptions=True)
         self.owner.pop(request_id, None)
 

@@ -196,17 +196,23 @@ def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
         time.sleep(0.5)
 
 
-def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
+def test_stalled_handoff_is_retried_and_workers_keep_serving(cluster):
+    """A hand-off that starts and never finishes times out on both sides, frees its rows, and
+    the router runs the request again: the caller sees a normal, correct answer."""
     handle, path, hf, _ = cluster
+    retries_before = handle.retries
     for p in handle.workers.prefill:
         ray.get(p.handle.inject_stalled_handoffs.remote(1))
+    prompts = [[7, 7, 7], [8, 8, 8]]
     try:
-        stalled = handle.generate([[7, 7, 7], [8, 8, 8]], GREEDY)
+        outs = handle.generate(prompts, GREEDY)
     finally:
         for p in handle.workers.prefill:  # no leftover fault for later tests
             ray.get(p.handle.inject_stalled_handoffs.remote(0))
-    for out in stalled:
-        assert out.finish_reason == "error" and out.error, out
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None and out.finish_reason == "length", out
+        judge_greedy(hf, prompt, out.token_ids)
+    assert handle.retries - retries_before >= 1
     wait_idle(handle)
     deadline = time.monotonic() + 30  # the router reconnects channels a dead hand-off broke
     while handle._run(handle.workers.repair_channels()):
@@ -218,4 +224,4 @@ def test_stalled_handoff_fails_alone_and_workers_keep_serving(cluster):
         assert healthy.error is None, healthy.error
         judge_greedy(hf, prompt, healthy.token_ids)
     failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
-    assert failures >= 2
+    assert failures >= 1

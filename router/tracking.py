@@ -1,0 +1,98 @@
+"""One caller request as the router follows it across attempts.
+
+An attempt is one placement on workers under its own worker-side id, so nothing a dead or
+abandoned attempt still emits can reach the caller. When an attempt fails in the plumbing
+(a worker died, a hand-off broke or timed out) the next one resumes from exactly what the
+caller has received: its tokens, its text, its logprobs; the caller sees one stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from engine.output import RequestOutput
+from engine.request import Resume
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Failure:
+    """An attempt ended without finishing the request."""
+
+    error: str
+    retryable: bool  # True: the request itself was fine; run it again elsewhere
+
+
+@dataclass
+class Tracked:
+    request_id: str  # the caller's
+    prompt_ids: list[int]
+    params: SamplingParams
+    attempt: int = 0
+    tokens: list[int] = field(default_factory=list)  # delivered to the caller so far
+    sent_chars: int = 0
+    logprobs: list[dict] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # the current attempt's
+    split: bool = False  # the current attempt prefills on a prefill worker
+    first_logprob: asyncio.Future | None = None  # split attempts: the prefill worker's
+    tokens_this_attempt: int = 0
+    _logprob_base: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.request_id if self.attempt == 0 else f"{self.request_id}#retry{self.attempt}"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    def resume(self) -> Resume | None:
+        return Resume(tuple(self.tokens), self.sent_chars) if self.tokens else None
+
+    def next_attempt(self) -> None:
+        self.attempt += 1
+        self.events = asyncio.Queue()
+        self.split, self.first_logprob, self.tokens_this_attempt = False, None, 0
+        self._logprob_base = len(self.logprobs)
+
+    def classify(self, event) -> Failure | None:
+        """A Failure for events that end the attempt without finishing the request."""
+        if isinstance(event, Failure):
+            return event
+        if event.error is not None and self.split and self.tokens_this_attempt == 0:
+            return Failure(event.error, retryable=True)  # the decode side lost the hand-off
+        return None
+
+    async def delivered(self, out: RequestOutput) -> RequestOutput:
+        """The worker's output as the caller must see it, recorded as delivered."""
+        if out.error is None and out.new_token_ids:
+            self.tokens_this_attempt += len(out.new_token_ids)
+            if self.first_token_time is None:
+                self.first_token_time = out.first_token_time or time.monotonic()
+        if self.params.logprobs is not None and out.error is None:
+            own = list(out.logprobs or [])
+            if self.first_logprob is not None:  # the decode worker never saw the first token's
+                entry = await self.first_logprob
+                own = ([entry] if entry is not None else []) + own
+            self.logprobs[self._logprob_base:] = own
+            out.logprobs = list(self.logprobs)
+        out.request_id = self.request_id
+        out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
+        if out.error is None:
+            self.tokens = list(out.token_ids)
+            self.sent_chars += len(out.new_text)
+        return out
+
+    def failed(self, error: str) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_ids, list(self.tokens), "", True, "error",
+                             error=error, arrival_time=self.arrival_time,
+                             first_token_time=self.first_token_time, finish_time=time.monotonic())
+
+    def aborted(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt_ids, list(self.tokens), "", True, "abort",
+                             arrival_time=self.arrival_time, first_token_time=self.first_token_time,
+                             finish_time=time.monotonic())
