@@ -111,6 +111,30 @@ def test_decode_worker_dies_mid_stream(rcluster):
     assert_every_pair_serves(handle, hf)
 
 
+def test_sender_killed_mid_transfer_is_retried_without_waiting_for_the_timeout(rcluster):
+    """The hand-off starts, stalls, and its sender's process is killed: the receiver sees the
+    channel drop, the router sees the prefill call die, and the request runs again at once."""
+    handle, _, hf = rcluster
+    victim = handle.workers.prefill[0]  # both idle: the router picks the first
+    before = victim.incarnation
+    ray.get(victim.handle.inject_stalled_handoffs.remote(1))
+    prompt = [8, 6, 7, 5, 3, 0, 9]
+
+    async def kill_mid_transfer():
+        task = asyncio.ensure_future(collect(handle, "killed-mid-transfer", prompt, GREEDY))
+        await asyncio.sleep(1.0)  # prefilled; the hand-off has begun and hangs
+        assert not task.done()
+        ray.kill(victim.handle, no_restart=False)
+        return await task
+
+    start = time.monotonic()
+    seen, final = asyncio.run(kill_mid_transfer())
+    assert time.monotonic() - start < handle.config.transfer_timeout_s  # no wait for the timeout
+    assert_one_clean_stream(seen, final, hf, prompt)
+    wait_rejoined(handle, victim, before)
+    wait_idle(handle, 30)
+
+
 def test_cancellation_at_random_moments_frees_everything(rcluster):
     """Queued, prefilling, mid hand-off, decoding: a cancel anywhere leaves nothing held."""
     handle, _, _ = rcluster
