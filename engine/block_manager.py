@@ -77,8 +77,9 @@ class BlockManager:
         if table is None:
             return 0
         released = 0
-        # Reverse order puts the most recently used blocks at the back of the free list.
-        for block in reversed(table):
+        # In table order: a later request gets these back as ascending runs, which a hand-off
+        # copies (or sends) as one piece per run instead of one per block.
+        for block in table:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free.append(block)

@@ -1,8 +1,10 @@
 """`splitserve bench transfer`: hand-off throughput between two processes against memcpy.
 
 The payload is one request of a Jamba-like hybrid model (32 layers, attention every 8th,
-Mamba elsewhere) with as many prompt tokens as make up --size-mb, scattered over random
-block ids on both sides. The receiver lives in this process, the sender in a spawned one;
+Mamba elsewhere) with as many prompt tokens as make up --size-mb. Its block ids on each side
+come from the engine's own BlockManager after a churn of random requests (--block-ids
+allocator: what a serving worker hands out), or are drawn at random (--block-ids random:
+the worst case, one copy per block). The receiver lives in this process, the sender in a spawned one;
 a hand-off is timed from the order to send until the receiver reports it landed. memcpy
 is one contiguous copy of the same number of bytes in this process (the physical floor
 for a one-copy transport). After a warm-up, hand-offs and memcpys alternate; the JSON
@@ -167,11 +169,40 @@ def _environment(extra: dict[str, str]):
                 os.environ[k] = v
 
 
+def churned_block_ids(rows: int, count: int, rng: random.Random = random) -> list[int]:
+    """`count` block ids as engine.BlockManager hands them out after serving a while: requests
+    of 1..64 blocks come and go at random until the cache has been filled 20 times over."""
+    from engine.block_manager import BlockManager
+
+    blocks, held = BlockManager(rows, 1), []
+    for _ in range(20):
+        while True:
+            size = rng.randint(1, 64)
+            if not blocks.can_allocate(str(len(held)), size):
+                break
+            held.append(str(len(held)) + "-" + str(rng.random()))
+            blocks.allocate(held[-1], size)
+        rng.shuffle(held)
+        for _ in range(len(held) // 2):
+            blocks.free(held.pop())
+    rng.shuffle(held)
+    while blocks.num_free_blocks < count:
+        blocks.free(held.pop())
+    return list(blocks.allocate("payload", count))
+
+
+BLOCK_ID_PATTERNS = {
+    "allocator": churned_block_ids,
+    "random": lambda rows, count: random.sample(range(rows), count),
+}
+
+
 class _Pair:
     """Receiver here, sender in a spawned process."""
 
-    def __init__(self, transport: str, payload: Payload, tuned_copy: bool):
+    def __init__(self, transport: str, payload: Payload, tuned_copy: bool, block_ids: str = "allocator"):
         self.payload = payload
+        self.block_ids = BLOCK_ID_PATTERNS[block_ids]
         self.cache = payload.make_cache(seed=2)
         self.receiver = make_transport(transport).receiver("bench-decode", self.cache, TransferConfig(timeout_s=120))
         offer = self.receiver.accept("bench-prefill")
@@ -190,8 +221,7 @@ class _Pair:
         """(seconds until landed, seconds the sender spent computing)."""
         self._count += 1
         rows = int(self.payload.num_blocks * self.payload.spare) + 1
-        dst = random.sample(range(rows), self.payload.num_blocks)
-        src = random.sample(range(rows), self.payload.num_blocks)
+        dst, src = (self.block_ids(rows, self.payload.num_blocks) for _ in range(2))
         target = HandoffTarget(f"bench-{self._count}", "bench-decode", tuple(dst), 1)
         self.receiver.expect(target)
         start = time.perf_counter()
@@ -209,11 +239,12 @@ class _Pair:
         self.receiver.close()
 
 
-def run(transport: str, size_mb: float, repeats: int, pipeline_check: bool, tuned_copy: bool = True) -> dict:
+def run(transport: str, size_mb: float, repeats: int, pipeline_check: bool, tuned_copy: bool = True,
+        block_ids: str = "allocator") -> dict:
     """Hand-offs and memcpys alternate, so both see the same machine (shared hosts drift by 2x)."""
     torch.set_num_threads(1)
     payload = payload_for(size_mb)
-    pair = _Pair(transport, payload, tuned_copy)
+    pair = _Pair(transport, payload, tuned_copy, block_ids)
     nbytes = pair.cache.layout.handoff_bytes(payload.num_tokens)
     memcpy = _Memcpy(nbytes)
     try:
@@ -227,7 +258,7 @@ def run(transport: str, size_mb: float, repeats: int, pipeline_check: bool, tune
             "transport": transport, "size_mb": round(nbytes / 2**20, 2), "payload_bytes": nbytes,
             "num_tokens": payload.num_tokens, "block_size": payload.block_size,
             "attention_layers": len(payload.attention_layers), "mamba_layers": len(payload.mamba_layers),
-            "repeats": repeats, "tuned_copy": tuned_copy and transport == "shm",
+            "repeats": repeats, "tuned_copy": tuned_copy and transport == "shm", "block_ids": block_ids,
             "transport_gbps": round(nbytes / _median(handoffs) / 1e9, 3),
             "memcpy_gbps": round(nbytes / _median(copies) / 1e9, 3),
             "ratio_to_memcpy": round(_median(ratios), 3),  # median of back-to-back pairs
@@ -270,12 +301,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pipeline-check", action="store_true", help="also time a simulated prefill, sequential vs layer-pipelined")
     parser.add_argument("--no-tuned-copy", action="store_true", help="shm: run the sender without SHM_SENDER_ENV")
+    parser.add_argument("--block-ids", choices=sorted(BLOCK_ID_PATTERNS), default="allocator",
+                        help="allocator: ids from the engine's allocator after churn; random: worst case")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.size_mb <= 0 or args.repeats < 1:
         parser.error("--size-mb must be > 0 and --repeats >= 1")
     transport = args.transport or default_cpu_transport(same_node=True)
-    result = run(transport, args.size_mb, args.repeats, args.pipeline_check, not args.no_tuned_copy)
+    result = run(transport, args.size_mb, args.repeats, args.pipeline_check, not args.no_tuned_copy,
+                 args.block_ids)
     if args.json:
         print(json.dumps(result))
     else:
