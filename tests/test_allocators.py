@@ -114,3 +114,14 @@ def test_state_read_guard():
         slots.check_readable("a2", a2)  # previous owner's state is still in the tensors
     slots.mark_written("b")
     slots.check_readable("b", b)
+
+
+def test_freed_table_comes_back_as_ascending_runs():
+    """Hand-offs copy one piece per run of consecutive ids: a freed table must not return reversed."""
+    bm = BlockManager(num_blocks=12, block_size=4)
+    first = list(bm.allocate("a", 16))
+    bm.allocate("b", 8)
+    bm.free("a")
+    bm.allocate("c", 4 * (6 + 4))  # the 6 never-used blocks, then a's 4 in their order
+    assert bm.table("c") == [6, 7, 8, 9, 10, 11] + first
+    bm.check_integrity()
