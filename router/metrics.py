@@ -64,10 +64,16 @@ class WorkerStatusCollector:
 
     def collect(self):
         try:
-            workers = self._status().get("workers", [])
+            status = self._status()
         except Exception:  # a scrape must still answer while the cluster is in trouble
             log.exception("backend.status() failed during a metrics scrape")
-            workers = []
+            status = {}
+        workers = status.get("workers", [])
+        if "retries" in status:
+            retries = CounterMetricFamily("splitserve_request_retries",
+                                          "Request attempts run again after a worker died or a hand-off broke")
+            retries.add_metric([], status["retries"])
+            yield retries
         gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
         counter = lambda name, doc: CounterMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
         alive = gauge("splitserve_worker_alive", "1 while the worker answers")

@@ -82,7 +82,7 @@ def test_handoff_and_cluster_worker_metrics():
          "kv_blocks_free": 7, "state_slots_total": 4, "state_slots_free": 3, "waiting": 2,
          "running": 1, "preemptions": 5, "handoff_bytes": 4096, "handoff_count": 3,
          "handoff_failures": 1, "handoff_seconds_sum": 0.25},
-        {"id": "decode-0", "kind": "decode", "node": "n2", "alive": False}]}
+        {"id": "decode-0", "kind": "decode", "node": "n2", "alive": False}], "retries": 7}
     text = FrontDoorMetrics(lambda: status).render().decode()
     samples = {(s.name, frozenset(s.labels.items())): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
@@ -96,6 +96,7 @@ def test_handoff_and_cluster_worker_metrics():
     assert value(samples, "splitserve_worker_handoff_seconds_count", **p) == 3
     assert value(samples, "splitserve_worker_handoff_seconds_sum", **p) == 0.25
     assert value(samples, "splitserve_worker_alive", worker="decode-0", kind="decode", node="n2") == 0
+    assert value(samples, "splitserve_request_retries_total") == 7
 
 
 def test_a_failing_status_still_scrapes():
