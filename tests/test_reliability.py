@@ -161,6 +161,20 @@ def test_cancellation_at_random_moments_frees_everything(rcluster):
     assert not handle._requests and not handle._attempts and not handle.workers.owner
 
 
+def test_more_requests_than_decode_slots_wait_for_room(rcluster):
+    """60 requests, 48 state slots on the decode workers: placement waits for room instead of
+    failing, and every request finishes correctly."""
+    handle, path, _ = rcluster
+    prompts = [[11, 12, 13 + i % 7] for i in range(60)]
+    outs = handle.generate(prompts, GREEDY)
+    assert all(o.error is None and len(o.token_ids) == GREEDY.max_tokens for o in outs), \
+        [o.error for o in outs if o.error]
+    expected = LLM(path, block_size=4).generate(prompts[:7], GREEDY)
+    for i, out in enumerate(outs):
+        assert out.token_ids == expected[i % 7].token_ids
+    wait_idle(handle, 30)
+
+
 def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
     handle, _, _ = rcluster
     limit, long = 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
