@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.sampling_params import InvalidRequest, SamplingParams, describe, is_unicode
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
@@ -10,6 +10,8 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequest("prompt", "this model has no tokenizer.json; send token ids")
+        if not is_unicode(prompt):
+            raise InvalidRequest("prompt", "not valid Unicode (a lone surrogate)")
         ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
@@ -19,7 +21,8 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
         raise InvalidRequest("prompt", "must not be empty")
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise InvalidRequest("prompt", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidRequest("prompt", f"token ids must be integers in [0, {vocab_size}) "
+                                           f"(the vocabulary), got {describe(t)}")
     return ids
 
 
@@ -27,6 +30,23 @@ def check_prompt_length(num_prompt_tokens: int, max_model_len: int) -> None:
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequest("prompt", f"{num_prompt_tokens} tokens; the context holds "
                              f"{max_model_len} and at least one must be generated")
+
+
+def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Refuse what could never be generated, as vLLM does, rather than cut it short silently."""
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequest("max_tokens", f"{describe(max_tokens)} new tokens after a "
+                             f"{num_prompt_tokens}-token prompt pass the context of {max_model_len}; "
+                             f"at most {max(max_model_len - num_prompt_tokens, 0)} fit")
+
+
+def fitting_prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, max_tokens: int
+                       ) -> list[int]:
+    """prompt_token_ids, checked to leave room in the context for max_tokens new tokens."""
+    ids = prompt_token_ids(prompt, tokenizer, vocab_size)
+    check_prompt_length(len(ids), max_model_len)
+    check_max_tokens(len(ids), max_tokens, max_model_len)
+    return ids
 
 
 def as_batch(prompts, params: SamplingParams | list[SamplingParams] | None):

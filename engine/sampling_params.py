@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class InvalidRequest(ValueError):
@@ -16,16 +17,48 @@ class InvalidRequest(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # raised in a Ray worker, it must unpickle in the router as itself
+        return type(self), (self.field, self.message)
+
+
+def describe(value, limit: int = 80) -> str:
+    """A short repr for error messages: a caller's 10 MB string or 10**5000 is not echoed back."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({type(value).__name__})"
 
 
 def _number(name, value, *, integer=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise InvalidRequest(name, f"must be a number, got {type(value).__name__}")
-    if integer and not (isinstance(value, int) or float(value).is_integer()):
-        raise InvalidRequest(name, f"must be an integer, got {value!r}")
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(name, f"must be finite, got {value!r}")
-    return int(value) if integer else float(value)
+    if integer:
+        if isinstance(value, float) and not value.is_integer():
+            raise InvalidRequest(name, f"must be an integer, got {value!r}")
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        raise InvalidRequest(name, f"must be finite, got {describe(value)}") from None
+
+
+def _flag(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(name, f"must be a boolean, got {type(value).__name__}")
+    return value
+
+
+def is_unicode(text: str) -> bool:
+    """False for a str with a lone surrogate: JSON lets one through, tokenizers and UTF-8 do not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass
@@ -48,13 +81,15 @@ class SamplingParams:
     def __post_init__(self):
         self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
         if self.max_tokens < 1:
-            raise InvalidRequest("max_tokens", f"must be >= 1, got {self.max_tokens}")
+            raise InvalidRequest("max_tokens", f"must be >= 1, got {describe(self.max_tokens)}")
         self.temperature = _number("temperature", self.temperature)
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidRequest("temperature", f"must be in [0, 100], got {self.temperature}")
         self.top_k = _number("top_k", self.top_k, integer=True)
-        if self.top_k < -1:
-            raise InvalidRequest("top_k", f"must be -1 (off), 0 (off) or positive, got {self.top_k}")
+        # The sampler puts every row's k in one int64 tensor: one absurd k would fail the batch.
+        if not -1 <= self.top_k < 2**31:
+            raise InvalidRequest("top_k", f"must be -1 (off), 0 (off) or in [1, 2**31), "
+                                 f"got {describe(self.top_k)}")
         self.top_p = _number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequest("top_p", f"must be in (0, 1], got {self.top_p}")
@@ -64,7 +99,7 @@ class SamplingParams:
         if self.seed is not None:
             self.seed = _number("seed", self.seed, integer=True)
             if not 0 <= self.seed < 2**63:
-                raise InvalidRequest("seed", f"must be in [0, 2**63), got {self.seed}")
+                raise InvalidRequest("seed", f"must be in [0, 2**63), got {describe(self.seed)}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _number(name, getattr(self, name))
             if not -2.0 <= value <= 2.0:
@@ -85,17 +120,23 @@ class SamplingParams:
                 raise InvalidRequest("stop", "stop strings must not be empty")
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequest("stop", f"a stop string is {len(s)} chars, max {MAX_STOP_STRING_CHARS}")
+            if not is_unicode(s):
+                raise InvalidRequest("stop", "a stop string is not valid Unicode (a lone surrogate)")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise InvalidRequest("stop_token_ids", "must be a list of integers")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, "
+                                 f"got {len(self.stop_token_ids)}")
         self.stop_token_ids = [_number("stop_token_ids", t, integer=True) for t in self.stop_token_ids]
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids", "token ids must be >= 0")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequest("ignore_eos", "must be a boolean")
+        self.ignore_eos = _flag("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _flag("skip_special_tokens", self.skip_special_tokens)
         if self.logprobs is not None:
             self.logprobs = _number("logprobs", self.logprobs, integer=True)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+                raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], "
+                                     f"got {describe(self.logprobs)}")
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from datetime import datetime
 
-from engine.sampling_params import InvalidRequest
+from engine.sampling_params import InvalidRequest, describe, is_unicode
 
 # Used when tokenizer_config.json has no chat_template: readable, and clear about whose turn it is.
 DEFAULT_CHAT_TEMPLATE = (
@@ -54,9 +54,11 @@ def normalize_messages(messages) -> list[dict]:
         if not isinstance(message, dict):
             raise InvalidRequest(where, "must be an object with role and content")
         role = message.get("role")
-        if role not in ROLES:
-            raise InvalidRequest(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(role, str) or role not in ROLES:
+            raise InvalidRequest(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {describe(role)}")
         content = message.get("content")
+        if content is None and role != "assistant":  # only an assistant turn may be empty (OpenAI)
+            raise InvalidRequest(f"{where}.content", "required: a string or a list of text parts")
         if content is None:
             content = ""
         elif isinstance(content, list):
@@ -69,9 +71,14 @@ def normalize_messages(messages) -> list[dict]:
                 parts.append(part["text"])
             content = "".join(parts)
         elif not isinstance(content, str):
-            raise InvalidRequest(f"{where}.content", "must be a string or a list of text parts")
+            raise InvalidRequest(f"{where}.content", "must be a string or a list of text parts, "
+                                 f"got {type(content).__name__}")
+        if not is_unicode(content):
+            raise InvalidRequest(f"{where}.content", "not valid Unicode (a lone surrogate)")
         entry = {"role": role, "content": content}
         if isinstance(message.get("name"), str):
+            if not is_unicode(message["name"]):
+                raise InvalidRequest(f"{where}.name", "not valid Unicode (a lone surrogate)")
             entry["name"] = message["name"]
         result.append(entry)
     return result

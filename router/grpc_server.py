@@ -8,6 +8,7 @@ import uuid
 from contextlib import aclosing
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_health.v1.health import aio as health_aio
@@ -27,6 +28,7 @@ SAMPLING_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has
 SAMPLING_LISTS = ["stop", "stop_token_ids"]
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 WORKER_FIELDS = [f.name for f in pb.WorkerStatus.DESCRIPTOR.fields]
+MAX_REQUEST_ID_CHARS = 256
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -34,6 +36,48 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     kwargs = {name: getattr(msg, name) for name in SAMPLING_SCALARS if msg.HasField(name)}
     kwargs.update({name: list(getattr(msg, name)) for name in SAMPLING_LISTS if getattr(msg, name)})
     return SamplingParams(**kwargs)
+
+
+class Undecodable:
+    """What bytes that are not the expected message decode to: the handler then answers
+    INVALID_ARGUMENT, where a raising deserializer would make grpc answer INTERNAL."""
+
+    def __init__(self, message_cls, error: Exception):
+        why = str(error).rsplit(": ", 1)[-1]  # protobuf's message repeats the type name first
+        self.message = f"not a valid {message_cls.DESCRIPTOR.full_name}: {why}"
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:  # bad wire format, bad UTF-8 in a string field
+            return Undecodable(message_cls, e)
+    return parse
+
+
+def add_servicer(servicer: SplitServeServicer, server) -> None:
+    """splitserve_pb2_grpc.add_SplitServeServicer_to_server, decoding requests leniently."""
+    handlers = {}
+    for method in pb.DESCRIPTOR.services_by_name["SplitServe"].methods:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def request_from_proto(request) -> tuple[str | list[int], SamplingParams]:
+    """A GenerateRequest's prompt and sampling parameters; InvalidRequest naming the field."""
+    if isinstance(request, Undecodable):
+        raise InvalidRequest("request", request.message)
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # it is echoed in every response
+        raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, "
+                             f"got {len(request.request_id)}")
+    return prompt_from_proto(request), sampling_from_proto(request.sampling)
 
 
 def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
@@ -72,12 +116,11 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
         self.core = core
 
     async def Generate(self, request, context):
-        request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
+        request_id = getattr(request, "request_id", "") or f"grpc-{uuid.uuid4().hex}"
         deadline = DeadlineWatch(context)
         try:
             try:
-                prompt = prompt_from_proto(request)
-                params = sampling_from_proto(request.sampling)
+                prompt, params = request_from_proto(request)
             except InvalidRequest:
                 self.core.count_invalid("grpc")
                 raise
@@ -99,7 +142,7 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded; request aborted")
         except InvalidRequest as e:
             path = field_path(e.field)
-            message = str(e) if path == e.field else f"{path}: {str(e)[len(e.field) + 2:]}"
+            message = f"{path}: {e.message}"  # not str(e): from a Ray worker that is its traceback
             context.set_trailing_metadata((("invalid-field", path),))
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         except Overloaded as e:
@@ -117,18 +160,27 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
             deadline.cancel()
 
     async def Abort(self, request, context):
+        await _refuse_undecodable(request, context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
         return pb.AbortResponse(aborted=await self.core.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):
+        await _refuse_undecodable(request, context)
         return model_info_proto(self.core)
 
     async def GetStatus(self, request, context):
+        await _refuse_undecodable(request, context)
         status = await self.core.status()
         return pb.ServerStatus(ready=await self.core.ready(), requests_in_flight=self.core.in_flight,
                                max_queued=self.core.max_queued, model=model_info_proto(self.core),
                                workers=[worker_proto(w) for w in status.get("workers", [])])
+
+
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, Undecodable):
+        context.set_trailing_metadata((("invalid-field", "request"),))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.message}")
 
 
 class DeadlineWatch:
@@ -177,7 +229,7 @@ class GrpcFront:
         self.server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
         self.core = core
         self.health = health_aio.HealthServicer()  # "" is SERVING from the start: liveness
-        pb_grpc.add_SplitServeServicer_to_server(SplitServeServicer(core), self.server)
+        add_servicer(SplitServeServicer(core), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), self.server)

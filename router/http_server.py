@@ -107,7 +107,8 @@ def _error(status: int, message: str, type_: str, param=None, code=None) -> JSON
 
 def _error_for(e: Exception) -> JSONResponse:
     if isinstance(e, InvalidRequest):
-        return _error(400, str(e), "invalid_request_error", e.field)
+        # not str(e): from a Ray worker that is the worker's traceback
+        return _error(400, f"{e.field}: {e.message}", "invalid_request_error", e.field)
     if isinstance(e, BodyTooLarge):
         return _error(413, str(e), "invalid_request_error", "body")
     if isinstance(e, oa.ModelNotFound):
@@ -120,6 +121,16 @@ def _error_for(e: Exception) -> JSONResponse:
         return _error(500, str(e), "internal_error")
     log.exception("unexpected error", exc_info=e)
     return _error(500, "internal error", "internal_error")
+
+
+def decode_body(raw: bytes):
+    """The JSON in a request body; InvalidRequest("body", ...) for anything that is not JSON."""
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # also UnicodeDecodeError: the body is not UTF-8
+        raise InvalidRequest("body", f"not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...]]]]: fits in the size limit, not in the parser's stack
+        raise InvalidRequest("body", "not valid JSON: nested too deeply") from None
 
 
 def _sse(obj) -> str:
@@ -171,11 +182,7 @@ class OpenAIApp:
                 raw += piece
                 if len(raw) > MAX_BODY_BYTES:
                     raise BodyTooLarge(f"the body is over {MAX_BODY_BYTES} bytes")
-            try:
-                body = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise InvalidRequest("body", f"not valid JSON: {e}") from None
-            return parse(body)
+            return parse(decode_body(raw))
         except (InvalidRequest, oa.ModelNotFound, BodyTooLarge):
             self.core.count_invalid("http")
             raise

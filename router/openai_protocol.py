@@ -6,9 +6,12 @@ Bodies are checked field by field so bad input is always an InvalidRequest namin
 
 from __future__ import annotations
 
+import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.prompts import check_max_tokens
+from engine.sampling_params import InvalidRequest, SamplingParams, describe
 from router.backend import ModelInfo
 from router.chat_template import chat_prompt_ids
 from router.serving import Usage
@@ -40,22 +43,37 @@ class ParsedRequest:
 
 def _check_common(body, info: ModelInfo) -> None:
     if not isinstance(body, dict):
-        raise InvalidRequest("body", "must be a JSON object")
+        raise InvalidRequest("body", f"must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model", f"must be a string, got {type(model).__name__}")
     if model is not None and model != info.model_name:
-        raise ModelNotFound(f"the model {model!r} does not exist; this server serves {info.model_name!r}")
+        raise ModelNotFound(f"the model {describe(model)} does not exist; this server serves "
+                            f"{info.model_name!r}")
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in allowed:
-            raise InvalidRequest(name, f"{body.get(name)!r} is not supported")
+            raise InvalidRequest(name, f"not supported: only {json.dumps(allowed[-1])} is, "
+                                 f"got {describe(body.get(name))}")
 
 
-def _flag(body, name: str) -> bool:
+def _flag(body, name: str, label: str | None = None) -> bool:
     value = body.get(name)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise InvalidRequest(name, "must be a boolean")
+        raise InvalidRequest(label or name, f"must be a boolean, got {type(value).__name__}")
     return value
+
+
+@contextmanager
+def _renamed(names: dict[str, str]):
+    """Errors about an engine field name the request field the caller actually sent."""
+    try:
+        yield
+    except InvalidRequest as e:
+        if e.field not in names:
+            raise
+        raise InvalidRequest(names[e.field], e.message) from None
 
 
 def _sampling(body, **overrides) -> SamplingParams:
@@ -69,8 +87,9 @@ def _stream_options(body, stream: bool) -> bool:
     if options is None:
         return False
     if not isinstance(options, dict):
-        raise InvalidRequest("stream_options", "must be an object")
-    return stream and _flag(options, "include_usage")
+        raise InvalidRequest("stream_options", f"must be an object, got {type(options).__name__}")
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    return stream and include_usage
 
 
 def _completion_prompt(prompt) -> str | list[int]:
@@ -79,10 +98,10 @@ def _completion_prompt(prompt) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt  # token ids; the backend checks them against the vocabulary
+        return prompt  # token ids; the front door checks them against the vocabulary
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequest("prompt", "batches of several prompts are not supported; send one per request")
-    raise InvalidRequest("prompt", "must be a string or a list of token ids")
+    raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {describe(prompt, 40)}")
 
 
 def parse_completion(body, info: ModelInfo) -> ParsedRequest:
@@ -102,19 +121,24 @@ def parse_completion(body, info: ModelInfo) -> ParsedRequest:
 
 def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
     _check_common(body, info)
+    max_tokens_name = "max_tokens"
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+        body, max_tokens_name = {**body, "max_tokens": body["max_completion_tokens"]}, "max_completion_tokens"
     ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    if len(ids) >= info.max_model_len:
+        raise InvalidRequest("messages", f"{len(ids)} tokens once templated; the context holds "
+                             f"{info.max_model_len} and at least one must be generated")
     logprobs = None
     if _flag(body, "logprobs"):
-        logprobs = body.get("top_logprobs") or 0
+        logprobs = 0 if body.get("top_logprobs") is None else body["top_logprobs"]
     elif body.get("top_logprobs") is not None:
         raise InvalidRequest("top_logprobs", "needs logprobs: true")
     stream = _flag(body, "stream")
     # No max_tokens: up to the end of the context, as OpenAI does.
-    defaults = {} if body.get("max_tokens") is not None else {
-        "max_tokens": max(1, info.max_model_len - len(ids))}
-    params = _sampling(body, logprobs=logprobs, **defaults)
+    defaults = {} if body.get("max_tokens") is not None else {"max_tokens": info.max_model_len - len(ids)}
+    with _renamed({"max_tokens": max_tokens_name, "logprobs": "top_logprobs"}):
+        params = _sampling(body, logprobs=logprobs, **defaults)
+        check_max_tokens(len(ids), params.max_tokens, info.max_model_len)
     return ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
                          _flag(body, "return_token_ids"))
 

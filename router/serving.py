@@ -7,10 +7,12 @@ only that loop touches it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from engine.prompts import fitting_prompt_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from router.backend import Backend, Overloaded, Unavailable
 from router.metrics import FrontDoorMetrics
@@ -81,8 +83,9 @@ class ServingCore:
                        protocol: str) -> AsyncIterator[Delta | Final]:
         """Deltas, then one Final. Close it (contextlib.aclosing) to abort the request early.
 
-        Raises Overloaded at once when max_queued requests are in flight, and InvalidRequest,
-        Overloaded, Unavailable from the backend before the first event.
+        Raises Overloaded at once when max_queued requests are in flight, InvalidRequest for a
+        prompt or max_tokens that cannot fit, and InvalidRequest, Overloaded, Unavailable from
+        the backend before the first event.
         """
         outcome = "cancelled"  # stays so unless the request finishes or fails
         if self.in_flight >= self.max_queued:
@@ -94,7 +97,8 @@ class ServingCore:
         first_token_at = None
         stream = None
         try:
-            stream = self.backend.stream(request_id, prompt, params)
+            ids = await self._checked_prompt(prompt, params)
+            stream = self.backend.stream(request_id, ids, params)
             async for out in stream:
                 now = time.monotonic()
                 new = list(out.new_token_ids)
@@ -136,6 +140,15 @@ class ServingCore:
             self.in_flight -= 1
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(protocol, outcome).inc()
+
+    async def _checked_prompt(self, prompt, params: SamplingParams) -> list[int]:
+        """Token ids checked against the vocabulary and the context here, so both protocols
+        refuse the same input and a request that cannot fit never reaches a worker."""
+        info = self.backend.info
+        check = functools.partial(fitting_prompt_ids, prompt, self.backend.tokenizer,
+                                  info.vocab_size, info.max_model_len, params.max_tokens)
+        # tokenizing a long text here would stall every other request on this loop
+        return await asyncio.to_thread(check) if isinstance(prompt, str) else check()
 
     def _final(self, out, start: float, first_token_at: float | None, now: float) -> Final:
         usage = Usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens or 0)
