@@ -4,8 +4,8 @@ Per sequence, by phase (see engine.phase):
 - FRESH_PREFILL: conv and ssm state start from explicit zeros; the slot is only written.
 - CONTINUED_PREFILL: starts from the slot's state (this request's own, checked by the runner).
 - DECODE: reads the slot's state, updates it with one token, writes it back.
-Prefill uses a chunked parallel scan (`selective_scan`), never a Python loop over tokens;
-`selective_scan_ref` is the token-by-token definition it is tested against.
+Prefill uses a blocked scan (`selective_scan`: whole-block ops plus one in-place [D, N]
+multiply-add per token); `selective_scan_ref` is the definition it is tested against.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from engine.models.batch import ForwardBatch
 from engine.models.layers import RMSNorm, activation
 from engine.phase import Phase
 
-# Elements of one [block, d_inner, d_state] scan tensor: small enough to stay in cache.
-SCAN_BLOCK_ELEMENTS = 1 << 17
+# Elements of one [block, d_inner, d_state] scan tensor: 64 tokens at d_inner*d_state = 8192.
+SCAN_BLOCK_ELEMENTS = 1 << 19
 
 
 def selective_scan_ref(x, dt, A, B, C, h0):
@@ -37,16 +37,18 @@ def selective_scan_ref(x, dt, A, B, C, h0):
 
 
 def selective_scan(x, dt, A, B, C, h0):
-    """Same contract as `selective_scan_ref`, computed block by block with a doubling scan.
+    """Same contract as `selective_scan_ref`, computed block by block.
 
-    Each block of tokens combines the linear recurrence h_t = a_t h_{t-1} + b_t in log2(block)
-    rounds (Hillis-Steele); every factor a_t = exp(dt A) is <= 1, so products never overflow.
-    Blocks are sized to stay cache-resident, which on CPU beats both one big parallel scan
-    (memory-bound) and a token loop (dispatch-bound) by about 3x at d_inner*d_state = 8192.
+    Per block of tokens the decays a_t = exp(dt_t A) and inputs b_t = dt_t x_t B_t are made
+    in two whole-block ops, the recurrence h_t = a_t h_{t-1} + b_t runs in place as one
+    [D, N] multiply-add per token, and y = C . h is one multiply and one sum for the block.
+    On CPU (profiled with 1-2 threads at d_inner*d_state = 8192) this beats a Hillis-Steele
+    doubling scan by 2-3x: the doubling scan does log2(block) full passes of extra multiplies
+    and copies, while per-token ops of 32 KiB are cheap enough that dispatch does not dominate.
     """
     length, d_inner = x.shape
     d_state = A.shape[1]
-    block = max(4, min(256, 1 << max(0, (SCAN_BLOCK_ELEMENTS // (d_inner * d_state)).bit_length() - 1)))
+    block = max(1, min(256, SCAN_BLOCK_ELEMENTS // (d_inner * d_state)))
     y = torch.empty(length, d_inner, dtype=torch.float32, device=x.device)
     dt_x = dt * x
     h = h0.float()
@@ -54,16 +56,13 @@ def selective_scan(x, dt, A, B, C, h0):
         end = min(start + block, length)
         a = torch.mul(dt[start:end, :, None], A).exp_()  # [n, D, N]
         b = torch.mul(dt_x[start:end, :, None], B[start:end, None, :])
-        step = 1
-        while step < end - start:
-            b_carry = a[step:] * b[:-step]  # materialised before the in-place updates below
-            a_carry = a[step:] * a[:-step]
-            b[step:] += b_carry
-            a[step:] = a_carry
-            step *= 2
-        b.addcmul_(a, h)  # fold in the state entering the block
-        torch.matmul(b, C[start:end, :, None], out=y[start:end, :, None])
-        h = b[-1]
+        prev = h
+        for a_t, b_t in zip(a.unbind(0), b.unbind(0)):  # b becomes h_t, row by row
+            b_t.addcmul_(a_t, prev)
+            prev = b_t
+        torch.mul(b, C[start:end, None, :], out=a)  # a is free again: reuse it
+        torch.sum(a, dim=-1, out=y[start:end])
+        h = b[-1].clone()
     return y, h
 
 
