@@ -53,7 +53,8 @@ def _cmd_serve(args) -> int:
                      gpus_per_worker=args.gpus_per_worker,
                      prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
                      decode_resource=None if args.decode_resource == "none" else args.decode_resource,
-                     pack_pairs=args.pack_pairs, **engine_options)
+                     pack_pairs=args.pack_pairs, max_retries=args.max_retries,
+                     transfer_timeout_s=args.transfer_timeout, **engine_options)
     door = None
     try:
         door = start_frontdoor(cluster, door_config)
@@ -85,6 +86,10 @@ def _cmd_bench(args, rest: list[str]) -> int:
         from kvtransfer.bench import main as bench_transfer
 
         return bench_transfer(rest)
+    if args.what in ("serve", "offline", "compare", "plan"):
+        from bench.cli import main as bench_main
+
+        return bench_main([args.what, *rest])
     print(f"unknown benchmark {args.what!r}", file=sys.stderr)
     return 2
 
@@ -128,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="custom Ray resource pinning decode workers (auto: splitserve_decode if "
                             "some node offers it; none: no pinning)")
     serve.add_argument("--pack-pairs", action="store_true", help="put prefill i and decode i on one node")
+    serve.add_argument("--max-retries", type=int, default=3,
+                       help="times a request runs again after its worker died or its hand-off broke")
+    serve.add_argument("--transfer-timeout", type=float, default=30.0,
+                       help="seconds from reservation until an unfinished hand-off is failed (and retried)")
     serve.add_argument("--block-size", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
@@ -141,8 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_client_commands(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks (`bench transfer --help`)")
-    bench.add_argument("what", choices=["transfer"])
+    bench = sub.add_parser("bench", help="benchmarks: serve (online), offline, compare, plan, transfer "
+                                         "(`bench WHAT --help`)", add_help=False)
+    bench.add_argument("what", choices=["serve", "offline", "compare", "plan", "transfer"])
     bench.set_defaults(func=_cmd_bench)
     return parser
 

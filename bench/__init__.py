@@ -1,0 +1,1 @@
+"""Serving benchmarks: workloads, vLLM-style metrics, side-by-side runs, plots, a P:D planner."""

@@ -1,0 +1,191 @@
+"""`splitserve bench serve|offline|compare|plan` (`bench transfer` lives in kvtransfer.bench)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.workloads import WORKLOAD_KINDS
+
+BENCHMARKS = ("serve", "offline", "compare", "plan")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOAD_KINDS, default="fixed")
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument("--range-ratio", type=float, default=0.5, help="random: +- this fraction")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="req/s (inf: all at once)")
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--slo-ttft-ms", type=float, default=None)
+    g.add_argument("--slo-tpot-ms", type=float, default=None)
+    g.add_argument("--slo-e2el-ms", type=float, default=None)
+    g.add_argument("--out", default=None, help="write the JSON result here")
+    g.add_argument("--plot", default=None, help="write latency CDFs to this PNG")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-format folder (default: the bundled demo model)")
+    p.add_argument("--tiny", choices=["jamba", "llama"], default=None,
+                   help="build a tiny random checkpoint (bench.checkpoints) instead of --model")
+
+
+@contextlib.contextmanager
+def _model_dir(args):
+    if args.tiny is None:
+        if args.model is None:
+            from engine import demo_model_path
+
+            yield str(demo_model_path())
+        else:
+            yield args.model
+        return
+    from bench.checkpoints import build_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="splitserve-tiny-") as tmp:
+        build_checkpoint(args.tiny, tmp)
+        yield tmp
+
+
+def _slo(args):
+    from bench.metrics import SLO
+
+    ms = [getattr(args, f"slo_{k}_ms") for k in ("ttft", "tpot", "e2el")]
+    return SLO(*(None if v is None else v / 1000.0 for v in ms))
+
+
+def _requests(args, vocab_size: int, max_model_len: int):
+    from bench.workloads import WorkloadConfig, generate_requests
+
+    first = 3 if vocab_size > 3 else 0
+    return generate_requests(WorkloadConfig(
+        args.workload, args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab_size,
+        first, max_model_len, args.request_rate, args.burstiness, args.seed))
+
+
+def _finish(args, result: dict) -> int:
+    from bench.metrics import dump_json, summary_line
+
+    print(summary_line(result["label"], result["metrics"]))
+    if args.out:
+        dump_json(result, args.out)
+    else:
+        from bench.metrics import jsonable
+
+        print(json.dumps(jsonable(result["metrics"]), indent=2))
+    if args.plot:
+        from bench.plots import plot_latency_cdfs
+
+        plot_latency_cdfs({result["label"]: result}, Path(args.plot))
+    failed = result["metrics"]["failed"]
+    return 1 if failed else 0
+
+
+def cmd_serve(args) -> int:
+    from bench.runner import RunConfig, open_target, run_benchmark
+    from router.client import SplitServeClient
+
+    with SplitServeClient(args.server, auth_token=args.auth_token) as client:
+        info = client.model_info(timeout=30)
+    requests = _requests(args, info.vocab_size, info.max_model_len)
+    with open_target("server", server=args.server, auth_token=args.auth_token) as target:
+        result = run_benchmark(target, requests, RunConfig("server", args.max_concurrency,
+                                                           progress=not args.no_progress, slo=_slo(args)))
+    result["server"] = args.server
+    return _finish(args, result)
+
+
+def cmd_offline(args) -> int:
+    from bench.runner import RunConfig, open_target, run_benchmark
+
+    with _model_dir(args) as model:
+        config = json.loads((Path(model) / "config.json").read_text())
+        max_len = min(config.get("max_position_embeddings") or 8192, 8192)
+        requests = _requests(args, config["vocab_size"], max_len)
+        options = {"max_num_batched_tokens": args.max_num_batched_tokens}
+        if args.backend == "cluster":
+            options.update(prefill=args.prefill, decode=args.decode, cpus_per_worker=args.cpus_per_worker,
+                           local_prefill_tokens=args.local_prefill_tokens)
+            label = f"{args.prefill}P{args.decode}D"
+        else:
+            label = "colocated"
+        with open_target(args.backend, model, **options) as target:
+            result = run_benchmark(target, requests, RunConfig(label, args.max_concurrency,
+                                                               progress=not args.no_progress, slo=_slo(args)))
+    return _finish(args, result)
+
+
+def cmd_compare(args) -> int:
+    from bench.compare import config_from_args, run_compare
+
+    results = run_compare(config_from_args(args))
+    for name, t in results["targets"].items():
+        print(f"{name}: {t['value']:.2f} (target {t['target']}) {'met' if t['met'] else 'MISSED'}")
+    print(f"results: {Path(args.out) / 'compare.json'}")
+    return 0
+
+
+def cmd_plan(args) -> int:
+    from bench.plan_cli import run_plan
+
+    return run_plan(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve bench", description="serving benchmarks")
+    sub = parser.add_subparsers(dest="what", required=True)
+
+    serve = sub.add_parser("serve", help="online: against a running `splitserve serve` (gRPC)")
+    serve.add_argument("--server", default="127.0.0.1:50051")
+    serve.add_argument("--auth-token", default=None)
+    _workload_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    offline = sub.add_parser("offline", help="in-process: the colocated engine or a launched cluster")
+    _model_args(offline)
+    offline.add_argument("--backend", choices=["llm", "cluster"], default="llm")
+    offline.add_argument("--prefill", type=int, default=1)
+    offline.add_argument("--decode", type=int, default=1)
+    offline.add_argument("--cpus-per-worker", type=float, default=1.0)
+    offline.add_argument("--local-prefill-tokens", type=int, default=0,
+                         help="cluster: prompts this short skip the split (conditional disaggregation)")
+    offline.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    _workload_args(offline)
+    offline.set_defaults(func=cmd_offline)
+
+    from bench.compare import add_arguments
+
+    compare = sub.add_parser("compare", help="HF vs colocated vs disaggregated, one run, plots")
+    add_arguments(compare)
+    compare.set_defaults(func=cmd_compare)
+
+    from bench.plan_cli import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="profile a worker, simulate P:D splits, recommend one")
+    _model_args(plan)
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # On a shared or oversubscribed box, OpenMP's default spin-waiting threads collapse
+    # throughput (measured 4x here); sleeping waits cost little when the cores are free.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"splitserve bench: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,221 @@
+"""bench/: metrics on hand-made timestamps, workload statistics, the planner's simulator, and
+one tiny offline run end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+
+import pytest
+
+from bench.metrics import SLO, RequestRecord, compute_metrics, jsonable, percentile
+from bench.planner import PlanConfig, WorkerProfile, fit_profile, lstsq, predict, recommend
+from bench.planner_sim import simulate
+from bench.workloads import BenchRequest, WorkloadConfig, arrival_offsets, generate_requests
+
+
+# ---------------------------------------------------------------- metrics
+
+def _records():
+    a = RequestRecord(10, 0.0, [0.5, 0.6, 0.8, 1.1], [1, 1, 1, 1], success=True)
+    b = RequestRecord(20, 1.0, [1.2, 1.4], [1, 3], success=True)  # a chunk of 3 tokens
+    failed = RequestRecord(30, 1.5, [], [], success=False, error="boom")
+    return a, b, failed
+
+
+def test_per_request_latencies_by_hand():
+    a, b, _ = _records()
+    assert a.ttft == pytest.approx(0.5) and a.e2el == pytest.approx(1.1)
+    assert a.tpot == pytest.approx(0.6 / 3) and a.itls == pytest.approx([0.1, 0.2, 0.3])
+    assert b.output_len == 4 and b.tpot == pytest.approx(0.2 / 3) and b.itls == pytest.approx([0.2])
+    assert RequestRecord(1, 0.0, [0.3], [1], success=True).tpot is None
+
+
+def test_compute_metrics_by_hand():
+    m = compute_metrics(list(_records()), duration_s=2.0, slo=SLO(ttft=0.4))
+    assert (m["completed"], m["failed"], m["num_requests"]) == (2, 1, 3)
+    assert m["total_input_tokens"] == 30 and m["total_output_tokens"] == 8
+    assert m["request_throughput"] == pytest.approx(1.0)
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["total_token_throughput"] == pytest.approx(19.0)
+    assert m["mean_ttft_ms"] == pytest.approx(350.0) and m["median_ttft_ms"] == pytest.approx(350.0)
+    assert m["p99_ttft_ms"] == pytest.approx(200 + 0.99 * 300)
+    assert m["mean_tpot_ms"] == pytest.approx((200 + 200 / 3) / 2)
+    assert m["mean_itl_ms"] == pytest.approx(200.0)  # gaps 100, 200, 300, 200
+    assert m["p90_itl_ms"] == pytest.approx(270.0)
+    assert m["std_ttft_ms"] == pytest.approx(150.0)
+    assert m["mean_e2el_ms"] == pytest.approx(750.0)
+    # SLO: only b meets TTFT <= 400 ms; the failed request counts as a miss.
+    assert m["goodput"] == pytest.approx(0.5) and m["slo_attainment"] == pytest.approx(1 / 3)
+    assert m["errors"] == ["boom"]
+    assert json.loads(json.dumps(jsonable(compute_metrics([_records()[2]], 1.0))))["mean_ttft_ms"] == "nan"
+
+
+def test_percentile_matches_numpy_linear():
+    np = pytest.importorskip("numpy")
+    rng = random.Random(3)
+    values = [rng.random() for _ in range(37)]
+    for q in (0, 10, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_slo_and_configs_validate():
+    with pytest.raises(ValueError, match="ttft"):
+        SLO(ttft=-1)
+    with pytest.raises(ValueError, match="kind"):
+        WorkloadConfig(kind="nope")
+    with pytest.raises(ValueError, match="request_rate"):
+        WorkloadConfig(request_rate=0)
+    with pytest.raises(ValueError, match="rate"):
+        PlanConfig(rate=0, slo=SLO(ttft=1))
+
+
+# ---------------------------------------------------------------- workloads
+
+def test_fixed_and_mixes_lengths():
+    fixed = generate_requests(WorkloadConfig("fixed", 5, 40, 7, vocab_size=100))
+    assert [(r.prompt_len, r.output_len) for r in fixed] == [(40, 7)] * 5
+    assert all(3 <= t < 100 for r in fixed for t in r.prompt_token_ids)
+    heavy = generate_requests(WorkloadConfig("prefill-heavy", 3, 800, 64, vocab_size=100))
+    assert {(r.prompt_len, r.output_len) for r in heavy} == {(800, 8)}
+    light = generate_requests(WorkloadConfig("decode-heavy", 3, 800, 64, vocab_size=100))
+    assert {(r.prompt_len, r.output_len) for r in light} == {(100, 64)}
+    clipped = generate_requests(WorkloadConfig("fixed", 2, 500, 500, vocab_size=50, max_model_len=600))
+    assert all(r.prompt_len + r.output_len <= 600 for r in clipped)
+
+
+def test_random_and_sharegpt_statistics_are_seeded():
+    cfg = WorkloadConfig("random", 2000, 100, 50, range_ratio=0.5, vocab_size=50, seed=7)
+    reqs = generate_requests(cfg)
+    assert min(r.prompt_len for r in reqs) >= 50 and max(r.prompt_len for r in reqs) <= 150
+    assert statistics.mean(r.prompt_len for r in reqs) == pytest.approx(100, rel=0.03)
+    assert [r.prompt_token_ids for r in generate_requests(cfg)[:3]] == [r.prompt_token_ids for r in reqs[:3]]
+    share = generate_requests(WorkloadConfig("sharegpt", 2000, 128, 128, vocab_size=50, max_model_len=100000))
+    assert statistics.median(r.prompt_len for r in share) == pytest.approx(100, rel=0.1)
+    assert statistics.median(r.output_len for r in share) == pytest.approx(200, rel=0.1)
+    assert max(r.prompt_len for r in share) > 5 * statistics.median(r.prompt_len for r in share)  # tail
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_arrivals_gamma_mean_and_cv(burstiness):
+    times = arrival_offsets(20000, 5.0, burstiness, random.Random(1))
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    mean = statistics.mean(gaps)
+    assert mean == pytest.approx(0.2, rel=0.05)
+    assert statistics.pstdev(gaps) / mean == pytest.approx(1 / math.sqrt(burstiness), rel=0.08)
+    assert arrival_offsets(4, math.inf, 1.0, random.Random(0)) == [0.0] * 4
+
+
+# ---------------------------------------------------------------- planner
+
+def _profile(**kw):
+    base = dict(prefill_base_s=0.0, prefill_per_token_s=0.0, prefill_per_token2_s=0.0,
+                decode_base_s=0.0, decode_per_seq_s=0.0)
+    return WorkerProfile(**{**base, **kw})
+
+
+def test_simulator_single_request_exact():
+    profile = _profile(prefill_base_s=0.1, prefill_per_token_s=0.001, decode_base_s=0.01, handoff_s=0.05)
+    (record,), duration = simulate(profile, [BenchRequest([3] * 100, 5, 0.0)], 1, 1)
+    assert record.ttft == pytest.approx(0.1 + 0.1 + 0.05)
+    assert record.e2el == pytest.approx(0.25 + 4 * 0.01) and record.tpot == pytest.approx(0.01)
+    assert duration == pytest.approx(0.29)
+
+
+def test_simulator_queues_prefills_fcfs():
+    profile = _profile(prefill_per_token_s=0.01, decode_base_s=0.001, max_num_batched_tokens=100)
+    reqs = [BenchRequest([3] * 100, 2, 0.0), BenchRequest([3] * 100, 2, 0.0)]
+    records, _ = simulate(profile, reqs, 1, 1)
+    assert [r.ttft for r in records] == pytest.approx([1.0, 2.0])  # budget fits one at a time
+    records, _ = simulate(profile, reqs, 2, 1)
+    assert [r.ttft for r in records] == pytest.approx([1.0, 1.0])
+
+
+def test_planner_recommends_more_prefill_when_prefill_bound():
+    profile = _profile(prefill_per_token_s=0.01, decode_base_s=0.002, max_num_batched_tokens=100)
+    workload = WorkloadConfig("fixed", 200, 100, 10, vocab_size=50)  # 1 s of prefill per request
+    plan = recommend(profile, workload, PlanConfig(1.2, SLO(ttft=3.0), 0.9, max_workers=4,
+                                                   num_requests=200, seeds=(0, 1)))
+    by_split = {(c["prefill"], c["decode"]): c["slo_attainment"] for c in plan["candidates"]}
+    assert by_split[(1, 1)] < 0.3  # utilisation 1.2: the queue grows without bound
+    assert (plan["recommended"]["prefill"], plan["recommended"]["decode"]) == (2, 1)
+
+
+def test_planner_recommends_more_decode_when_decode_bound():
+    profile = _profile(prefill_base_s=0.001, decode_base_s=0.01, decode_per_seq_s=0.001)
+    workload = WorkloadConfig("fixed", 300, 16, 50, vocab_size=50)
+    plan = recommend(profile, workload, PlanConfig(10.0, SLO(tpot=0.016), 0.8, max_workers=3,
+                                                   num_requests=300, seeds=(0,)))
+    assert (plan["recommended"]["prefill"], plan["recommended"]["decode"]) == (1, 2)
+
+
+def test_fit_recovers_known_costs():
+    assert lstsq([[1, x] for x in range(5)], [2 + 3 * x for x in range(5)]) == pytest.approx([2, 3])
+    prefill = [(n, 0.01 + 1e-4 * n + 1e-8 * n * n) for n in (64, 256, 1024, 2048)]
+    decode = [(b, 0.005 + 0.0002 * b) for b in (1, 8, 32)]
+    p = fit_profile(prefill, decode)
+    assert p.prefill_step_s([512]) == pytest.approx(0.01 + 1e-4 * 512 + 1e-8 * 512 ** 2, rel=1e-6)
+    assert p.decode_step_s(16) == pytest.approx(0.005 + 0.0002 * 16, rel=1e-6)
+    w = WorkloadConfig("fixed", 20, 64, 8, vocab_size=50, request_rate=2.0)
+    assert predict(p, w, 1, 1, SLO(ttft=10.0))["slo_attainment"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- a tiny real run
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from bench.checkpoints import build_checkpoint
+
+    path = tmp_path_factory.mktemp("bench_tiny")
+    return path, build_checkpoint("jamba-test", path)
+
+
+def test_offline_runner_smoke(tiny_model):
+    from bench.runner import RunConfig, open_target, run_benchmark
+
+    path, _ = tiny_model
+    requests = generate_requests(WorkloadConfig("random", 6, 24, 5, vocab_size=320, request_rate=50.0, seed=2))
+    with open_target("llm", str(path), max_num_batched_tokens=64) as target:
+        result = run_benchmark(target, requests, RunConfig("smoke", max_concurrency=3, progress=False,
+                                                           slo=SLO(ttft=60.0)))
+    m = result["metrics"]
+    assert {"workload", "metrics", "requests", "run"} <= set(result)
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "p99_tpot_ms", "median_itl_ms", "p90_e2el_ms", "goodput", "slo_attainment"):
+        assert key in m and m[key] == m[key], key
+    assert m["completed"] == 6 and m["failed"] == 0
+    assert m["total_output_tokens"] == sum(r.output_len for r in requests)
+    assert m["total_input_tokens"] == sum(r.prompt_len for r in requests)
+    assert [r["output_len"] for r in result["requests"]] == [r.output_len for r in requests]
+    json.dumps(jsonable(result))
+
+
+def test_engine_and_hf_offline_token_counts(tiny_model):
+    from bench.hf_baseline import HFConfig, hf_generate
+    from bench.runner import run_engine_offline
+    from engine import LLM
+
+    path, hf = tiny_model
+    requests = generate_requests(WorkloadConfig("fixed", 3, 12, 4, vocab_size=320))
+    ours, _ = run_engine_offline(LLM(path), requests)
+    theirs, _ = hf_generate(hf, requests, HFConfig(batch_size=2))
+    for records in (ours, theirs):
+        assert [r.output_len for r in records] == [4, 4, 4] and all(r.success for r in records)
+        assert all(r.ttft > 0 and r.tpot is not None for r in records)
+
+
+def test_cli_parses_every_benchmark(tmp_path):
+    from bench.cli import build_parser
+    from bench.plots import plot_latency_cdfs
+    from router.cli import build_parser as splitserve_parser
+
+    for what in ("serve", "offline", "compare", "plan", "transfer"):
+        args, _ = splitserve_parser().parse_known_args(["bench", what])
+        assert args.what == what
+    args = build_parser().parse_args(["offline", "--tiny", "jamba", "--workload", "sharegpt",
+                                      "--request-rate", "2", "--burstiness", "0.5"])
+    assert (args.tiny, args.workload, args.request_rate, args.burstiness) == ("jamba", "sharegpt", 2.0, 0.5)
+    run = {"requests": [{"success": True, "ttft": 0.1, "tpot": 0.01, "e2el": 0.5}] * 3}
+    assert plot_latency_cdfs({"x": run}, tmp_path / "cdf.png").stat().st_size > 0
