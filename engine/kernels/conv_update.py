@@ -20,8 +20,8 @@ def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation
     """conv_state: [slots, D, K] (updated in place at rows `slots`); slots: int64 [B];
     x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu". Returns [B, D]."""
     _check(conv_state, slots, x, weight, bias, activation)
-    window = torch.cat((conv_state[slots][:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
-    conv_state[slots] = window.to(conv_state.dtype)
+    window = torch.cat((conv_state.index_select(0, slots)[:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
+    conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
     y = (window * weight.float()).sum(-1)
     if bias is not None:
         y = y + bias.float()

@@ -90,9 +90,12 @@ class PagedAttention(nn.Module):
         block_size = k_cache.shape[1]
         lens = batch.decode_context_lens
         max_len = int(lens.max())
-        blocks = batch.decode_block_tables[:, : -(-max_len // block_size)]
-        keys = k_cache[blocks].flatten(1, 2)[:, :max_len].to(q.dtype)  # [B, L, KVH, D]
-        values = v_cache[blocks].flatten(1, 2)[:, :max_len].to(q.dtype)
+        num_blocks = -(-max_len // block_size)
+        blocks = batch.decode_block_tables[:, :num_blocks].reshape(-1)
+        shape = (q.shape[0], num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        # index_select copies whole block rows; advanced indexing (cache[blocks]) ran 4-5x slower.
+        keys = k_cache.index_select(0, blocks).view(shape)[:, :max_len].to(q.dtype)  # [B, L, KVH, D]
+        values = v_cache.index_select(0, blocks).view(shape)[:, :max_len].to(q.dtype)
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         mask = k_pos < lens[:, None]
         if self.sliding_window is not None:
