@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -180,9 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # On a shared or oversubscribed box, OpenMP's default spin-waiting threads collapse
-    # throughput (measured 4x here); sleeping waits cost little when the cores are free.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OMP_WAIT_POLICY is left to the caller: PASSIVE saved an oversubscribed box from spinning
+    # threads (4x) but doubled every wall time on a quiet one (docs/benchmarks.md).
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

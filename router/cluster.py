@@ -255,8 +255,9 @@ class Cluster:
                 await decode.handle.generate_local.remote(wid, ids, params, resume)
                 return False
             target = await decode.handle.reserve.remote(wid, ids, params, resume)
-        except BaseException:
+        except BaseException as e:
             self.workers.owner.pop(wid, None)
+            self.workers.lost_if_dead(decode, e)  # so the next placement goes elsewhere at once
             raise
         prefill = self.workers.pick_prefill(tracked.num_tokens)
         if params.logprobs is not None:
@@ -272,6 +273,7 @@ class Cluster:
             error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
+            self.workers.lost_if_dead(prefill, e)  # so the retry goes elsewhere at once
         finally:
             prefill.queued_tokens -= tracked.num_tokens
         if waiter is not None and not waiter.done():

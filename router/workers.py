@@ -128,6 +128,12 @@ class WorkerSet:
             if outputs:
                 await route(outputs)
 
+    def lost_if_dead(self, worker: WorkerRef, error: BaseException) -> None:
+        from ray.exceptions import RayActorError
+
+        if isinstance(error, RayActorError):
+            self._lost(worker, error)
+
     def _lost(self, worker: WorkerRef, error) -> None:
         """The worker stopped answering: nothing is placed on it until it answers as a (new)
         incarnation and is reconnected; what its old incarnation held is failed over."""
