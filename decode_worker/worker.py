@@ -96,7 +96,7 @@ class DecodeWorker(EngineEndpoint):
         self.thread.call(apply).add_done_callback(deliver)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        self._crash_point()
+        self._crash_point({out.request_id for out in outputs})
         with self._outbox_ready:
             self._outbox.extend(outputs)
             self._outbox_ready.notify_all()

@@ -21,7 +21,7 @@ class EngineEndpoint:
         # Changes when Ray restarts the actor: the router then reconnects it and knows that
         # whatever the previous incarnation held is gone.
         self.incarnation = uuid.uuid4().hex[:12]
-        self._crash_countdown: int | None = None
+        self._crash_plan: tuple[str, int] | None = None
         self.engine = engine
         cache = engine.cache
         self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.block_tensors(),
@@ -31,18 +31,20 @@ class EngineEndpoint:
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
 
-    def inject_crash(self, after: int = 0) -> None:
+    def inject_crash(self, request_id: str, after: int = 0) -> None:
         """Fault injection for tests and drills: the process dies, as in a crash, at the
-        (after+1)-th crash point from now (prefill: each engine step; decode: each delivery)."""
-        self._crash_countdown = after
+        (after+1)-th crash point that involves `request_id` (prefill: an engine step while it
+        is in the engine; decode: a delivery of its output)."""
+        self._crash_plan = (request_id, after)
 
-    def _crash_point(self) -> None:
-        if self._crash_countdown is None:
+    def _crash_point(self, request_ids) -> None:
+        if self._crash_plan is None or self._crash_plan[0] not in request_ids:
             return
-        if self._crash_countdown == 0:
-            log.error("%s: injected crash", self.name)
+        request_id, after = self._crash_plan
+        if after == 0:
+            log.error("%s: injected crash while serving %s", self.name, request_id)
             os._exit(17)
-        self._crash_countdown -= 1
+        self._crash_plan = (request_id, after - 1)
 
     def node_id(self) -> str:
         import ray

@@ -106,7 +106,7 @@ class PrefillWorker(EngineEndpoint):
     # ---- engine thread and transport callbacks ----
 
     def _ship(self, engine: LLMEngine) -> None:
-        self._crash_point()
+        self._crash_point(engine.requests)
         for handoff in engine.take_handoffs():
             target = self._targets.get(handoff.request_id)
             if target is None:  # aborted meanwhile

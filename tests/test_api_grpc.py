@@ -158,7 +158,7 @@ def test_resource_exhausted_when_admission_is_full(backend):
         first.cancel()
         wait_idle(backend)
         wait_until(lambda: client.status().requests_in_flight == 0, what="the front door to let go")
-        assert client.generate("x", max_tokens=2).usage.completion_tokens == 2
+        assert client.generate("x", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
 
 
 class NoDecodeWorkers:

@@ -63,7 +63,7 @@ def test_grpc_refuses_calls_without_the_token(authed):
                 assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with SplitServeClient(address, auth_token=TOKEN) as client:
         assert client.model_info().model_name == MODEL_NAME
-        assert client.generate([5, 6], max_tokens=2).usage.completion_tokens == 2
+        assert client.generate([5, 6], max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
     with grpc.insecure_channel(address) as channel:  # reflection is not open either
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
         ask = reflection_pb2.ServerReflectionRequest(list_services="")
@@ -90,7 +90,8 @@ def test_http_refuses_requests_without_the_bearer_token(authed):
     ok = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})
     assert ok.status_code == 200
     with openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0) as client:
-        done = client.completions.create(model=MODEL_NAME, prompt=[5], max_tokens=2)
+        done = client.completions.create(model=MODEL_NAME, prompt=[5], max_tokens=2,
+                                         extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 2
     with openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0) as client, \
             pytest.raises(openai.AuthenticationError):
@@ -119,7 +120,7 @@ def test_tls_on_both_servers(backend, tmp_path):
     with serving(backend, tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN) as door:
         address = f"127.0.0.1:{door.grpc_port}"
         with SplitServeClient(address, auth_token=TOKEN, tls_ca=cert) as client:
-            assert client.generate([5, 6], max_tokens=2).usage.completion_tokens == 2
+            assert client.generate([5, 6], max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
             assert client.health() is True
         with SplitServeClient(address, auth_token=TOKEN, timeout=2) as plaintext:
             with pytest.raises(grpc.RpcError) as e:
