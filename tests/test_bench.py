@@ -14,6 +14,7 @@ from bench.metrics import SLO, RequestRecord, compute_metrics, jsonable, percent
 from bench.planner import PlanConfig, WorkerProfile, fit_profile, lstsq, predict, recommend
 from bench.planner_sim import simulate
 from bench.workloads import BenchRequest, WorkloadConfig, arrival_offsets, generate_requests
+from tests.test_api_support import backend, server  # noqa: F401  (the live server fixtures)
 
 
 # ---------------------------------------------------------------- metrics
@@ -219,3 +220,19 @@ def test_cli_parses_every_benchmark(tmp_path):
     assert (args.tiny, args.workload, args.request_rate, args.burstiness) == ("jamba", "sharegpt", 2.0, 0.5)
     run = {"requests": [{"success": True, "ttft": 0.1, "tpot": 0.01, "e2el": 0.5}] * 3}
     assert plot_latency_cdfs({"x": run}, tmp_path / "cdf.png").stat().st_size > 0
+
+
+def test_online_runner_against_a_live_server(server, backend):
+    """`splitserve bench serve`'s path: the gRPC client against the front door over the 1P1D
+    cluster; every request streams exactly its output length and the JSON is complete."""
+    from bench.runner import RunConfig, open_target, run_benchmark
+
+    requests = generate_requests(WorkloadConfig("random", 8, 20, 6, vocab_size=backend.info.vocab_size,
+                                                request_rate=20.0, burstiness=0.5, seed=4))
+    with open_target("server", server=f"127.0.0.1:{server.grpc_port}") as target:
+        result = run_benchmark(target, requests, RunConfig("online", max_concurrency=4, progress=False))
+    m = result["metrics"]
+    assert m["completed"] == 8 and m["failed"] == 0, result["requests"]
+    assert m["total_output_tokens"] == sum(r.output_len for r in requests)
+    assert m["mean_ttft_ms"] > 0 and m["median_tpot_ms"] > 0
+    json.dumps(jsonable(result))
