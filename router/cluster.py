@@ -188,6 +188,9 @@ class Cluster:
             self._requests[request_id] = tracked
             try:
                 await self._follow(tracked, emit)
+            except asyncio.CancelledError:  # the caller went away: stop the attempt everywhere
+                asyncio.ensure_future(self.workers.abort_everywhere(tracked.worker_id))
+                raise
             finally:
                 self._requests.pop(request_id, None)
                 self._attempts.pop(tracked.worker_id, None)

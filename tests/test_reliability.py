@@ -192,6 +192,24 @@ def test_more_requests_than_decode_slots_wait_for_room(rcluster):
     wait_idle(handle, 30)
 
 
+def test_a_cancelled_long_request_stops_at_once(rcluster):
+    """Cancelled mid-stream, a request must not run on to its max_tokens: its blocks and slot
+    come back within moments, long before it could have finished."""
+    handle, _, _ = rcluster
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    async def start_and_cancel():
+        tasks = [asyncio.ensure_future(collect(handle, f"long-{i}", [5, 6, 7 + i], long)) for i in range(2)]
+        await asyncio.sleep(1.0)
+        assert not any(t.done() for t in tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(start_and_cancel())
+    wait_idle(handle, 2.0)
+
+
 def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
     handle, _, _ = rcluster
     limit, long = 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
