@@ -222,6 +222,15 @@ def test_cli_parses_every_benchmark(tmp_path):
     assert plot_latency_cdfs({"x": run}, tmp_path / "cdf.png").stat().st_size > 0
 
 
+def test_bare_bench_help_lists_the_benchmarks(capsys):
+    from router.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(what in listed for what in ("serve", "offline", "compare", "plan", "transfer"))
+    assert main(["bench"]) == 2
+
+
 def test_online_runner_against_a_live_server(server, backend):
     """`splitserve bench serve`'s path: the gRPC client against the front door over the 1P1D
     cluster; every request streams exactly its output length and the JSON is complete."""
