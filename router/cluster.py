@@ -214,12 +214,12 @@ class Cluster:
                     if out.finished:
                         return
                     continue
+                self._drop_attempt(tracked)
                 if not failure.retryable or tracked.attempt >= self.config.max_retries:
                     emit(tracked.failed(failure.error))
                     return
                 log.warning("request %s: attempt %d failed (%s); retrying with %d tokens delivered",
                             tracked.request_id, tracked.attempt, failure.error, len(tracked.tokens))
-                await self._drop_attempt(tracked)
                 tracked.next_attempt()
                 self.retries += 1
                 break
@@ -305,10 +305,11 @@ class Cluster:
             if owner is worker and where == incarnation:
                 self._deliver(wid, Failure(f"decode worker {worker.name} died", retryable=True))
 
-    async def _drop_attempt(self, tracked: Tracked) -> None:
-        wid = tracked.worker_id
-        self._attempts.pop(wid, None)
-        await self.workers.abort_everywhere(wid)
+    def _drop_attempt(self, tracked: Tracked) -> None:
+        """Whatever of the attempt a live worker still holds is aborted; the next attempt runs
+        under another id, so it need not wait for that (a restarting worker can take seconds)."""
+        self._attempts.pop(tracked.worker_id, None)
+        asyncio.ensure_future(self.workers.abort_everywhere(tracked.worker_id))
 
     def _notify_room(self) -> None:
         async def notify():
