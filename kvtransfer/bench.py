@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -174,13 +175,10 @@ def churned_block_ids(rows: int, count: int, rng: random.Random = random) -> lis
     of 1..64 blocks come and go at random until the cache has been filled 20 times over."""
     from engine.block_manager import BlockManager
 
-    blocks, held = BlockManager(rows, 1), []
+    blocks, held, ids = BlockManager(rows, 1), [], itertools.count()
     for _ in range(20):
-        while True:
-            size = rng.randint(1, 64)
-            if not blocks.can_allocate(str(len(held)), size):
-                break
-            held.append(str(len(held)) + "-" + str(rng.random()))
+        while blocks.num_free_blocks >= (size := rng.randint(1, 64)):  # block_size 1: a block a token
+            held.append(f"r{next(ids)}")
             blocks.allocate(held[-1], size)
         rng.shuffle(held)
         for _ in range(len(held) // 2):

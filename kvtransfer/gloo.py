@@ -21,7 +21,7 @@ from kvtransfer.errors import WireError, WireTimeoutError
 from kvtransfer.messages import GlooOffer
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
-from kvtransfer.stream_channel import StreamSenderChannel, handshake, join_as_receiver
+from kvtransfer.stream_channel import StreamSenderChannel, join_as_receiver, join_as_sender
 
 # Gloo closes a pair when any wait times out, so every wait here has a real deadline.
 _IDLE_FOREVER = datetime.timedelta(days=365)
@@ -173,9 +173,4 @@ class GlooSender(HandoffSender):
             raise ValueError(f"expected a GlooOffer from receiver {peer!r}, got {offer!r}")
         store = _store_client(offer.host, offer.port, offer.prefix, self.config)
         wire = GlooWire(_pair_group(store, SENDER_RANK, self.config.advertise_host), store, store, SENDER_RANK)
-        try:
-            handshake(wire, self.layout, self.name, peer, "sender", self.config.connect_timeout_s)
-        except Exception:
-            wire.abort()
-            raise
-        return StreamSenderChannel(self, peer, wire)
+        return join_as_sender(self, peer, wire)

@@ -21,7 +21,7 @@ from kvtransfer.messages import NcclOffer
 from kvtransfer.nccl import IN_PROGRESS, NcclCommunicator, load_library
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
-from kvtransfer.stream_channel import StreamSenderChannel, handshake, join_as_receiver
+from kvtransfer.stream_channel import StreamSenderChannel, join_as_receiver, join_as_sender
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 _FIRST_NAP_S, _LAST_NAP_S = 10e-6, 1e-3
@@ -133,9 +133,4 @@ class NcclSender(HandoffSender):
         if not isinstance(offer, NcclOffer) or offer.receiver != peer:
             raise ValueError(f"expected an NcclOffer from receiver {peer!r}, got {offer!r}")
         wire = NcclWire(NcclCommunicator(offer.unique_id, SENDER_RANK, 2, self.cache.device), SENDER_RANK)
-        try:
-            handshake(wire, self.layout, self.name, peer, "sender", self.config.connect_timeout_s)
-        except Exception:
-            wire.abort()
-            raise
-        return StreamSenderChannel(self, peer, wire)
+        return join_as_sender(self, peer, wire)

@@ -226,3 +226,14 @@ def join_as_receiver(receiver, peer: str, make_wire) -> None:
         receiver._channel_failed_to_open(peer, error)
         return
     receiver._install_channel(peer, StreamReceiverChannel(receiver, peer, wire))
+
+
+def join_as_sender(sender, peer: str, wire) -> "StreamSenderChannel":
+    """Sender side of pairing over a stream wire: check layouts, then the channel; a refused
+    handshake aborts the wire and raises (connect() reports it to its caller)."""
+    try:
+        handshake(wire, sender.layout, sender.name, peer, "sender", sender.config.connect_timeout_s)
+    except Exception:
+        wire.abort()
+        raise
+    return StreamSenderChannel(sender, peer, wire)

@@ -132,8 +132,7 @@ class Cluster:
                     return
         finally:
             if not finished:
-                task.cancel()
-                asyncio.run_coroutine_threadsafe(self._abort(request_id), self._loop)
+                task.cancel()  # _serve then aborts the request on the workers
 
     async def abort(self, request_id: str) -> bool:
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self._abort(request_id), self._loop))
@@ -265,14 +264,13 @@ class Cluster:
         prefill = self.workers.pick_prefill(tracked.num_tokens)
         if params.logprobs is not None:
             tracked.first_logprob = asyncio.get_running_loop().create_future()
-        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target))
+        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target, resume))
         return True
 
-    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target) -> None:
+    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume) -> None:
         waiter = tracked.first_logprob
         try:
-            outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target,
-                                                          tracked.resume())
+            outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
