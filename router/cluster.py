@@ -251,7 +251,8 @@ class Cluster:
         """Place the attempt; True when it is split across a prefill and a decode worker."""
         wid, ids, params, resume = tracked.worker_id, tracked.prompt_ids, tracked.params, tracked.resume()
         decode = self.workers.pick_decode()
-        self.workers.owner[wid] = (decode, decode.incarnation)
+        life = decode.incarnation
+        self.workers.owner[wid] = (decode, life)
         try:
             if tracked.num_tokens <= self.config.local_prefill_tokens:
                 await decode.handle.generate_local.remote(wid, ids, params, resume)
@@ -259,7 +260,7 @@ class Cluster:
             target = await decode.handle.reserve.remote(wid, ids, params, resume)
         except BaseException as e:
             self.workers.owner.pop(wid, None)
-            self.workers.lost_if_dead(decode, e)  # so the next placement goes elsewhere at once
+            self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
         prefill = self.workers.pick_prefill(tracked.num_tokens)
         if params.logprobs is not None:
@@ -268,13 +269,13 @@ class Cluster:
         return True
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume) -> None:
-        waiter = tracked.first_logprob
+        waiter, life = tracked.first_logprob, prefill.incarnation
         try:
             outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
-            self.workers.lost_if_dead(prefill, e)  # so the retry goes elsewhere at once
+            self.workers.lost_if_dead(prefill, e, life)  # so the retry goes elsewhere at once
         finally:
             prefill.queued_tokens -= tracked.num_tokens
         if waiter is not None and not waiter.done():

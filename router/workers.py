@@ -117,26 +117,32 @@ class WorkerSet:
 
     async def _poll(self, worker: WorkerRef, route) -> None:
         while True:
+            life = worker.incarnation
             try:
                 outputs = await worker.handle.poll.remote(0.5)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                self._lost(worker, e)
+                self._lost(worker, e, life)
                 await asyncio.sleep(0.5)
                 continue
             if outputs:
                 await route(outputs)
 
-    def lost_if_dead(self, worker: WorkerRef, error: BaseException) -> None:
+    def lost_if_dead(self, worker: WorkerRef, error: BaseException, incarnation: str) -> None:
+        """`error` came from a call made to `incarnation` of the worker."""
         from ray.exceptions import RayActorError
 
         if isinstance(error, RayActorError):
-            self._lost(worker, error)
+            self._lost(worker, error, incarnation)
 
-    def _lost(self, worker: WorkerRef, error) -> None:
+    def _lost(self, worker: WorkerRef, error, incarnation: str) -> None:
         """The worker stopped answering: nothing is placed on it until it answers as a (new)
-        incarnation and is reconnected; what its old incarnation held is failed over."""
+        incarnation and is reconnected; what its old incarnation held is failed over.
+        A failure of a call made to an earlier incarnation says nothing of the current one
+        (Ray fails calls sent during a restart later, after the new life has been seen)."""
+        if incarnation != worker.incarnation:
+            return
         if worker.alive:
             log.warning("%s %s lost: %s", worker.kind, worker.name, error)
         worker.alive = False
@@ -174,14 +180,15 @@ class WorkerSet:
 
     async def refresh_stats(self) -> None:
         workers = self.prefill + self.decode
+        lives = [w.incarnation for w in workers]
         results = await asyncio.gather(*(asyncio.wait_for(w.handle.stats.remote(), 5) for w in workers),
                                        return_exceptions=True)
-        for worker, stats in zip(workers, results):
+        for worker, life, stats in zip(workers, lives, results):
             if isinstance(stats, BaseException):
-                self._lost(worker, stats)
+                self._lost(worker, stats, life)
                 continue
             if worker.incarnation and stats["incarnation"] != worker.incarnation:
-                self._lost(worker, "restarted")
+                self._lost(worker, "restarted", worker.incarnation)
                 await self._rejoin(worker)
             worker.incarnation = stats["incarnation"]
             worker.stats = stats

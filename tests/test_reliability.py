@@ -11,6 +11,7 @@ import asyncio
 import os
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,6 +69,20 @@ def assert_one_clean_stream(seen, final, hf, prompt):
     tokens = [t for out in seen for t in out.new_token_ids]
     assert tokens == final.token_ids and len(tokens) == GREEDY.max_tokens  # no duplicate, none missing
     judge_greedy(hf, prompt, final.token_ids)
+
+
+def test_a_failure_reported_for_an_earlier_life_is_ignored():
+    """Ray fails a call sent during a restart only later, once the new incarnation has been
+    seen: that report must not fail over what the new incarnation holds."""
+    from router.workers import WorkerRef, WorkerSet
+
+    lost = []
+    workers = WorkerSet(SimpleNamespace(transport="shm"), on_lost=lambda worker, life: lost.append(life))
+    decode = WorkerRef("decode-0", "decode", handle=None, incarnation="new")
+    workers._lost(decode, RuntimeError("the actor is restarting"), "old")
+    assert decode.alive and lost == []
+    workers._lost(decode, RuntimeError("the actor died"), "new")
+    assert not decode.alive and lost == ["new"]
 
 
 def arm_crash(workers, request_id, after=0) -> dict:
