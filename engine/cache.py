@@ -1,7 +1,9 @@
-"""The cache tensors: paged K/V per attention layer and a state-slot pool per Mamba layer.
+"""The cache tensors: paged K/V per attention layer and a state-slot pool per recurrent layer.
 
-Allocated once at start. Bookkeeping (which blocks and slots belong to whom) lives in the
-torch-free BlockManager and StateSlotAllocator; this file only owns memory.
+Allocated once at start from what the model's layers declare (engine.models.hybrid): KV rows
+for attention, named state tensors for recurrent layers, whatever their kind. Bookkeeping
+(which blocks and slots belong to whom) lives in the torch-free BlockManager and
+StateSlotAllocator; this file only owns memory.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 
 from engine.models import LayerCaches, ModelSpec
 
+BLOCK_ROLE, SLOT_ROLE = "block", "slot"  # what dim 0 of a hand-off tensor indexes
+
 
 @dataclass(frozen=True)
 class CacheSizes:
@@ -21,15 +25,31 @@ class CacheSizes:
     bytes_per_slot: int
 
 
+def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * layer.kv.num_kv_heads * layer.kv.head_dim * itemsize
+               for layer in spec.layers if layer.kv is not None)
+
+
+def bytes_per_slot(spec: ModelSpec) -> int:
+    total = 0
+    for layer in spec.layers:
+        for tensor in layer.state:
+            numel = 1
+            for d in tensor.shape:
+                numel *= d
+            total += numel * tensor.torch_dtype.itemsize
+    return total
+
+
 def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: int,
                max_model_len: int, memory_bytes: int, num_blocks: int | None) -> CacheSizes:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * len(spec.attention_layers) * block_size * spec.num_kv_heads * spec.head_dim * itemsize
-    per_slot = len(spec.mamba_layers) * spec.d_inner * (spec.d_conv + spec.d_state) * 4
+    per_block = bytes_per_block(spec, dtype, block_size)
+    per_slot = bytes_per_slot(spec)
     if num_blocks is None:
         enough = num_slots * -(-max_model_len // block_size)
         if not spec.attention_layers:
-            num_blocks = enough  # pure Mamba: block tables are bookkeeping only, no memory behind them
+            num_blocks = enough  # no attention: block tables are bookkeeping only, no memory behind them
         else:
             budget = memory_bytes - per_slot * num_slots
             num_blocks = min(enough, budget // per_block)
@@ -47,36 +67,41 @@ class ModelCache:
         self.spec = spec
         self.sizes = sizes
         self.block_size = block_size
-        kv: list = [None] * len(spec.layer_kinds)
-        state: list = [None] * len(spec.layer_kinds)
-        for i in spec.attention_layers:
-            shape = (sizes.num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-            kv[i] = (torch.zeros(shape, dtype=dtype, device=device),
-                     torch.zeros(shape, dtype=dtype, device=device))
-        for i in spec.mamba_layers:
-            # State stays float32 whatever the model dtype: it accumulates over the whole sequence.
-            state[i] = (torch.zeros(sizes.num_slots, spec.d_inner, spec.d_conv, device=device),
-                        torch.zeros(sizes.num_slots, spec.d_inner, spec.d_state, device=device))
+        kv: list = [None] * len(spec.layers)
+        state: list = [None] * len(spec.layers)
+        for i, layer in enumerate(spec.layers):
+            if layer.kv is not None:
+                shape = (sizes.num_blocks, block_size, layer.kv.num_kv_heads, layer.kv.head_dim)
+                kv[i] = (torch.zeros(shape, dtype=dtype, device=device),
+                         torch.zeros(shape, dtype=dtype, device=device))
+            if layer.state:
+                state[i] = tuple(torch.zeros((sizes.num_slots, *t.shape), dtype=t.torch_dtype, device=device)
+                                 for t in layer.state)
         self.layers = LayerCaches(kv, state)
 
     def poison_slot(self, slot: int) -> None:
         for entry in self.layers.state:
-            if entry is not None:
-                entry[0][slot].fill_(float("nan"))
-                entry[1][slot].fill_(float("nan"))
+            for tensor in entry or ():
+                if tensor.is_floating_point():
+                    tensor[slot].fill_(float("nan"))
 
     def block_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors whose dim 0 is a block id, in layer order (what a KV hand-off moves)."""
-        out = []
-        for i, entry in enumerate(self.layers.kv):
-            if entry is not None:
-                out += [(f"layer{i}.k", entry[0]), (f"layer{i}.v", entry[1])]
-        return out
+        return [(name, t) for name, _, _, role, t in self.handoff_tensors() if role == BLOCK_ROLE]
 
     def slot_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors whose dim 0 is a state slot, in layer order (what a state hand-off moves)."""
+        return [(name, t) for name, _, _, role, t in self.handoff_tensors() if role == SLOT_ROLE]
+
+    def handoff_tensors(self) -> list[tuple[str, int, str, str, torch.Tensor]]:
+        """(name, layer, kind, role, tensor) for every cache tensor, in layer order: the hand-off
+        and its layout handshake are built from this alone."""
         out = []
-        for i, entry in enumerate(self.layers.state):
-            if entry is not None:
-                out += [(f"layer{i}.conv", entry[0]), (f"layer{i}.ssm", entry[1])]
+        for i, layer in enumerate(self.spec.layers):
+            if layer.kv is not None:
+                k, v = self.layers.kv[i]
+                out += [(f"layer{i}.k", i, "attention", BLOCK_ROLE, k),
+                        (f"layer{i}.v", i, "attention", BLOCK_ROLE, v)]
+            for tensor_spec, tensor in zip(layer.state, self.layers.state[i] or ()):
+                out.append((f"layer{i}.{tensor_spec.name}", i, layer.state_kind, SLOT_ROLE, tensor))
         return out

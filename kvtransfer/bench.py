@@ -67,9 +67,10 @@ class Payload:
 
         kv = (rows, self.block_size, KV_HEADS, HEAD_DIM)
         attention = {i: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16)) for i in self.attention_layers}
-        mamba = {i: (filled((num_slots, self.d_inner, D_CONV), torch.bfloat16), filled((num_slots, self.d_inner, D_STATE), torch.float32))
+        state = {i: ("mamba", {"conv": filled((num_slots, self.d_inner, D_CONV), torch.bfloat16),
+                               "ssm": filled((num_slots, self.d_inner, D_STATE), torch.float32)})
                  for i in self.mamba_layers}
-        return CacheTensors.hybrid(self.block_size, attention, mamba)
+        return CacheTensors.hybrid(self.block_size, attention, state)
 
 
 def payload_for(size_mb: float, block_size: int = 16) -> Payload:

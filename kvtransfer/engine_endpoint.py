@@ -30,8 +30,7 @@ class EngineEndpoint:
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
         self.engine = engine
         cache = engine.cache
-        self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.block_tensors(),
-                                                     cache.slot_tensors())
+        self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors())
         self.transfer_config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=node_ip())
 
     def layout(self) -> dict:

@@ -2,7 +2,8 @@
 
 A cache is a list of named tensors. "block" tensors are indexed by block id in dim 0
 (attention K and V: [num_blocks, block_size, heads, head_dim]); "slot" tensors are
-indexed by state slot in dim 0 (Mamba conv_state and ssm_state). Entries are ordered by
+indexed by state slot in dim 0 (whatever state tensors a recurrent layer declares: Mamba's
+conv_state and ssm_state, ...). Entries are ordered by
 model layer index, so a sender can ship layer i as soon as layer i is computed.
 Two workers can exchange state only if their layouts agree on everything except the
 number of rows (each worker sizes its own cache).
@@ -26,7 +27,7 @@ SLOT = "slot"
 class TensorSpec:
     name: str  # e.g. "layer3.k"
     layer: int  # model layer index
-    layer_kind: str  # "attention", "mamba", ...
+    layer_kind: str  # "attention", or the state kind the layer declared
     role: str  # BLOCK or SLOT: what dim 0 indexes
     row_shape: tuple[int, ...]  # shape of one row (one block or one slot)
     dtype: str  # torch dtype name without "torch.", e.g. "bfloat16"
@@ -101,7 +102,8 @@ class CacheLayout:
         diffs = []
         if self.block_size != other.block_size:
             diffs.append(f"block_size {self.block_size} vs {other.block_size}")
-        kinds = [{s.layer: s.layer_kind for s in layout.specs} for layout in (self, other)]
+        kinds = [{layer: "+".join(sorted({s.layer_kind for s in layout.specs if s.layer == layer}))
+                  for layer in layout.layers} for layout in (self, other)]
         other_kind = set()
         for layer in sorted(kinds[0].keys() | kinds[1].keys()):
             a, b = kinds[0].get(layer, "no cache"), kinds[1].get(layer, "no cache")
@@ -173,31 +175,26 @@ class CacheTensors:
         cls,
         block_size: int,
         attention: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-        mamba: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        state: dict[int, tuple[str, dict[str, torch.Tensor]]] | None = None,
     ) -> CacheTensors:
-        """attention: {model layer: (k_cache, v_cache)}; mamba: {model layer: (conv_state, ssm_state)}."""
+        """attention: {model layer: (k_cache, v_cache)};
+        state: {model layer: (state kind, {tensor name: per-slot tensor})}."""
         entries = []
         for layer, (k, v) in sorted((attention or {}).items()):
             entries += [CacheEntry(f"layer{layer}.k", layer, "attention", BLOCK, k), CacheEntry(f"layer{layer}.v", layer, "attention", BLOCK, v)]
-        for layer, (conv, ssm) in sorted((mamba or {}).items()):
-            entries += [CacheEntry(f"layer{layer}.conv", layer, "mamba", SLOT, conv), CacheEntry(f"layer{layer}.ssm", layer, "mamba", SLOT, ssm)]
+        for layer, (kind, tensors) in sorted((state or {}).items()):
+            entries += [CacheEntry(f"layer{layer}.{name}", layer, kind, SLOT, t) for name, t in tensors.items()]
         return cls(block_size, entries)
 
     @classmethod
-    def from_named(
-        cls,
-        block_size: int,
-        block_tensors: list[tuple[str, torch.Tensor]],
-        slot_tensors: list[tuple[str, torch.Tensor]],
-    ) -> CacheTensors:
-        """From engine.cache.ModelCache.block_tensors() / slot_tensors(): names like "layer3.k"."""
+    def from_named(cls, block_size: int, named: list[tuple[str, int, str, str, torch.Tensor]]) -> CacheTensors:
+        """From engine.cache.ModelCache.handoff_tensors(): (name, layer, kind, role, tensor) rows,
+        whatever kinds of state the model's layers declared."""
         entries = []
-        for role, kind, named in ((BLOCK, "attention", block_tensors), (SLOT, "mamba", slot_tensors)):
-            for name, tensor in named:
-                match = re.fullmatch(r"layer(\d+)\.\w+", name)
-                if match is None:
-                    raise ValueError(f"cache tensor name {name!r} is not of the form 'layer<index>.<part>'")
-                entries.append(CacheEntry(name, int(match.group(1)), kind, role, tensor))
+        for name, layer, kind, role, tensor in named:
+            if re.fullmatch(rf"layer{layer}\.\w+", name) is None:
+                raise ValueError(f"cache tensor name {name!r} is not of the form 'layer{layer}.<part>'")
+            entries.append(CacheEntry(name, layer, kind, role, tensor))
         return cls(block_size, entries)
 
     def check_rows(self, block_ids: list[int], slot: int | None, what: str) -> None:

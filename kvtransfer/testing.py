@@ -26,19 +26,22 @@ def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed
         return t.to(device)
 
     kv = (num_blocks, block_size, heads, head_dim)
-    attention, mamba = {}, {}
+    attention, state = {}, {}
     if kind == "hybrid":
-        mamba = {0: (filled((num_slots, d_inner, 4), torch.bfloat16), filled((num_slots, d_inner, 8), torch.float32)),
-                 2: (filled((num_slots, d_inner, 4), torch.bfloat16), filled((num_slots, d_inner, 8), torch.float32))}
+        state = {0: ("mamba", {"conv": filled((num_slots, d_inner, 4), torch.bfloat16),
+                               "ssm": filled((num_slots, d_inner, 8), torch.float32)}),
+                 2: ("mamba2", {"conv": filled((num_slots, d_inner, 4), torch.bfloat16),
+                                "ssm": filled((num_slots, 3, d_inner, 8), torch.float32)})}
         attention = {1: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16)),
                      3: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16))}
     elif kind == "attention":
         attention = {i: (filled(kv, torch.float16), filled(kv, torch.float16)) for i in range(3)}
     elif kind == "mamba":
-        mamba = {i: (filled((num_slots, d_inner, 4), torch.float32), filled((num_slots, d_inner, 8), torch.float32)) for i in range(3)}
+        state = {i: ("mamba", {"conv": filled((num_slots, d_inner, 4), torch.float32),
+                               "ssm": filled((num_slots, d_inner, 8), torch.float32)}) for i in range(3)}
     else:
         raise ValueError(f"unknown layout kind {kind!r}; one of {LAYOUT_KINDS}")
-    return CacheTensors.hybrid(block_size, attention, mamba)
+    return CacheTensors.hybrid(block_size, attention, state)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

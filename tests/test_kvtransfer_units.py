@@ -32,7 +32,7 @@ def test_layout_is_ordered_by_layer_and_round_trips():
 def test_handoff_bytes_counts_whole_blocks_and_one_slot():
     layout = make_cache("hybrid", block_size=4, num_blocks=10, num_slots=3, seed=0).layout
     kv_row = 4 * 2 * 8 * 2  # block_size * heads * head_dim * bf16
-    state = 2 * (24 * 4 * 2 + 24 * 8 * 4)
+    state = (24 * 4 * 2 + 24 * 8 * 4) + (24 * 4 * 2 + 3 * 24 * 8 * 4)  # a mamba and a mamba2 layer
     assert layout.num_blocks_for(9) == 3
     assert layout.handoff_bytes(9) == 3 * 4 * kv_row + state
     mamba = make_cache("mamba", 4, 10, 3, seed=0).layout
@@ -41,7 +41,7 @@ def test_handoff_bytes_counts_whole_blocks_and_one_slot():
 
 @pytest.mark.parametrize("change, expected", [
     (dict(block_size=8), "block_size 4 vs 8"),
-    (dict(kind="attention"), "layer 0: mamba vs attention; layer 2: mamba vs attention; layer 3: attention vs no cache"),
+    (dict(kind="attention"), "layer 0: mamba vs attention; layer 2: mamba2 vs attention; layer 3: attention vs no cache"),
     (dict(head_dim=16), "layer1.k: row_shape (4, 2, 8) vs (4, 2, 16)"),
     (dict(d_inner=32), "layer0.ssm: row_shape (24, 8) vs (32, 8)"),
 ])
@@ -82,11 +82,10 @@ def test_cache_validation():
 
 def test_from_named_matches_the_engine_cache_naming():
     cache = make_cache("hybrid", 4, 6, 2, seed=3)
-    blocks = [(n, t) for n, t in cache.tensors.items() if n.endswith((".k", ".v"))]
-    slots = [(n, t) for n, t in cache.tensors.items() if n.endswith((".conv", ".ssm"))]
-    assert CacheTensors.from_named(4, blocks, slots).layout == cache.layout
-    with pytest.raises(ValueError, match="layer<index>"):
-        CacheTensors.from_named(4, [("k_cache", torch.zeros(2, 4, 1, 1))], [])
+    named = [(s.name, s.layer, s.layer_kind, s.role, cache.tensors[s.name]) for s in cache.layout.specs]
+    assert CacheTensors.from_named(4, named).layout == cache.layout
+    with pytest.raises(ValueError, match="layer0.<part>"):
+        CacheTensors.from_named(4, [("k_cache", 0, "attention", BLOCK, torch.zeros(2, 4, 1, 1))])
 
 
 def test_pack_plan_segments_follow_layers():

@@ -9,9 +9,10 @@ import torch
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import CheckpointError, ConfigReader, WeightFiles, load_into, read_config, read_json
 from engine.models.families import FAMILIES
-from engine.models.hybrid import HybridLM, ModelSpec
+from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
 
-__all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCaches", "ModelSpec", "load_model"]
+__all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCacheSpec", "LayerCaches", "ModelSpec",
+           "StateTensorSpec", "load_model"]
 
 # Tensors some checkpoints carry that a serving forward does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -13,13 +13,14 @@ from torch import nn
 
 from engine.kernels import paged_attention_decode, uses_triton
 from engine.models.batch import ForwardBatch
+from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  qkv_bias: bool, out_bias: bool, rotary: RotaryEmbedding | None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, scale: float | None = None):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads {num_heads} is not a multiple of "
@@ -31,7 +32,10 @@ class PagedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=out_bias)
         self.rotary = rotary
         self.sliding_window = sliding_window
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+
+    def kv_spec(self) -> KVSpec:
+        return KVSpec(self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -50,7 +50,8 @@ class ForwardBatch:
 
 @dataclass
 class LayerCaches:
-    """Per model layer: (k, v) for attention layers, (conv, ssm) for Mamba layers, else None."""
+    """Per model layer: (k, v) where the layer has attention; its state tensors, in the order its
+    mixer declared them (engine.models.hybrid), where it has recurrent state; else None."""
 
     kv: list[tuple[torch.Tensor, torch.Tensor] | None]
-    state: list[tuple[torch.Tensor, torch.Tensor] | None]
+    state: list[tuple[torch.Tensor, ...] | None]

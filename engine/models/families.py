@@ -47,8 +47,7 @@ def build_jamba(cfg: ConfigReader) -> HybridLM:
         raise cfg.unsupported("mamba_dt_rank", "expected an integer or 'auto'")
     d_state, d_conv = cfg.positive_int("mamba_d_state", 16), cfg.positive_int("mamba_d_conv", 4)
     kinds = ["attention" if i % attn_period == attn_offset else "mamba" for i in range(layers_n)]
-    spec = ModelSpec("jamba", kinds, cfg.positive_int("vocab_size"), hidden, kv_heads,
-                     hidden // heads, d_inner, d_conv, d_state,
+    spec = ModelSpec("jamba", cfg.positive_int("vocab_size"), hidden,
                      cfg.get("max_position_embeddings", int, None), _eos_ids(cfg),
                      cfg.get("bos_token_id", int, None))
     layers = []
@@ -134,8 +133,7 @@ def build_mamba(cfg: ConfigReader) -> HybridLM:
     eps = cfg.get("layer_norm_epsilon", float, 1e-5)
     act = cfg.get("hidden_act", str, "silu")
     residual_fp32 = cfg.get("residual_in_fp32", bool, True)
-    spec = ModelSpec("mamba", ["mamba"] * layers_n, cfg.positive_int("vocab_size"), hidden,
-                     d_inner=d_inner, d_conv=d_conv, d_state=d_state, eos_token_ids=_eos_ids(cfg),
+    spec = ModelSpec("mamba", cfg.positive_int("vocab_size"), hidden, eos_token_ids=_eos_ids(cfg),
                      bos_token_id=cfg.get("bos_token_id", int, None))
     layers = [
         DecoderLayer("mamba", RMSNorm(hidden, eps),
@@ -184,9 +182,8 @@ def build_llama(cfg: ConfigReader) -> HybridLM:
     layer_types = cfg.get("layer_types", list, None)
     if model_type == "qwen2" and not cfg.get("use_sliding_window", bool, False):
         window = None
-    spec = ModelSpec(model_type, ["attention"] * layers_n, cfg.positive_int("vocab_size"), hidden,
-                     kv_heads, head_dim, max_position=max_position, eos_token_ids=_eos_ids(cfg),
-                     bos_token_id=cfg.get("bos_token_id", int, None))
+    spec = ModelSpec(model_type, cfg.positive_int("vocab_size"), hidden, max_position=max_position,
+                     eos_token_ids=_eos_ids(cfg), bos_token_id=cfg.get("bos_token_id", int, None))
     try:
         rotary = RotaryEmbedding(head_dim, rotary_dim, theta, rope, max_position)
     except (ValueError, KeyError) as e:

@@ -1,11 +1,18 @@
-"""One decoder stack for every family: per layer a mixer (attention or Mamba) and an optional FFN.
+"""One decoder stack for every family: per layer a mixer and an optional FFN.
 
-Jamba interleaves both mixer kinds; Llama-family models are all attention; Mamba is all Mamba
-with no FFN. The families differ only in how config.json and tensor names map onto this.
+Jamba interleaves attention and Mamba mixers; Llama-family models are all attention; Mamba is
+all Mamba with no FFN; Nemotron-H has FFN-only layers. The families differ only in how
+config.json and tensor names map onto this.
+
+What a layer keeps per sequence is declared by its mixer, never known here: an attention
+mixer declares its KV shape (`kv_spec()`), a recurrent mixer its state kind and tensors
+(`state_kind`, `state_spec()`). The cache, the slot pool and the hand-off move what the
+layers declare.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -14,41 +21,97 @@ from torch import nn
 from engine.models.batch import ForwardBatch, LayerCaches
 
 
+@dataclass(frozen=True)
+class StateTensorSpec:
+    """One tensor a recurrent layer keeps per sequence: name, per-sequence shape, dtype name."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"  # state accumulates over the whole sequence: float32 by default
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not self.name.isidentifier() or any(d <= 0 for d in self.shape):
+            raise ValueError(f"bad state tensor spec {self}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class LayerCacheSpec:
+    """What one model layer keeps per sequence: KV rows, recurrent state, both, or nothing."""
+
+    kind: str  # what the layer is, e.g. "attention", "mamba2", "attention+mamba2", "mlp"
+    kv: KVSpec | None = None
+    state_kind: str | None = None  # "mamba", "mamba2", ...: names the state's semantics
+    state: tuple[StateTensorSpec, ...] = ()
+
+    def __post_init__(self):
+        if bool(self.state) != (self.state_kind is not None):
+            raise ValueError(f"layer {self.kind!r}: state tensors and state_kind go together")
+
+
 @dataclass
 class ModelSpec:
     """What the engine needs to know about a model to size, place and move its caches."""
 
     model_type: str
-    layer_kinds: list[str]  # "attention" or "mamba", per layer
     vocab_size: int
     hidden_size: int
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    d_inner: int = 0
-    d_conv: int = 0
-    d_state: int = 0
-    max_position: int | None = None  # None: no positional limit (pure Mamba)
+    max_position: int | None = None  # None: no positional limit (pure recurrent stacks)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    layers: tuple[LayerCacheSpec, ...] = ()  # filled by HybridLM from its layers' mixers
 
-    def __post_init__(self):
-        for kind in self.layer_kinds:
-            if kind not in ("attention", "mamba"):
-                raise ValueError(f"unknown layer kind {kind!r}")
+    @property
+    def layer_kinds(self) -> list[str]:
+        return [layer.kind for layer in self.layers]
 
     @property
     def attention_layers(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k == "attention"]
+        return [i for i, layer in enumerate(self.layers) if layer.kv is not None]
 
     @property
-    def mamba_layers(self) -> list[int]:
-        return [i for i, k in enumerate(self.layer_kinds) if k == "mamba"]
+    def state_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.state]
+
+
+class FFNMixer(nn.Module):
+    """An FFN in a mixer's place (Nemotron-H's MLP and MoE layers): no cache, no state."""
+
+    def __init__(self, ffn: nn.Module):
+        super().__init__()
+        self.ffn = ffn
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
+        return self.ffn(x)
+
+
+def mixer_cache_spec(kind: str, mixer: nn.Module) -> LayerCacheSpec:
+    kv = mixer.kv_spec() if hasattr(mixer, "kv_spec") else None
+    if hasattr(mixer, "state_spec"):
+        return LayerCacheSpec(kind, kv, mixer.state_kind, tuple(mixer.state_spec()))
+    return LayerCacheSpec(kind, kv)
 
 
 class DecoderLayer(nn.Module):
+    """h + mixer(norm(h)), then h + ffn(norm(h)) when the layer has an FFN.
+
+    `residual_scale` is Granite's residual_multiplier; `residual_fp32` keeps the residual
+    stream in float32 (Mamba, Mamba2).
+    """
+
     def __init__(self, kind: str, input_norm: nn.Module, mixer: nn.Module,
                  ffn_norm: nn.Module | None = None, ffn: nn.Module | None = None,
-                 residual_fp32: bool = False):
+                 residual_fp32: bool = False, residual_scale: float = 1.0):
         super().__init__()
         self.kind = kind
         self.input_norm = input_norm
@@ -56,33 +119,50 @@ class DecoderLayer(nn.Module):
         self.ffn_norm = ffn_norm
         self.ffn = ffn
         self.residual_fp32 = residual_fp32
+        self.residual_scale = residual_scale
+        self.uses_kv = hasattr(mixer, "kv_spec")
+
+    def cache_spec(self) -> LayerCacheSpec:
+        return mixer_cache_spec(self.kind, self.mixer)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, index: int):
-        cache = caches.kv[index] if self.kind == "attention" else caches.state[index]
+        cache = caches.kv[index] if self.uses_kv else caches.state[index]
         residual = h.float() if self.residual_fp32 else h
-        h = residual + self.mixer(self.input_norm(h.to(self.input_norm.weight.dtype)), batch, cache)
+        mixed = self.mixer(self.input_norm(h.to(self.input_norm.weight.dtype)), batch, cache)
+        h = residual + (mixed if self.residual_scale == 1.0 else mixed * self.residual_scale)
         if self.ffn is not None:
-            h = h + self.ffn(self.ffn_norm(h))
+            out = self.ffn(self.ffn_norm(h))
+            h = h + (out if self.residual_scale == 1.0 else out * self.residual_scale)
         return h
 
 
 class HybridLM(nn.Module):
-    def __init__(self, spec: ModelSpec, layers: list[DecoderLayer], final_norm: nn.Module,
-                 tie_embeddings: bool):
+    """Embedding, the layers, final norm, LM head. `embedding_scale` and `logits_divisor`
+    (Granite's embedding_multiplier and logits_scaling) default to 1."""
+
+    def __init__(self, spec: ModelSpec, layers: list[nn.Module], final_norm: nn.Module,
+                 tie_embeddings: bool, embedding_scale: float = 1.0, logits_divisor: float = 1.0):
         super().__init__()
-        self.spec = spec
+        self.spec = dataclasses.replace(spec, layers=tuple(layer.cache_spec() for layer in layers))
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self.tie_embeddings = tie_embeddings
+        self.embedding_scale = embedding_scale
+        self.logits_divisor = logits_divisor
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
+    def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed(batch.input_ids)
+        return h if self.embedding_scale == 1.0 else h * self.embedding_scale
+
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]."""
-        h = self.embed(batch.input_ids)
+        h = self.embed_tokens(batch)
         for index, layer in enumerate(self.layers):
             h = layer(h, batch, caches, index)
         h = self.final_norm(h.index_select(0, batch.logits_indices))
         weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        return (h.to(weight.dtype) @ weight.t()).float()
+        logits = (h.to(weight.dtype) @ weight.t()).float()
+        return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.kernels import causal_conv1d_update, selective_state_update
 from engine.models.batch import ForwardBatch
+from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
 from engine.phase import Phase
 
@@ -67,6 +68,8 @@ def selective_scan(x, dt, A, B, C, h0):
 
 
 class MambaMixer(nn.Module):
+    state_kind = "mamba"
+
     def __init__(self, hidden: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  conv_bias: bool, proj_bias: bool, act: str, bcdt_norm_eps: float | None):
         super().__init__()
@@ -87,6 +90,10 @@ class MambaMixer(nn.Module):
             self.c_norm = RMSNorm(d_state, bcdt_norm_eps)
         else:
             self.dt_norm = self.b_norm = self.c_norm = None
+
+    def state_spec(self) -> list[StateTensorSpec]:
+        return [StateTensorSpec("conv", (self.d_inner, self.d_conv)),
+                StateTensorSpec("ssm", (self.d_inner, self.d_state))]
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
