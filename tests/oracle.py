@@ -57,7 +57,55 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2_bias_tied": ("qwen2", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       tie_word_embeddings=True)),
+    # Mamba2: 2 groups of 4 heads, SSD chunks of 8 (prompts cross many), untied.
+    "mamba2": ("mamba2", dict(hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8,
+                              state_size=8, n_groups=2, expand=2, chunk_size=8)),
+    # Mamba2: 3 heads of 16 in one group, d_conv 3, biases, tied, a finite dt window.
+    "mamba2_tied_limit": ("mamba2", dict(hidden_size=24, num_hidden_layers=3, num_heads=3, head_dim=16,
+                                         state_size=4, n_groups=1, expand=2, chunk_size=5, conv_kernel=3,
+                                         use_bias=True, tie_word_embeddings=True,
+                                         time_step_limit=(0.02, 0.08))),
+    # Bamba: attention at 1 and 3 (GQA 4:2, partial rope), 4 Mamba2 groups.
+    "bamba": ("bamba", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3],
+                            mamba_n_heads=8, mamba_d_state=8, mamba_n_groups=4, mamba_chunk_size=8)),
+    # Bamba: 5 Mamba2 heads (odd), one group, no conv bias, MQA attention first, tied.
+    "bamba_odd_tied": ("bamba", dict(hidden_size=40, intermediate_size=56, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=1, attn_layer_indices=[0],
+                                     mamba_n_heads=5, mamba_d_state=4, mamba_n_groups=1,
+                                     mamba_chunk_size=6, mamba_conv_bias=False, mamba_d_conv=3,
+                                     tie_word_embeddings=True)),
+    # Granite 4.0-H: MoE (4 experts top-2) + shared expert, rope, every multiplier away from 1.
+    "granitemoehybrid": ("granitemoehybrid", dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "mamba"],
+        mamba_n_heads=8, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=24, position_embedding_type="rope",
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+        logits_scaling=3.0)),
+    # Granite 4.0-H: dense (shared MLP only), NoPE, attention last.
+    "granitemoehybrid_dense_nope": ("granitemoehybrid", dict(
+        hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=2, layer_types=["mamba", "mamba", "attention"], mamba_n_heads=4,
+        mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=7, num_local_experts=0,
+        shared_intermediate_size=48, position_embedding_type=None, tie_word_embeddings=True)),
+    # Nemotron-H: Mamba2, attention (NoPE), squared-ReLU MLP, MoE with shared expert.
+    "nemotron_h": ("nemotron_h", dict(hidden_size=32, intermediate_size=48, hybrid_override_pattern="M*-EM",
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                                      chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=24, moe_shared_expert_intermediate_size=20)),
+    # Nemotron-H: grouped routing (2 groups, best 1), latent MoE, 6 heads of 4, one SSM group.
+    "nemotron_h_latent": ("nemotron_h", dict(hidden_size=24, intermediate_size=32, hybrid_override_pattern="ME*M",
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+                                             mamba_num_heads=6, mamba_head_dim=4, ssm_state_size=4,
+                                             n_groups=1, chunk_size=4, n_routed_experts=4, n_group=2,
+                                             topk_group=1, num_experts_per_tok=2, moe_latent_size=16,
+                                             moe_intermediate_size=12, moe_shared_expert_intermediate_size=8,
+                                             routed_scaling_factor=2.5)),
 }
+
+MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h")
 
 
 def save_tiny_model(name: str, path: Path):
@@ -70,6 +118,10 @@ def save_tiny_model(name: str, path: Path):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM),
+        "bamba": (tf.BambaConfig, tf.BambaForCausalLM),
+        "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM),
+        "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM),
     }[model_type]
     kwargs = dict(kwargs)
     kwargs.setdefault("initializer_range", 0.1)  # peakier logits: fewer genuine near-ties

@@ -8,14 +8,18 @@ import torch
 
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import CheckpointError, ConfigReader, WeightFiles, load_into, read_config, read_json
-from engine.models.families import FAMILIES
+from engine.models.families import FAMILIES as _BASE_FAMILIES
+from engine.models.families_mamba2 import FAMILIES as _MAMBA2_FAMILIES
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
 
 __all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCacheSpec", "LayerCaches", "ModelSpec",
            "StateTensorSpec", "load_model"]
 
-# Tensors some checkpoints carry that a serving forward does not use.
+FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES}
+# Tensors some checkpoints carry that a serving forward does not use: cached rotary tables and
+# multi-token-prediction heads (speculative decoding, not served).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_PREFIXES = ("mtp.",)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -39,7 +43,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     model = model.to_empty(device=device).to(dtype)
     weights = WeightFiles(model_dir)
     try:
-        load_into(model, weights, names, ignore=lambda n: n.endswith(_IGNORED_SUFFIXES)
+        load_into(model, weights, names, ignore=lambda n: n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
                   or (model.tie_embeddings and n == "lm_head.weight"))
     finally:
         weights.close()

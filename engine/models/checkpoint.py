@@ -67,6 +67,26 @@ class ConfigReader:
             raise CheckpointError(f"{self.path}: key {key!r} is {value}, expected a positive integer")
         return value
 
+    def float_pair(self, key: str, default: tuple[float, float]) -> tuple[float, float]:
+        """A [low, high] pair such as time_step_limit; None means the default. transformers
+        writes infinity as {"__float__": "Infinity"}, older files as Infinity or "inf"."""
+        value = self.config.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise self.unsupported(key, "expected a [low, high] pair")
+        pair = []
+        for item in value:
+            if isinstance(item, dict) and set(item) == {"__float__"}:
+                item = item["__float__"]
+            try:
+                pair.append(float(item))
+            except (TypeError, ValueError):
+                raise self.unsupported(key, f"{item!r} is not a number") from None
+        if not pair[0] <= pair[1]:
+            raise self.unsupported(key, "low is above high")
+        return pair[0], pair[1]
+
     def unsupported(self, key: str, message: str) -> CheckpointError:
         return CheckpointError(f"{self.path}: key {key!r} = {self.config.get(key)!r}: {message}")
 

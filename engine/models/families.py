@@ -162,6 +162,18 @@ def mamba_names(name: str):
 
 # ----------------------------------------------------------------------------- Llama family
 
+def rotary_of(cfg: ConfigReader, head_dim: int, max_position: int) -> RotaryEmbedding:
+    """RoPE from rope_parameters (transformers 5) or rope_scaling / rope_theta (older configs)."""
+    rope = dict(cfg.get("rope_parameters", dict, None) or cfg.get("rope_scaling", dict, None) or {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", float, 10000.0)))
+    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor",
+                                                cfg.get("partial_rotary_factor", float, 1.0))))
+    try:
+        return RotaryEmbedding(head_dim, rotary_dim, theta, rope, max_position)
+    except (ValueError, KeyError) as e:
+        raise cfg.unsupported("rope_parameters", str(e)) from None
+
+
 def build_llama(cfg: ConfigReader) -> HybridLM:
     model_type = cfg.config["model_type"]
     hidden = cfg.positive_int("hidden_size")
@@ -172,10 +184,6 @@ def build_llama(cfg: ConfigReader) -> HybridLM:
     eps = cfg.get("rms_norm_eps", float, 1e-6)
     act = cfg.get("hidden_act", str, "silu")
     max_position = cfg.positive_int("max_position_embeddings", 2048)
-    rope = dict(cfg.get("rope_parameters", dict, None) or cfg.get("rope_scaling", dict, None) or {})
-    theta = float(rope.get("rope_theta", cfg.get("rope_theta", float, 10000.0)))
-    rotary_dim = int(head_dim * float(rope.get("partial_rotary_factor",
-                                                cfg.get("partial_rotary_factor", float, 1.0))))
     qkv_bias = model_type == "qwen2" or cfg.get("attention_bias", bool, False)
     out_bias = model_type != "qwen2" and cfg.get("attention_bias", bool, False)
     window = cfg.get("sliding_window", int, None)
@@ -184,10 +192,7 @@ def build_llama(cfg: ConfigReader) -> HybridLM:
         window = None
     spec = ModelSpec(model_type, cfg.positive_int("vocab_size"), hidden, max_position=max_position,
                      eos_token_ids=_eos_ids(cfg), bos_token_id=cfg.get("bos_token_id", int, None))
-    try:
-        rotary = RotaryEmbedding(head_dim, rotary_dim, theta, rope, max_position)
-    except (ValueError, KeyError) as e:
-        raise cfg.unsupported("rope_parameters", str(e)) from None
+    rotary = rotary_of(cfg, head_dim, max_position)
     layers = []
     for i in range(layers_n):
         sliding = layer_types[i] == "sliding_attention" if layer_types else window is not None

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+               "relu2": lambda x: torch.square(F.relu(x))}
 
 
 def activation(name: str):
@@ -31,6 +32,33 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class GatedRMSNorm(nn.Module):
+    """Mamba2's output norm: RMS-normalise y * silu(z) within groups of `group_size` channels
+    (mamba_ssm's norm_before_gate=False, what Mamba2, Bamba, Granite 4.0-H, Nemotron-H and
+    Zamba2 use); with norm_before_gate=True (a Falcon-H1 option) normalise y, then gate."""
+
+    def __init__(self, size: int, group_size: int, eps: float, norm_before_gate: bool = False):
+        super().__init__()
+        if group_size <= 0 or size % group_size:
+            raise ValueError(f"gated norm: group size {group_size} does not divide {size}")
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size = group_size
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float()
+        if not self.norm_before_gate:
+            y = y * F.silu(z.float())
+        groups = y.view(*y.shape[:-1], -1, self.group_size)
+        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(y.shape)
+        y = self.weight * y.to(dtype)
+        if self.norm_before_gate:
+            y = y * F.silu(z.to(y.dtype))
+        return y
+
+
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
@@ -41,6 +69,20 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SummedFFN(nn.Module):
+    """Several FFNs over the same input, outputs added (routed experts + a shared expert)."""
+
+    def __init__(self, *ffns: nn.Module):
+        super().__init__()
+        self.parts = nn.ModuleList(ffns)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parts[0](x)
+        for part in self.parts[1:]:
+            out = out + part(x)
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -66,23 +108,33 @@ class SparseMoE(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        flat_experts = experts.flatten()
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()
-        token_of = order // self.top_k
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            picks = order[start:start + count]
-            tokens = token_of[start:start + count]
-            start += count
-            gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[expert])
-            out.index_add_(0, tokens, y * weights.flatten()[picks, None])
-        return out
+        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down[expert])
+
+
+def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                     num_experts: int, expert_fn) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_fn(experts[t, k], x[t]) for every token t, with each hit
+    expert run once over exactly the tokens routed to it (no capacity, nothing dropped)."""
+    out = torch.zeros_like(x)
+    flat_experts = experts.flatten()
+    order = torch.argsort(flat_experts, stable=True)
+    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
+    token_of = order // experts.shape[1]
+    flat_weights = weights.flatten()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        picks = order[start:start + count]
+        tokens = token_of[start:start + count]
+        start += count
+        y = expert_fn(expert, x[tokens])
+        out.index_add_(0, tokens, (y * flat_weights[picks, None]).to(out.dtype))
+    return out
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,7 +163,7 @@ class RotaryEmbedding(nn.Module):
         elif kind not in ("default", "dynamic"):
             raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, "
                              "dynamic, llama3, yarn)")
-        self.rotary_dim = rotary_dim
+        self.rotary_dim = 2 * inv_freq.shape[0]  # as transformers: an odd rotary_dim rounds up
         self.inv_freq = inv_freq
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

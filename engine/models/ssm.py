@@ -122,24 +122,31 @@ class MambaMixer(nn.Module):
         return self.out_proj(y.to(hidden.dtype))
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv over each sequence, continuing from (and updating) its state.
+        return self.act(varlen_causal_conv(x, batch, conv_state, self.conv_weight, self.conv_bias))
 
-        conv_state[slot] holds the last d_conv inputs of the sequence, oldest first.
-        """
-        out = torch.empty_like(x)
-        weight = self.conv_weight.unsqueeze(1)
-        for row in batch.prefill_rows:
-            start, end = batch.query_starts[row], batch.query_starts[row + 1]
-            slot = batch.state_slots[row]
-            if batch.phases[row] is Phase.FRESH_PREFILL:
-                history = torch.zeros(self.d_inner, self.d_conv, dtype=x.dtype, device=x.device)
-            else:
-                history = conv_state[slot].to(x.dtype)
-            window = torch.cat((history, x[start:end].t()), dim=1)  # [D, d_conv + L]
-            conv = F.conv1d(window.unsqueeze(0), weight, self.conv_bias, groups=self.d_inner)
-            out[start:end] = conv[0, :, -(end - start):].t()
-            conv_state[slot] = window[:, -self.d_conv:].to(conv_state.dtype)
-        if batch.decode_rows:
-            idx, slots = batch.decode_token_index, batch.decode_slots
-            out[idx] = causal_conv1d_update(conv_state, slots, x[idx], self.conv_weight, self.conv_bias)
-        return self.act(out)
+
+def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                       weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Causal depthwise conv over each sequence (no activation), continuing from and updating
+    its state: conv_state[slot] holds the sequence's last d_conv inputs, oldest first.
+
+    x: [T, channels]; weight: [channels, d_conv]. FRESH_PREFILL rows start from explicit zeros
+    and only write their slot; other rows read it.
+    """
+    channels, d_conv = weight.shape
+    out = torch.empty_like(x)
+    for row in batch.prefill_rows:
+        start, end = batch.query_starts[row], batch.query_starts[row + 1]
+        slot = batch.state_slots[row]
+        if batch.phases[row] is Phase.FRESH_PREFILL:
+            history = torch.zeros(channels, d_conv, dtype=x.dtype, device=x.device)
+        else:
+            history = conv_state[slot].to(x.dtype)
+        window = torch.cat((history, x[start:end].t()), dim=1)  # [channels, d_conv + L]
+        conv = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)
+        out[start:end] = conv[0, :, -(end - start):].t()
+        conv_state[slot] = window[:, -d_conv:].to(conv_state.dtype)
+    if batch.decode_rows:
+        idx, slots = batch.decode_token_index, batch.decode_slots
+        out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias)
+    return out

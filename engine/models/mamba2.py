@@ -1,0 +1,98 @@
+"""Mamba2 (SSD) mixer over a varlen batch with a slot-indexed state pool.
+
+One in_proj gives the gate z, xBC (x, B and C together) and dt per head; a causal depthwise
+conv runs over xBC; B and C are shared by groups of heads; A is one scalar per head. Per
+sequence it keeps `conv` [conv_dim, d_conv] and `ssm` [heads, head_dim, d_state] (float32).
+
+By phase (engine.phase): FRESH_PREFILL starts conv and ssm from explicit zeros and only
+writes the slot; CONTINUED_PREFILL starts from the slot (its own, checked by the runner);
+DECODE reads the slot, updates it with one token and writes it back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import mamba2_state_update, ssd_chunk_scan
+from engine.kernels.mamba2_update import process_dt
+from engine.models.batch import ForwardBatch
+from engine.models.hybrid import StateTensorSpec
+from engine.models.layers import GatedRMSNorm, activation
+from engine.models.ssm import varlen_causal_conv
+from engine.phase import Phase
+
+
+class Mamba2Mixer(nn.Module):
+    state_kind = "mamba2"
+
+    def __init__(self, hidden: int, num_heads: int, head_dim: int, n_groups: int, d_state: int,
+                 d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool, act: str,
+                 dt_limit: tuple[float, float], norm: GatedRMSNorm | None):
+        super().__init__()
+        if n_groups <= 0 or num_heads % n_groups:
+            raise ValueError(f"{num_heads} Mamba2 heads are not a multiple of n_groups={n_groups}")
+        self.num_heads, self.head_dim, self.n_groups = num_heads, head_dim, n_groups
+        self.d_state, self.d_conv, self.chunk_size = d_state, d_conv, chunk_size
+        self.d_ssm = num_heads * head_dim
+        self.conv_dim = self.d_ssm + 2 * n_groups * d_state
+        self.in_proj = nn.Linear(hidden, self.d_ssm + self.conv_dim + num_heads, bias=proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, d_conv))
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim)) if conv_bias else None
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.D = nn.Parameter(torch.ones(num_heads))
+        self.norm = norm  # None: y * silu(z), no norm (a Falcon-H1 option)
+        self.out_proj = nn.Linear(self.d_ssm, hidden, bias=proj_bias)
+        self.act = activation(act)
+        self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+
+    def state_spec(self) -> list[StateTensorSpec]:
+        return [StateTensorSpec("conv", (self.conv_dim, self.d_conv)),
+                StateTensorSpec("ssm", (self.num_heads, self.head_dim, self.d_state))]
+
+    def split_projection(self, zxbcdt: torch.Tensor):
+        """in_proj output -> (z, xBC, dt). Families that scale the parts override this."""
+        return torch.split(zxbcdt, [self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
+                state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        conv_state, ssm_state = state
+        z, xbc, dt = self.split_projection(self.in_proj(hidden))
+        xbc = self.act(varlen_causal_conv(xbc, batch, conv_state, self.conv_weight, self.conv_bias))
+        x, B, C = torch.split(xbc, [self.d_ssm, self.n_groups * self.d_state,
+                                    self.n_groups * self.d_state], dim=-1)
+        tokens = x.shape[0]
+        x = x.reshape(tokens, self.num_heads, self.head_dim)
+        B = B.reshape(tokens, self.n_groups, self.d_state)
+        C = C.reshape(tokens, self.n_groups, self.d_state)
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(tokens, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
+        if batch.prefill_rows:
+            dt_full = process_dt(dt, self.dt_bias, True, self.dt_limit)
+        for row in batch.prefill_rows:
+            start, end = batch.query_starts[row], batch.query_starts[row + 1]
+            slot = batch.state_slots[row]
+            h0 = (torch.zeros(ssm_state.shape[1:], device=x.device)
+                  if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
+            y[start:end], h = ssd_chunk_scan(x[start:end], dt_full[start:end], A, B[start:end],
+                                             C[start:end], h0, self.chunk_size)
+            ssm_state[slot] = h.to(ssm_state.dtype)
+        if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
+            idx, slots = batch.decode_token_index, batch.decode_slots
+            y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
+                                         dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+        y = (y + x.float() * self.D.float()[:, None]).reshape(tokens, self.d_ssm)
+        y = self.norm(y, z) if self.norm is not None else y * F.silu(z.float())
+        return self.out_proj(y.to(hidden.dtype))
+
+
+def dt_limit_of(value) -> tuple[float, float]:
+    """config time_step_limit (a pair, None meaning no limit) -> (low, high)."""
+    if value is None:
+        return (0.0, math.inf)
+    low, high = value
+    return (float(low), float(high))

@@ -1,0 +1,119 @@
+"""Nemotron-H's FFN layers: a non-gated MLP (squared ReLU by default) and its MoE.
+
+The MoE routes with sigmoid scores plus a per-expert correction bias (used only to choose),
+optionally within the best `topk_group` of `n_group` expert groups, normalises the chosen
+weights when the config says so and scales them by routed_scaling_factor; experts are
+non-gated MLPs, optionally inside a latent projection; a shared expert is always added.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.checkpoint import ConfigReader
+from engine.models.layers import activation, dispatch_experts
+
+
+class NemotronMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool):
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronMoE(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
+                 top_k: int, n_group: int, topk_group: int, normalize: bool, scaling: float,
+                 latent: int | None, act: str, bias: bool):
+        super().__init__()
+        width = latent or hidden
+        self.gate_weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.gate_bias = nn.Parameter(torch.zeros(num_experts))  # e_score_correction_bias
+        self.up = nn.Parameter(torch.empty(num_experts, intermediate, width))
+        self.down = nn.Parameter(torch.empty(num_experts, width, intermediate))
+        self.shared = NemotronMLP(hidden, shared_intermediate, act, bias)
+        self.fc1_latent = nn.Linear(hidden, latent, bias=bias) if latent else None
+        self.fc2_latent = nn.Linear(latent, hidden, bias=bias) if latent else None
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.normalize, self.scaling = normalize, scaling
+        self.act = activation(act)
+
+    @classmethod
+    def from_config(cls, cfg: ConfigReader, hidden: int) -> NemotronMoE:
+        experts = cfg.positive_int("n_routed_experts")
+        top_k = cfg.positive_int("num_experts_per_tok")
+        n_group, topk_group = cfg.positive_int("n_group", 1), cfg.positive_int("topk_group", 1)
+        if experts % n_group or topk_group > n_group or (n_group > 1 and experts // n_group < 2):
+            raise cfg.unsupported("n_group", f"{experts} experts cannot form {n_group} groups of two or "
+                                  f"more with topk_group={topk_group}")
+        if top_k > experts:
+            raise cfg.unsupported("num_experts_per_tok", f"exceeds n_routed_experts={experts}")
+        if cfg.get("n_shared_experts", int, 1) != 1:
+            raise cfg.unsupported("n_shared_experts", "only one shared expert is supported")
+        return cls(hidden, cfg.positive_int("moe_intermediate_size"),
+                   cfg.positive_int("moe_shared_expert_intermediate_size"), experts, top_k, n_group,
+                   topk_group, cfg.get("norm_topk_prob", bool, True),
+                   cfg.get("routed_scaling_factor", float, 1.0), cfg.get("moe_latent_size", int, None),
+                   cfg.get("mlp_hidden_act", str, "relu2"), cfg.get("mlp_bias", bool, False))
+
+    @staticmethod
+    def checkpoint_name(p: str, ours: str):
+        """Our parameter name inside the mixer -> the HF tensor name (or assembling callable)."""
+        if ours.startswith(("up_proj", "down_proj")):  # a dense MLP layer
+            return f"{p}.{ours}"
+        fixed = {"gate_weight": f"{p}.gate.weight", "gate_bias": f"{p}.gate.e_score_correction_bias",
+                 "fc1_latent.weight": f"{p}.fc1_latent_proj.weight", "fc1_latent.bias": f"{p}.fc1_latent_proj.bias",
+                 "fc2_latent.weight": f"{p}.fc2_latent_proj.weight", "fc2_latent.bias": f"{p}.fc2_latent_proj.bias"}
+        if ours in fixed:
+            return fixed[ours]
+        if ours.startswith("shared."):
+            return f"{p}.shared_experts.{ours.removeprefix('shared.')}"
+        part = {"up": "up_proj", "down": "down_proj"}[ours]
+        return lambda w: _experts(w, f"{p}.experts", part)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.gate_weight.float()).sigmoid()
+        choice = scores + self.gate_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], 1)
+            mask = keep[:, :, None].expand_as(grouped).reshape(-1, self.num_experts).bool()
+            choice = choice.masked_fill(~mask, float("-inf"))
+        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        inner = self.fc1_latent(x) if self.fc1_latent is not None else x
+        routed = dispatch_experts(inner, experts, weights.to(inner.dtype), self.num_experts, self._expert)
+        if self.fc2_latent is not None:
+            routed = self.fc2_latent(routed)
+        return routed + self.shared(x)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act(F.linear(x, self.up[expert])), self.down[expert])
+
+
+def _experts(weights, p: str, part: str) -> torch.Tensor:
+    if f"{p}.{part}" in weights:  # stacked, as newer transformers save them
+        return weights.get(f"{p}.{part}")
+    stacked, e = [], 0
+    while f"{p}.{e}.{part}.weight" in weights:
+        stacked.append(weights.get(f"{p}.{e}.{part}.weight"))
+        e += 1
+    if not stacked:
+        from engine.models.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{weights.model_dir}: missing tensor {p}.0.{part}.weight")
+    return torch.stack(stacked)
