@@ -103,6 +103,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                              topk_group=1, num_experts_per_tok=2, moe_latent_size=16,
                                              moe_intermediate_size=12, moe_shared_expert_intermediate_size=8,
                                              routed_scaling_factor=2.5)),
+    # --- falcon_h1 configs (keep this marker line) ---
+    # --- zamba2 configs (keep this marker line) ---
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h")
@@ -122,6 +124,8 @@ def save_tiny_model(name: str, path: Path):
         "bamba": (tf.BambaConfig, tf.BambaForCausalLM),
         "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM),
         "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM),
+        "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
+        "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM),
     }[model_type]
     kwargs = dict(kwargs)
     kwargs.setdefault("initializer_range", 0.1)  # peakier logits: fewer genuine near-ties
