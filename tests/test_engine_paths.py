@@ -1,4 +1,4 @@
-"""Every scheduling path must give the transformers answer, on all three families."""
+"""Every scheduling path must give the transformers answer, on every family."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def test_mixed_lengths_around_block_boundaries(family_model):
     llm.engine.check_integrity()
 
 
-@pytest.mark.parametrize("budget", [1, 7, BLOCK, 18])
+@pytest.mark.parametrize("budget", [1, 7, BLOCK, 9, 18])
 def test_chunked_prefill(family_model, budget):
-    """Budgets of 1, 7, block_size and prompt length - 1 (the 19-token prompt below)."""
+    """Budgets of 1, 7, block_size, 9 and prompt length - 1 (the 19-token prompt below); 7 and
+    9 are the SSD chunk size (8) +/- 1 of the Mamba2 families' main configs: a prefill step
+    that ends inside an SSD chunk."""
     family, path, hf = family_model
     llm = LLM(path, block_size=BLOCK, max_num_batched_tokens=budget)
     prompts = prompts_of([19, 5, 1], llm.engine.spec.vocab_size, budget)
