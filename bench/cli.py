@@ -36,7 +36,9 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF-format folder (default: the bundled demo model)")
-    p.add_argument("--tiny", choices=["jamba", "llama"], default=None,
+    from bench.checkpoints import BENCH_CHECKPOINTS
+
+    p.add_argument("--tiny", choices=BENCH_CHECKPOINTS, default=None,
                    help="build a tiny random checkpoint (bench.checkpoints) instead of --model")
 
 

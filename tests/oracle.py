@@ -103,6 +103,36 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                              topk_group=1, num_experts_per_tok=2, moe_latent_size=16,
                                              moe_intermediate_size=12, moe_shared_expert_intermediate_size=8,
                                              routed_scaling_factor=2.5)),
+    # Falcon-H1: 8 SSM heads in 2 groups, width derived (mamba_d_ssm null), grouped gated norm
+    # applied after the gate, GQA 4:2, biases everywhere, every multiplier away from 1, untied.
+    "falcon_h1": ("falcon_h1", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=8, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        mamba_proj_bias=True, projectors_bias=True, attention_bias=True, mlp_bias=True,
+        embedding_multiplier=2.5, lm_head_multiplier=0.6, key_multiplier=1.7,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.3, ssm_in_multiplier=1.4,
+        ssm_out_multiplier=0.7, ssm_multipliers=[0.9, 1.2, 0.5, 1.6, 0.75], mlp_multipliers=[1.5, 0.6])),
+    # Falcon-H1: odd heads (3 attention heads, MQA; 5 SSM heads, one group), explicit mamba_d_ssm,
+    # norm before the gate, tied, no conv bias, d_conv 3, chunks of 6, a finite dt window.
+    "falcon_h1_odd_tied": ("falcon_h1", dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, mamba_d_ssm=40, mamba_n_heads=5, mamba_n_groups=1, mamba_d_state=4,
+        mamba_d_conv=3, mamba_chunk_size=6, mamba_conv_bias=False, mamba_rms_norm=True,
+        mamba_norm_before_gate=True, tie_word_embeddings=True, time_step_limit=(0.02, 0.9),
+        embedding_multiplier=0.5, lm_head_multiplier=1.8, key_multiplier=0.6,
+        attention_out_multiplier=0.9, ssm_multipliers=[1.3, 0.8, 1.1, 0.7, 1.25],
+        mlp_multipliers=[0.7, 1.4])),
+    # Falcon-H1: no SSM norm (y * silu(z)), 6 SSM heads in 3 groups with explicit mamba_d_head,
+    # 5 attention heads (MHA), chunks of 4, projectors_bias off, mamba_proj_bias on, untied.
+    "falcon_h1_nonorm": ("falcon_h1", dict(
+        hidden_size=40, intermediate_size=56, num_hidden_layers=4, num_attention_heads=5,
+        num_key_value_heads=5, mamba_d_ssm=48, mamba_d_head=8, mamba_n_heads=6, mamba_n_groups=3,
+        mamba_d_state=6, mamba_chunk_size=4, mamba_rms_norm=False, mamba_proj_bias=True,
+        projectors_bias=False, embedding_multiplier=1.6, lm_head_multiplier=0.8,
+        key_multiplier=1.2, attention_in_multiplier=1.1, attention_out_multiplier=0.6,
+        ssm_in_multiplier=0.7, ssm_out_multiplier=1.5, ssm_multipliers=[1.1, 0.6, 1.3, 0.9, 0.8],
+        mlp_multipliers=[1.2, 0.9])),
     # --- falcon_h1 configs (keep this marker line) ---
     # --- zamba2 configs (keep this marker line) ---
 }

@@ -245,3 +245,16 @@ def test_online_runner_against_a_live_server(server, backend):
     assert m["total_output_tokens"] == sum(r.output_len for r in requests)
     assert m["mean_ttft_ms"] > 0 and m["median_tpot_ms"] > 0
     json.dumps(jsonable(result))
+
+
+def test_offline_runner_on_a_mamba2_family(tmp_path):
+    """The benchmarks run the Mamba2 families as they run Jamba (here Granite 4.0-H's layout)."""
+    from bench.checkpoints import build_checkpoint
+    from bench.runner import RunConfig, open_target, run_benchmark
+
+    build_checkpoint("granite4h-test", tmp_path)
+    requests = generate_requests(WorkloadConfig("random", 4, 20, 4, vocab_size=320, request_rate=50.0, seed=3))
+    with open_target("llm", str(tmp_path), max_num_batched_tokens=16) as target:
+        result = run_benchmark(target, requests, RunConfig("mamba2", max_concurrency=2, progress=False))
+    assert result["metrics"]["completed"] == 4 and result["metrics"]["failed"] == 0
+    assert result["metrics"]["total_output_tokens"] == sum(r.output_len for r in requests)

@@ -1,5 +1,218 @@
-"""The falcon_h1 family: config.json -> HybridLM, and our parameter names -> HF tensor names."""
+"""The falcon_h1 family: config.json -> HybridLM, and our parameter names -> HF tensor names.
+
+Every Falcon-H1 layer runs a Mamba2 mixer and attention side by side on the same normed input
+and adds both to the residual, then a gated MLP. muP-style multipliers scale the embedding,
+the LM head, the key projection, attention's input and output, the SSM's input and output,
+each of the five parts of the SSM's in_proj (z, x, B, C, dt) and the MLP's gate and output.
+
+Each layer keeps both KV rows and Mamba2 state ("attention+mamba2"). Decode runs the engine's
+Mamba2 recurrence, which clamps dt to time_step_limit exactly as the chunked prefill does
+(transformers' own one-token path skips that clamp; its full-sequence forward, the reference
+we judge against, applies it).
+"""
 
 from __future__ import annotations
 
-FAMILIES: dict = {}
+import torch
+from torch import nn
+
+from engine.models.attention import PagedAttention
+from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.checkpoint import ConfigReader
+from engine.models.families import _eos_ids, rotary_of
+from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec
+from engine.models.layers import ACTIVATIONS, GatedMLP, GatedRMSNorm, RMSNorm
+from engine.models.mamba2 import Mamba2Mixer
+
+NO_LIMIT = (0.0, float("inf"))
+
+
+class ScaledLinear(nn.Linear):
+    """nn.Linear whose output is multiplied by a constant; parameter names stay weight/bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scale: float):
+        super().__init__(in_features, out_features, bias=bias)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+class FalconH1Mixer(Mamba2Mixer):
+    """Mamba2 with the input scaled by ssm_in_multiplier, the in_proj parts by ssm_multipliers,
+    and out_proj's bias governed by projectors_bias (in_proj's by mamba_proj_bias)."""
+
+    def __init__(self, *args, in_scale: float, part_scales: tuple[float, ...], out_bias: bool, **kw):
+        super().__init__(*args, **kw)
+        self.out_proj = nn.Linear(self.d_ssm, self.in_proj.in_features, bias=out_bias)
+        self.in_scale = in_scale
+        self.part_scales = part_scales  # z, x, B, C, dt
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
+        return super().forward(hidden * self.in_scale, batch, state)
+
+    def split_projection(self, zxbcdt: torch.Tensor):
+        z, xbc, dt = super().split_projection(zxbcdt)
+        if all(s == 1.0 for s in self.part_scales):
+            return z, xbc, dt
+        sz, sx, sb, sc, sdt = self.part_scales
+        group = self.n_groups * self.d_state
+        x, B, C = torch.split(xbc, [self.d_ssm, group, group], dim=-1)
+        return z * sz, torch.cat([x * sx, B * sb, C * sc], dim=-1), dt * sdt
+
+
+class FalconH1MLP(GatedMLP):
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool,
+                 gate_scale: float, down_scale: float):
+        super().__init__(hidden, intermediate, act, bias)
+        self.gate_scale, self.down_scale = gate_scale, down_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.up_proj(x) * self.act(self.gate_proj(x) * self.gate_scale)
+        return self.down_proj(hidden) * self.down_scale
+
+
+class FalconH1Layer(nn.Module):
+    """h + ssm_out * mamba(n) + attn_out * attention(attn_in * n) with n = norm(h), then the MLP.
+    Submodule names follow the checkpoint's so the name map stays trivial."""
+
+    def __init__(self, hidden: int, eps: float, mamba: FalconH1Mixer, attention: PagedAttention,
+                 mlp: FalconH1MLP, attn_in: float, attn_out: float, ssm_out: float):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.mamba = mamba
+        self.self_attn = attention
+        self.pre_ff_layernorm = RMSNorm(hidden, eps)
+        self.feed_forward = mlp
+        self.attn_in, self.attn_out, self.ssm_out = attn_in, attn_out, ssm_out
+
+    def cache_spec(self) -> LayerCacheSpec:
+        return LayerCacheSpec("attention+mamba2", kv=self.self_attn.kv_spec(),
+                              state_kind=self.mamba.state_kind, state=tuple(self.mamba.state_spec()))
+
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, index: int):
+        normed = self.input_layernorm(h.to(self.input_layernorm.weight.dtype))
+        ssm = self.mamba(normed, batch, caches.state[index]) * self.ssm_out
+        attn = self.self_attn(normed * self.attn_in, batch, caches.kv[index]) * self.attn_out
+        h = h + (ssm + attn)
+        return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+
+class FalconH1LM(HybridLM):
+    """HybridLM whose logits are multiplied by lm_head_multiplier (not divided: the same op)."""
+
+    def __init__(self, *args, lm_head_scale: float, **kw):
+        super().__init__(*args, **kw)
+        self.lm_head_scale = lm_head_scale
+
+    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        logits = super().forward(batch, caches)
+        return logits if self.lm_head_scale == 1.0 else logits * self.lm_head_scale
+
+
+def _floats(cfg: ConfigReader, key: str, count: int) -> tuple[float, ...]:
+    value = cfg.get(key, list, None)
+    if value is None:
+        return (1.0,) * count
+    if len(value) != count or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      for v in value):
+        raise cfg.unsupported(key, f"expected a list of {count} numbers")
+    return tuple(float(v) for v in value)
+
+
+def _mamba_width(cfg: ConfigReader, hidden: int) -> tuple[int, int, int]:
+    """(heads, head_dim, d_ssm). mamba_d_ssm absent means transformers' default 1024; an
+    explicit null means mamba_expand * hidden_size."""
+    heads = cfg.positive_int("mamba_n_heads", 128)
+    d_ssm = cfg.config.get("mamba_d_ssm", 1024)
+    if d_ssm is None:
+        d_ssm = cfg.positive_int("mamba_expand", 2) * hidden
+    elif not isinstance(d_ssm, int) or isinstance(d_ssm, bool) or d_ssm <= 0:
+        raise cfg.unsupported("mamba_d_ssm", "expected a positive integer or null")
+    head_dim = cfg.get("mamba_d_head", (int, str), "auto")
+    if head_dim == "auto":
+        if d_ssm % heads:
+            raise cfg.unsupported("mamba_n_heads", f"does not divide the SSM width {d_ssm}")
+        head_dim = d_ssm // heads
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        raise cfg.unsupported("mamba_d_head", "expected a positive integer or 'auto'")
+    if head_dim * heads != d_ssm:
+        raise cfg.unsupported("mamba_d_head", f"{head_dim} * mamba_n_heads={heads} is not the "
+                              f"SSM width {d_ssm} (mamba_d_ssm, or mamba_expand * hidden_size)")
+    return heads, head_dim, d_ssm
+
+
+def build_falcon_h1(cfg: ConfigReader) -> HybridLM:
+    hidden = cfg.positive_int("hidden_size")
+    eps = cfg.get("rms_norm_eps", float, 1e-5)
+    act = cfg.get("hidden_act", str, "silu")
+    if act not in ACTIVATIONS:
+        raise cfg.unsupported("hidden_act", f"supported: {sorted(ACTIVATIONS)}")
+    max_position = cfg.positive_int("max_position_embeddings", 8192)
+
+    heads = cfg.positive_int("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads", int, None) or heads
+    if kv_heads <= 0 or heads % kv_heads:
+        raise cfg.unsupported("num_key_value_heads", f"must divide num_attention_heads={heads}")
+    head_dim = cfg.get("head_dim", int, None) or hidden // heads
+    # transformers' default RoPE for Falcon-H1 rotates the whole head whatever this says, while
+    # its scaled variants honour it: refuse rather than guess which one a checkpoint meant.
+    rope = cfg.get("rope_parameters", dict, None) or cfg.get("rope_scaling", dict, None) or {}
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", float, 1.0))) != 1.0:
+        raise cfg.unsupported("partial_rotary_factor", "partial RoPE is not supported for falcon_h1")
+    rotary = rotary_of(cfg, head_dim, max_position)
+
+    m_heads, m_head_dim, d_ssm = _mamba_width(cfg, hidden)
+    n_groups = cfg.positive_int("mamba_n_groups", 1)
+    if m_heads % n_groups:
+        raise cfg.unsupported("mamba_n_groups", f"does not divide mamba_n_heads={m_heads}")
+    d_state = cfg.positive_int("mamba_d_state", 256)
+    rms_norm = cfg.get("mamba_rms_norm", bool, False)
+    before_gate = cfg.get("mamba_norm_before_gate", bool, True)
+    part_scales = _floats(cfg, "ssm_multipliers", 5)
+    gate_scale, down_scale = _floats(cfg, "mlp_multipliers", 2)
+    attention_bias = cfg.get("attention_bias", bool, False)
+    key_scale = cfg.get("key_multiplier", float, 1.0)
+
+    layers = []
+    for _ in range(cfg.positive_int("num_hidden_layers")):
+        # Falcon-H1's gated norm normalises within each of the n_groups groups of channels.
+        norm = GatedRMSNorm(d_ssm, d_ssm // n_groups, eps, before_gate) if rms_norm else None
+        mamba = FalconH1Mixer(
+            hidden, m_heads, m_head_dim, n_groups, d_state, cfg.positive_int("mamba_d_conv", 4),
+            cfg.positive_int("mamba_chunk_size", 256), cfg.get("mamba_conv_bias", bool, True),
+            cfg.get("mamba_proj_bias", bool, False), act, cfg.float_pair("time_step_limit", NO_LIMIT),
+            norm, in_scale=cfg.get("ssm_in_multiplier", float, 1.0), part_scales=part_scales,
+            out_bias=cfg.get("projectors_bias", bool, False))
+        attention = PagedAttention(hidden, heads, kv_heads, head_dim, attention_bias, attention_bias,
+                                   rotary)
+        # key_multiplier scales k before RoPE; RoPE is linear, so scaling k_proj's output is it.
+        attention.k_proj = ScaledLinear(hidden, kv_heads * head_dim, attention_bias, key_scale)
+        mlp = FalconH1MLP(hidden, cfg.positive_int("intermediate_size"), act,
+                          cfg.get("mlp_bias", bool, False), gate_scale, down_scale)
+        layers.append(FalconH1Layer(hidden, eps, mamba, attention, mlp,
+                                    cfg.get("attention_in_multiplier", float, 1.0),
+                                    cfg.get("attention_out_multiplier", float, 1.0),
+                                    cfg.get("ssm_out_multiplier", float, 1.0)))
+    spec = ModelSpec("falcon_h1", cfg.positive_int("vocab_size"), hidden, max_position, _eos_ids(cfg),
+                     cfg.get("bos_token_id", int, None))
+    return FalconH1LM(spec, layers, RMSNorm(hidden, eps), cfg.get("tie_word_embeddings", bool, False),
+                      embedding_scale=cfg.get("embedding_multiplier", float, 1.0),
+                      lm_head_scale=cfg.get("lm_head_multiplier", float, 1.0))
+
+
+def falcon_h1_names(name: str):
+    top = {"embed.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
+           "final_norm.weight": "model.final_layernorm.weight"}
+    if name in top:
+        return top[name]
+    _, i, rest = name.split(".", 2)
+    p = f"model.layers.{i}"
+    if rest == "mamba.conv_weight":
+        return lambda w: w.get(f"{p}.mamba.conv1d.weight").squeeze(1)
+    if rest == "mamba.conv_bias":
+        return f"{p}.mamba.conv1d.bias"
+    return f"{p}.{rest}"
+
+
+FAMILIES = {"falcon_h1": (build_falcon_h1, falcon_h1_names)}
