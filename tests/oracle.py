@@ -137,7 +137,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     # --- zamba2 configs (keep this marker line) ---
 }
 
-MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h")
+MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
 
 
 def save_tiny_model(name: str, path: Path):

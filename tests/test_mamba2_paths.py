@@ -15,6 +15,7 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import load_model
+from engine.models.mamba2 import Mamba2Mixer
 from engine.request import Resume
 from tests.oracle import CONFIGS, MAMBA2_FAMILIES, judge_greedy
 
@@ -23,7 +24,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def ssd_chunk_size(path) -> int:
-    sizes = {layer.mixer.chunk_size for layer in load_model(path).layers if hasattr(layer.mixer, "chunk_size")}
+    sizes = {m.chunk_size for m in load_model(path).modules() if isinstance(m, Mamba2Mixer)}
     assert len(sizes) == 1
     return sizes.pop()
 
