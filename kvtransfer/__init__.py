@@ -1,5 +1,5 @@
-"""kvtransfer: hand a prefilled request's state (attention KV blocks, Mamba conv/ssm state,
-first token) from a prefill worker to a decode worker. See docs/kvtransfer.md."""
+"""kvtransfer: hand a prefilled request's state (attention KV blocks, whatever recurrent state
+its layers declare, first token) from a prefill worker to a decode worker. See docs/kvtransfer.md."""
 
 from kvtransfer import nccl
 from kvtransfer.config import TransferConfig

@@ -2,8 +2,8 @@
 
 A cache is a list of named tensors. "block" tensors are indexed by block id in dim 0
 (attention K and V: [num_blocks, block_size, heads, head_dim]); "slot" tensors are
-indexed by state slot in dim 0 (whatever state tensors a recurrent layer declares: Mamba's
-conv_state and ssm_state, ...). Entries are ordered by
+indexed by state slot in dim 0 (whatever state tensors a recurrent layer declares, such as
+a conv window and an SSM state). Entries are ordered by
 model layer index, so a sender can ship layer i as soon as layer i is computed.
 Two workers can exchange state only if their layouts agree on everything except the
 number of rows (each worker sizes its own cache).

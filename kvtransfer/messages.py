@@ -15,7 +15,7 @@ class HandoffTarget:
 
     The decode side reserved dst_block_ids (at least one per prompt block; only the first
     ceil(prompt tokens / block_size) are written) and dst_slot (None for a cache without
-    Mamba layers) before the prefill started; the sender writes only there.
+    recurrent layers) before the prefill started; the sender writes only there.
     """
 
     request_id: str

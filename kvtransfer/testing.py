@@ -12,7 +12,7 @@ from kvtransfer.layout import BLOCK, CacheTensors
 from kvtransfer.messages import HandoffTarget
 from kvtransfer.transport import make_transport
 
-LAYOUT_KINDS = ("hybrid", "attention", "mamba")
+LAYOUT_KINDS = ("hybrid", "attention", "mamba", "novel")
 
 
 def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed: int, device: str = "cpu",
@@ -39,6 +39,11 @@ def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed
     elif kind == "mamba":
         state = {i: ("mamba", {"conv": filled((num_slots, d_inner, 4), torch.float32),
                                "ssm": filled((num_slots, d_inner, 8), torch.float32)}) for i in range(3)}
+    elif kind == "novel":  # a state kind nothing in kvtransfer has heard of: 3 tensors, 3 dtypes, odd shapes
+        state = {0: ("some_future_kind", {"conv": filled((num_slots, d_inner, 3), torch.bfloat16),
+                                          "recurrent": filled((num_slots, 3, 7, 5), torch.float32),
+                                          "step": filled((num_slots, 1), torch.int32)})}
+        attention = {1: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16))}
     else:
         raise ValueError(f"unknown layout kind {kind!r}; one of {LAYOUT_KINDS}")
     return CacheTensors.hybrid(block_size, attention, state)

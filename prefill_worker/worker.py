@@ -2,7 +2,7 @@
 
 Per request: the router passes the HandoffTarget (decode worker's reserved blocks and slot);
 the engine batches and chunks prompts like any engine; once a prompt's first token is
-sampled, its KV rows, Mamba state and the token go out through kvtransfer, and the blocks
+sampled, its KV rows, recurrent state and the token go out through kvtransfer, and the blocks
 and slot are freed only when the transport reports it can no longer read them.
 """
 

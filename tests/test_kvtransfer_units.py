@@ -149,3 +149,26 @@ def test_transport_factory():
     cache = make_cache("hybrid", 4, 4, 2, seed=0)
     with pytest.raises(ValueError, match="the nccl transport moves cuda caches; this one is on cpu"):
         make_transport("nccl").sender("P", cache)
+
+
+def test_no_model_family_is_named_where_state_travels():
+    """kvtransfer, the workers and the router move what layers declare: a new model family or
+    state kind must not need code there. (kvtransfer/testing.py and kvtransfer/bench.py build
+    synthetic caches, so they name kinds as data.)"""
+    import re
+    from pathlib import Path
+
+    from engine.models import FAMILIES
+
+    root = Path(__file__).resolve().parent.parent
+    words = sorted(set(FAMILIES) | {"mamba2", "granite", "falcon", "nemotron", "zamba"})
+    pattern = re.compile(r"\b(" + "|".join(words) + r")", re.IGNORECASE)
+    offenders = []
+    for folder in ("kvtransfer", "prefill_worker", "decode_worker", "router"):
+        for path in sorted((root / folder).glob("*.py")):
+            if path.name in ("testing.py", "bench.py"):
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)
