@@ -20,6 +20,11 @@ def _eos_ids(cfg: ConfigReader) -> list[int]:
     return [eos] if isinstance(eos, int) else [int(e) for e in eos]
 
 
+def top_level_name(name: str, embed: str, final_norm: str) -> str | None:
+    """HF name of our embedding, LM head or final norm parameter; None for layer parameters."""
+    return {"embed.weight": embed, "lm_head.weight": "lm_head.weight", "final_norm.weight": final_norm}.get(name)
+
+
 # ----------------------------------------------------------------------------- Jamba
 
 def build_jamba(cfg: ConfigReader) -> HybridLM:

@@ -19,7 +19,7 @@ from torch import nn
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import ConfigReader
-from engine.models.families import _eos_ids, rotary_of
+from engine.models.families import _eos_ids, top_level_name, rotary_of
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec
 from engine.models.layers import ACTIVATIONS, GatedMLP, GatedRMSNorm, RMSNorm
 from engine.models.mamba2 import Mamba2Mixer
@@ -202,10 +202,8 @@ def build_falcon_h1(cfg: ConfigReader) -> HybridLM:
 
 
 def falcon_h1_names(name: str):
-    top = {"embed.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
-           "final_norm.weight": "model.final_layernorm.weight"}
-    if name in top:
-        return top[name]
+    if (top := top_level_name(name, "model.embed_tokens.weight", "model.final_layernorm.weight")) is not None:
+        return top
     _, i, rest = name.split(".", 2)
     p = f"model.layers.{i}"
     if rest == "mamba.conv_weight":

@@ -11,7 +11,7 @@ import math
 
 from engine.models.attention import PagedAttention
 from engine.models.checkpoint import ConfigReader
-from engine.models.families import _eos_ids, _stacked_experts, rotary_of
+from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_level_name
 from engine.models.hybrid import DecoderLayer, FFNMixer, HybridLM, ModelSpec
 from engine.models.layers import GatedMLP, GatedRMSNorm, RMSNorm, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
@@ -90,10 +90,8 @@ def build_mamba2(cfg: ConfigReader) -> HybridLM:
 
 
 def mamba2_family_names(name: str):
-    top = {"embed.weight": "backbone.embeddings.weight", "lm_head.weight": "lm_head.weight",
-           "final_norm.weight": "backbone.norm_f.weight"}
-    if name in top:
-        return top[name]
+    if (top := top_level_name(name, "backbone.embeddings.weight", "backbone.norm_f.weight")) is not None:
+        return top
     _, i, part, rest = name.split(".", 3)
     p = f"backbone.layers.{i}"
     return f"{p}.norm.{rest}" if part == "input_norm" else mamba2_names(f"{p}.mixer", rest)
@@ -131,10 +129,8 @@ def build_bamba(cfg: ConfigReader) -> HybridLM:
 
 
 def bamba_names(name: str):
-    top = {"embed.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
-           "final_norm.weight": "model.final_layernorm.weight"}
-    if name in top:
-        return top[name]
+    if (top := top_level_name(name, "model.embed_tokens.weight", "model.final_layernorm.weight")) is not None:
+        return top
     _, i, part, rest = name.split(".", 3)
     p = f"model.layers.{i}"
     if part in ("input_norm", "ffn_norm"):
@@ -186,10 +182,8 @@ def build_granitemoehybrid(cfg: ConfigReader) -> HybridLM:
 
 
 def granite_names(name: str):
-    top = {"embed.weight": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight",
-           "final_norm.weight": "model.norm.weight"}
-    if name in top:
-        return top[name]
+    if (top := top_level_name(name, "model.embed_tokens.weight", "model.norm.weight")) is not None:
+        return top
     _, i, part, rest = name.split(".", 3)
     p = f"model.layers.{i}"
     if part in ("input_norm", "ffn_norm"):
@@ -265,10 +259,8 @@ def build_nemotron_h(cfg: ConfigReader) -> HybridLM:
 
 
 def nemotron_h_names(name: str):
-    top = {"embed.weight": "backbone.embeddings.weight", "lm_head.weight": "lm_head.weight",
-           "final_norm.weight": "backbone.norm_f.weight"}
-    if name in top:
-        return top[name]
+    if (top := top_level_name(name, "backbone.embeddings.weight", "backbone.norm_f.weight")) is not None:
+        return top
     _, i, part, rest = name.split(".", 3)
     p = f"backbone.layers.{i}"
     if part == "input_norm":
