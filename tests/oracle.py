@@ -134,10 +134,33 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         ssm_in_multiplier=0.7, ssm_out_multiplier=1.5, ssm_multipliers=[1.1, 0.6, 1.3, 0.9, 0.8],
         mlp_multipliers=[1.2, 0.9])),
     # --- falcon_h1 configs (keep this marker line) ---
+    # Zamba2: one shared block at 3 hybrid layers, attention adapters, default rope, 2 SSM
+    # groups, SSD chunks of 8, tied.
+    "zamba2": ("zamba2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=5,
+                              layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+                              num_attention_heads=4, num_mem_blocks=1, use_shared_attention_adapter=True,
+                              adapter_rank=4, use_mem_rope=True, n_mamba_heads=8, mamba_ngroups=2,
+                              mamba_d_state=8, chunk_size=8)),
+    # Zamba2: 2 alternating shared blocks over 4 hybrid layers (hybrid first), no attention
+    # adapters (MLP adapters only), no rope, GQA 4:2, 3 SSM groups, chunks of 4, biases, d_conv 3.
+    "zamba2_two_blocks_gqa": ("zamba2", dict(
+        hidden_size=48, intermediate_size=64, num_hidden_layers=6,
+        layers_block_type=["hybrid", "mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+        num_attention_heads=4, num_key_value_heads=2, num_mem_blocks=2, adapter_rank=6,
+        n_mamba_heads=6, mamba_ngroups=3, mamba_d_state=4, mamba_d_conv=3, chunk_size=4,
+        add_bias_linear=True, hidden_act="gelu_pytorch_tanh")),
+    # Zamba2 untied (transformers then keeps one block per hybrid layer), 2 memory blocks,
+    # attention adapters, linear-scaled rope, 5 SSM heads in one group, chunks of 6.
+    "zamba2_untied_linear_rope": ("zamba2", dict(
+        hidden_size=40, intermediate_size=56, num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "hybrid", "hybrid"], num_attention_heads=2,
+        num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=3, use_mem_rope=True,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+        n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
     # --- zamba2 configs (keep this marker line) ---
 }
 
-MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1")
+MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 
 
 def save_tiny_model(name: str, path: Path):
