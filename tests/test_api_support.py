@@ -23,9 +23,9 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m[
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def make_api_model(model_factory, folder):
-    """The tiny random Jamba with a tokenizer.json and a chat template."""
-    path, _ = model_factory("jamba")
+def make_api_model(model_factory, folder, name: str = "jamba"):
+    """A tiny random model (the Jamba by default) with a tokenizer.json and a chat template."""
+    path, _ = model_factory(name)
     shutil.copytree(path, folder, dirs_exist_ok=True)
     make_tokenizer(folder)
     config_path = folder / "tokenizer_config.json"

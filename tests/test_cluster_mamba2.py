@@ -47,3 +47,53 @@ def test_two_by_two_cluster_matches_transformers(ray_nodes, model_factory, famil
         assert sum(w.get("handoff_count", 0) for w in workers) == len(prompts)  # all split
     finally:
         cluster.shutdown()
+
+
+def test_api_and_a_retry_on_a_mamba2_family(ray_nodes, model_factory, tmp_path):
+    """Granite 4.0-H's layout behind the front door: the official openai client (plain and
+    streamed) and gRPC give transformers' tokens; then a decode worker dies mid-stream and the
+    request is resumed on the other from the tokens already delivered, as for Jamba."""
+    import asyncio
+
+    import openai
+
+    from router.client import SplitServeClient
+    from router.cluster import launch
+    from tests.test_api_support import make_api_model, serving
+    from tests.test_reliability import arm_crash, assert_one_clean_stream, collect, the_one_that_died
+
+    path = make_api_model(model_factory, tmp_path, "granitemoehybrid")
+    _, hf = model_factory("granitemoehybrid")
+    cluster = launch(path, prefill=2, decode=2, address=ray_nodes[0].address, block_size=4,
+                     num_kv_blocks=200, max_num_seqs=8, transfer_timeout_s=15.0,
+                     prefill_resource=PREFILL_RES, decode_resource=DECODE_RES)
+    try:
+        with serving(cluster) as door:
+            prompt = "def fibonacci(n):"
+            ids = cluster.tokenizer.encode(prompt)
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{door.http_port}/v1", api_key="none",
+                               max_retries=0, timeout=60) as client:
+                model = client.models.list().data[0].id
+                body = {"ignore_eos": True, "return_token_ids": True}
+                plain = client.completions.create(model=model, prompt=prompt, max_tokens=8,
+                                                  temperature=0.0, extra_body=body)
+                streamed = "".join(c.choices[0].text for c in client.completions.create(
+                    model=model, prompt=prompt, max_tokens=8, temperature=0.0, stream=True,
+                    extra_body={"ignore_eos": True}))
+            tokens = plain.choices[0].model_extra["token_ids"]
+            judge_greedy(hf, ids, tokens)
+            assert streamed == plain.choices[0].text
+            with SplitServeClient(f"127.0.0.1:{door.grpc_port}") as grpc_client:
+                assert "mamba2" in grpc_client.model_info().layer_kinds
+                done = grpc_client.generate(ids, max_tokens=8, temperature=0.0, ignore_eos=True)
+            assert list(done.token_ids) == tokens
+        retries = cluster.retries
+        before = arm_crash(cluster.workers.decode, "granite-dies-in-decode", after=4)
+        prompt_ids = [2, 71, 82, 81, 82, 84, 59]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        seen, final = asyncio.run(collect(cluster, "granite-dies-in-decode", prompt_ids, params))
+        assert_one_clean_stream(seen, final, hf, prompt_ids)
+        assert cluster.retries == retries + 1
+        the_one_that_died(cluster, cluster.workers.decode, before)
+    finally:
+        cluster.shutdown()
