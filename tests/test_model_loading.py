@@ -130,3 +130,30 @@ def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     y, h = selective_scan(x, dt, A, B, C, h0)
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(h, h_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,changes,pattern", [
+    ("mamba2", {"num_heads": 6}, r"'num_heads'.* = 6: num_heads \* head_dim = 48 is not expand \* hidden_size = 64"),
+    ("mamba2", {"n_groups": 3}, r"'n_groups' = 3: does not divide num_heads=8"),
+    ("mamba2", {"time_step_limit": [0.5, 0.1]}, r"'time_step_limit' = \[0.5, 0.1\]: low is above high"),
+    ("bamba", {"attn_layer_indices": [7]}, r"'attn_layer_indices' = \[7\]: indices must be in \[0, 4\)"),
+    ("granitemoehybrid", {"position_embedding_type": "alibi"}, r"'position_embedding_type' = 'alibi'"),
+    ("granitemoehybrid", {"layer_types": ["mamba", "conv", "mamba", "mamba"]}, r"'layer_types' = \['mamba', 'conv'"),
+    ("nemotron_h", {"sliding_window": 64}, r"'sliding_window' = 64: sliding-window attention is not supported"),
+    ("nemotron_h", {"layers_block_type": ["linear_attention", "cross_attention"]}, r"'layers_block_type'"),
+    ("nemotron_h", {"n_shared_experts": 2}, r"'n_shared_experts' = 2: only one shared expert"),
+    ("falcon_h1", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     r"partial_rotary_factor"),
+    ("zamba2", {"layers_block_type": None}, r"'layers_block_type'"),
+    ("zamba2", {"use_shared_mlp_adapter": False}, r"'use_shared_mlp_adapter' = False"),
+])
+def test_unsupported_mamba2_family_variants_are_refused_by_name(model_factory, tmp_path, name, changes, pattern):
+    """Never served wrongly: a variant we do not implement is refused at load, naming the field."""
+    path, _ = model_factory(name)
+    dst = tmp_path / "m"
+    shutil.copytree(path, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.update(changes)
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_model(dst)
