@@ -97,3 +97,22 @@ def test_a_fresh_prefill_that_reads_its_slot_is_caught(model_factory, monkeypatc
     stale = mutant.generate([b], GREEDY)[0].token_ids
     with pytest.raises(AssertionError, match="token 0 of output|token [0-9]+ of output"):
         judge_greedy(hf, b, stale)
+
+
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2", "nemotron_h"])
+def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, name):
+    import torch
+
+    from engine.cache import ModelCache, plan_cache
+
+    path, _ = model_factory(name)
+    spec = load_model(path).spec
+    sizes = plan_cache(spec, torch.float32, 4, 3, 32, 1 << 24, None)
+    cache = ModelCache(spec, sizes, 4, torch.float32, "cpu")
+    declared = [(f"layer{i}.{t.name}", (3, *t.shape)) for i, layer in enumerate(spec.layers) for t in layer.state]
+    assert [(n, tuple(t.shape)) for n, t in cache.slot_tensors()] == declared
+    assert sizes.bytes_per_slot == sum(4 * torch.Size(shape[1:]).numel() for _, shape in declared)
+    assert len(cache.block_tensors()) == 2 * len(spec.attention_layers)
+    cache.poison_slot(1)
+    for _, tensor in cache.slot_tensors():
+        assert tensor[1].isnan().all() and not tensor[0].isnan().any() and not tensor[2].isnan().any()
