@@ -158,6 +158,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
     # --- zamba2 configs (keep this marker line) ---
+    # --- qwen3_next configs (keep this marker line) ---
+    # --- lfm2 configs (keep this marker line) ---
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
@@ -179,6 +181,8 @@ def save_tiny_model(name: str, path: Path):
         "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM),
         "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
         "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
     }[model_type]
     kwargs = dict(kwargs)
     kwargs.setdefault("initializer_range", 0.1)  # peakier logits: fewer genuine near-ties

@@ -1,0 +1,5 @@
+"""The lfm2 family: config.json -> HybridLM, and our parameter names -> HF tensor names."""
+
+from __future__ import annotations
+
+FAMILIES: dict = {}
