@@ -17,11 +17,11 @@ import torch
 
 from engine.kernels import _triton
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
-from engine.kernels.mamba2_update import NO_LIMIT, mamba2_state_update_ref
+from engine.kernels.mamba2_update import NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
                                      scatter_rows_ref, scatter_rows_triton)
-from engine.kernels.ssd_scan import ssd_chunk_scan_ref
+from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 __all__ = ["causal_conv1d_update", "copy_rows", "gather_rows", "mamba2_state_update", "paged_attention_decode",
@@ -56,7 +56,7 @@ def mamba2_state_update(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, 
                         dt_limit=NO_LIMIT, out=None):
     """Mamba2 decode step, in place at ssm_state[slots]; returns y [b, H, P] (float32 unless
     `out`). See engine.kernels.mamba2_update."""
-    impl = mamba2_state_update_ref
+    impl = mamba2_state_update_triton if uses_triton(ssm_state) else mamba2_state_update_ref
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                 dt_limit=dt_limit, out=out)
 
@@ -64,7 +64,7 @@ def mamba2_state_update(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, 
 def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     """Mamba2 prefill scan of one sequence from state h0; returns (y [L, H, P], h_L [H, P, N]).
     See engine.kernels.ssd_scan."""
-    impl = ssd_chunk_scan_ref
+    impl = ssd_chunk_scan_triton if uses_triton(x) else ssd_chunk_scan_ref
     return impl(x, dt, A, B, C, h0, chunk_size)
 
 

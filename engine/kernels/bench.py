@@ -3,7 +3,8 @@
 Each case counts the bytes the operation must move at least (reads + writes of the tensors
 it touches); achieved GB/s = bytes / time, shown beside the bandwidth of a large device copy
 measured on the spot, which is the floor's yardstick: a kernel at ~100% of it is memory-bound
-and done. Shapes are decode-sized and Jamba-like (d_inner 8192, d_state 16, 8 KV heads of 128).
+and done. Shapes are decode-sized and Jamba-like (d_inner 8192, d_state 16, 8 KV heads of 128);
+the Mamba2 ones Bamba-like (128 heads of 64, d_state 128), plus one 4096-token prefill scan.
 Used by scripts/gpu_check.py.
 """
 
@@ -15,8 +16,10 @@ from typing import Callable
 import torch
 
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import gather_rows_ref, gather_rows_triton, scatter_rows_ref, scatter_rows_triton
+from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 
@@ -82,6 +85,37 @@ def mamba_cases(device, batch=128, d_inner=8192, d_state=16, d_conv=4, dtype=tor
     ]
 
 
+def mamba2_cases(device, batch=64, length=4096, heads=128, head_dim=64, d_state=128, groups=1,
+                 chunk_size=256, dtype=torch.bfloat16):
+    slots = torch.randperm(2 * batch, device=device)[:batch]
+    ssm = torch.randn(2 * batch, heads, head_dim, d_state, device=device)
+    x = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    dt = torch.randn(batch, heads, device=device, dtype=dtype)
+    B, C = (torch.randn(batch, groups, d_state, device=device, dtype=dtype) for _ in range(2))
+    A = -torch.rand(heads, device=device)
+    D, dt_bias = torch.randn(heads, device=device), torch.randn(heads, device=device)
+    out = torch.empty(batch, heads, head_dim, device=device)
+    item = x.element_size()
+    update_bytes = 2 * batch * heads * head_dim * d_state * 4 + batch * heads * head_dim * (item + 4) \
+        + 2 * batch * groups * d_state * item
+    args = (ssm, slots, x, dt, A, B, C)
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 100.0))
+    sx = torch.randn(length, heads, head_dim, device=device, dtype=dtype)
+    sdt = torch.rand(length, heads, device=device) * 0.1
+    sB, sC = (torch.randn(length, groups, d_state, device=device, dtype=dtype) for _ in range(2))
+    h0 = torch.randn(heads, head_dim, d_state, device=device)
+    scan_bytes = length * heads * head_dim * (item + 4) + 2 * length * groups * d_state * item \
+        + length * heads * 4 + 2 * h0.numel() * 4
+    scan = (sx, sdt, A, sB, sC, h0, chunk_size)
+    return [
+        Case("mamba2_state_update", f"B={batch} H={heads} P={head_dim} N={d_state} G={groups}", update_bytes,
+             lambda: mamba2_state_update_triton(*args, out=out, **kw),
+             lambda: mamba2_state_update_ref(*args, **kw)),
+        Case("ssd_chunk_scan", f"L={length} H={heads} P={head_dim} N={d_state} chunk={chunk_size}", scan_bytes,
+             lambda: ssd_chunk_scan_triton(*scan), lambda: ssd_chunk_scan_ref(*scan)),
+    ]
+
+
 def attention_case(device, batch, context, heads=32, kv_heads=8, head_dim=128, block_size=16,
                    dtype=torch.bfloat16):
     blocks_per_seq = -(-context // block_size)
@@ -117,6 +151,7 @@ def row_copy_cases(device, rows=4096, row_shape=(16, 8, 128), dtype=torch.bfloat
 def all_cases(device):
     """Built one group at a time, so each group's tensors are freed before the next."""
     yield from mamba_cases(device)
+    yield from mamba2_cases(device)
     yield attention_case(device, batch=64, context=4096)
     yield attention_case(device, batch=2, context=32768)  # few sequences: split context
     yield from row_copy_cases(device)

@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.kernels._triton import jit, next_power_of_2, tl
+
 NO_LIMIT = (0.0, math.inf)
 
 
@@ -73,3 +75,84 @@ def check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias):
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} "
                              f"(x is {tuple(x.shape)}, ssm_state {tuple(ssm_state.shape)})")
+
+
+def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None,
+                               dt_softplus=False, dt_limit=NO_LIMIT, out=None):
+    check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
+    batch, heads, head_dim = x.shape
+    groups, d_state = B.shape[1], ssm_state.shape[3]
+    if out is None:
+        out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
+    if batch == 0:
+        return out
+    x, B, C = (_unit_last_stride(t) for t in (x, B, C))
+    if ssm_state.stride(3) != 1 or out.stride(2) != 1:
+        raise ValueError("ssm_state and out need a unit stride in their last dimension")
+    lo, hi = (float(v) for v in dt_limit)
+    n_pad = next_power_of_2(d_state)
+    block_p = max(1, min(next_power_of_2(head_dim), 4096 // n_pad, 64))  # bounds registers per program
+    grid = (batch, heads, -(-head_dim // block_p))
+    _mamba2_update_kernel[grid](
+        ssm_state, slots, x, dt, A, B, C,
+        D if D is not None else A, dt_bias if dt_bias is not None else A, out,
+        head_dim, d_state, heads // groups, lo, hi,
+        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), A.stride(0),
+        B.stride(0), B.stride(1), C.stride(0), C.stride(1),
+        D.stride(0) if D is not None else 0, dt_bias.stride(0) if dt_bias is not None else 0,
+        out.stride(0), out.stride(1),
+        N_PAD=n_pad, BLOCK_P=block_p, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus),
+        # the reference clamps only then; an unclamped dt may be negative without softplus
+        DT_CLAMP=lo > 0.0 or hi != math.inf,
+    )
+    return out
+
+
+def _unit_last_stride(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@jit
+def _mamba2_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
+                          dt_bias_ptr, out_ptr,
+                          head_dim, d_state, heads_per_group, dt_lo, dt_hi,
+                          state_stride_slot, state_stride_h, state_stride_p,
+                          x_stride_row, x_stride_h, dt_stride_row, dt_stride_h, A_stride,
+                          B_stride_row, B_stride_g, C_stride_row, C_stride_g, D_stride, dt_bias_stride,
+                          out_stride_row, out_stride_h,
+                          N_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HAS_D: tl.constexpr,
+                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    group = head // heads_per_group
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, N_PAD)
+    p_ok = p < head_dim
+    n_ok = n < d_state
+    pn_ok = p_ok[:, None] & n_ok[None, :]
+    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
+    state = (state_ptr + slot * state_stride_slot + head * state_stride_h
+             + p[:, None] * state_stride_p + n[None, :])
+
+    h = tl.load(state, mask=pn_ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride_row + head * x_stride_h + p, mask=p_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * dt_stride_row + head * dt_stride_h).to(tl.float32)
+    if HAS_DT_BIAS:
+        dt += tl.load(dt_bias_ptr + head * dt_bias_stride).to(tl.float32)
+    if DT_SOFTPLUS:
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # torch's softplus threshold
+    if DT_CLAMP:
+        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)  # dt_hi may be inf
+    A = tl.load(A_ptr + head * A_stride).to(tl.float32)
+    B = tl.load(B_ptr + row * B_stride_row + group * B_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
+    C = tl.load(C_ptr + row * C_stride_row + group * C_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
+
+    h = h * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
+    tl.store(state, h, mask=pn_ok)
+
+    y = tl.sum(h * C[None, :], axis=1)
+    if HAS_D:
+        y += x * tl.load(D_ptr + head * D_stride).to(tl.float32)
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_h + p, y, mask=p_ok)
