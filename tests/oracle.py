@@ -159,6 +159,25 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
     # --- zamba2 configs (keep this marker line) ---
     # --- qwen3_next configs (keep this marker line) ---
+    # LFM2: conv, attention, conv, attention; GQA 4:2, L_cache 3, no biases, tied; FFN width
+    # auto-adjusted with multiplier 1.5 and rounded up to a multiple of 16 (100 -> 112).
+    "lfm2": ("lfm2", dict(hidden_size=32, intermediate_size=100, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                          layer_types=["conv", "full_attention", "conv", "full_attention"],
+                          block_multiple_of=16, block_ffn_dim_multiplier=1.5)),
+    # LFM2: attention first (MHA, 4 heads of 12), L_cache 2, conv and projection biases,
+    # untied, no FFN auto-adjust (width 56 as given).
+    "lfm2_attn_first_bias_untied": ("lfm2", dict(
+        hidden_size=48, intermediate_size=56, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=4, conv_L_cache=2, conv_bias=True, tie_word_embeddings=False,
+        layer_types=["full_attention", "conv", "conv", "full_attention", "conv"],
+        block_auto_adjust_ff_dim=False)),
+    # LFM2: attention only at layer 2 through full_attn_idxs, MQA with explicit head_dim 20,
+    # L_cache 4, rope_theta 10000, auto-adjust with multiplier 0.75 and multiple 12 (90 -> 48).
+    "lfm2_mqa_kernel4": ("lfm2", dict(
+        hidden_size=64, intermediate_size=90, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=20, conv_L_cache=4, full_attn_idxs=[2],
+        block_ffn_dim_multiplier=0.75, block_multiple_of=12, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     # --- lfm2 configs (keep this marker line) ---
 }
 
