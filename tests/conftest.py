@@ -78,7 +78,7 @@ def cluster_backend(api_model_path, ray_nodes):
     backend.shutdown()
 
 
-@pytest.fixture(scope="session", params=["jamba", "mamba", "llama", *oracle.MAMBA2_FAMILIES])
+@pytest.fixture(scope="session", params=["jamba", "mamba", "llama", *oracle.RECURRENT_FAMILIES])
 def family_model(request, model_factory):
     """One representative tiny model per family: (family, path, hf_model)."""
     path, hf = model_factory(request.param)

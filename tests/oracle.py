@@ -182,6 +182,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
+# Families whose layers keep recurrent state beyond Jamba's and Mamba's: one config each runs
+# every engine path, the hand-off and the cluster tests.
+RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2")
 
 
 def save_tiny_model(name: str, path: Path):

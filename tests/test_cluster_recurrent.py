@@ -1,4 +1,4 @@
-"""Each Mamba2 family on a 2 prefill + 2 decode cluster, over gloo (prefill and decode workers
+"""Each recurrent family (the Mamba2 families, LFM2, ...) on a 2 prefill + 2 decode cluster, over gloo (prefill and decode workers
 on different nodes) and over shared memory (workers packed in prefill/decode pairs).
 
 The hand-off moves whatever state the layers declare; nothing in kvtransfer, the workers or
@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine import SamplingParams
-from tests.oracle import MAMBA2_FAMILIES, judge_greedy
+from tests.oracle import RECURRENT_FAMILIES, judge_greedy
 
 ray = pytest.importorskip("ray")
 
@@ -26,7 +26,7 @@ PLACEMENTS = {
 
 
 @pytest.mark.parametrize("transport", sorted(PLACEMENTS))
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
 def test_two_by_two_cluster_matches_transformers(ray_nodes, model_factory, family, transport):
     from router.cluster import launch
 
