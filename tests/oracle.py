@@ -158,6 +158,35 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
     # --- zamba2 configs (keep this marker line) ---
+    # Qwen3-Next: Gated DeltaNet with 2 key heads serving 4 value heads, gated attention at layer
+    # 2 (GQA 4:2, rotary on half of each head), MoE (4 experts top-2) + gated shared expert on
+    # every layer, untied. Prompts of 200 cross the engine's 64-token scan chunks.
+    "qwen3_next": ("qwen3_next", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)),
+    # Qwen3-Next: equal key and value heads (3, dk 6 != dv 10), conv kernel 3, attention first
+    # (MHA, biases), MoE top-1 unnormalised only on odd layers (decoder_sparse_step 2) except 3
+    # (mlp_only_layers), dense elsewhere, tied.
+    "qwen3_next_sparse_step_tied": ("qwen3_next", dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "linear_attention"],
+        num_attention_heads=2, num_key_value_heads=2, head_dim=16, attention_bias=True,
+        linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=6, linear_value_head_dim=10,
+        linear_conv_kernel_dim=3, num_experts=3, num_experts_per_tok=1, norm_topk_prob=False,
+        decoder_sparse_step=2, mlp_only_layers=[3], moe_intermediate_size=20,
+        shared_expert_intermediate_size=12, tie_word_embeddings=True)),
+    # Qwen3-Next: no experts (dense MLPs), one key head serving 4 value heads, MQA, head_dim 12
+    # with the default partial_rotary_factor 0.25 (3 rotary dims: rounds up to 4), layer types
+    # from full_attention_interval 2, untied.
+    "qwen3_next_dense_mqa": ("qwen3_next", dict(
+        hidden_size=64, intermediate_size=72, num_hidden_layers=3, full_attention_interval=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=12,
+        linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        num_experts=0)),
     # --- qwen3_next configs (keep this marker line) ---
     # LFM2: conv, attention, conv, attention; GQA 4:2, L_cache 3, no biases, tied; FFN width
     # auto-adjusted with multiplier 1.5 and rounded up to a multiple of 16 (100 -> 112).
@@ -184,7 +213,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 # Families whose layers keep recurrent state beyond Jamba's and Mamba's: one config each runs
 # every engine path, the hand-off and the cluster tests.
-RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2")
+RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next")
 
 
 def save_tiny_model(name: str, path: Path):

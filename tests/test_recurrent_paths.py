@@ -1,7 +1,7 @@
 """Recurrent families through the paths where their state is easiest to get wrong.
 
-Every Mamba2 config, not just one per family: prefill steps that end one token before and one
-after an SSD chunk boundary. One config per recurrent family: a request resumed from tokens a
+Every config with a chunked scan (Mamba2's SSD, Gated DeltaNet), not just one per family:
+prefill steps that end one token before and one after a scan chunk boundary. One config per recurrent family: a request resumed from tokens a
 caller already has, the cache holding exactly what the layers declare, and a mutation check
 that the tests see a fresh prefill reading its slot (the stale-state bug).
 """
@@ -16,16 +16,19 @@ from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import load_model
+from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.mamba2 import Mamba2Mixer
 from engine.request import Resume
 from tests.oracle import CONFIGS, MAMBA2_FAMILIES, RECURRENT_FAMILIES, judge_greedy
 
-MAMBA2_CONFIGS = sorted(name for name, (family, _) in CONFIGS.items() if family in MAMBA2_FAMILIES)
+# Every config whose layers run a chunked scan (Mamba2's SSD, Gated DeltaNet's delta rule).
+CHUNKED_SCAN_CONFIGS = sorted(name for name, (family, _) in CONFIGS.items()
+                              if family in (*MAMBA2_FAMILIES, "qwen3_next"))
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def ssd_chunk_size(path) -> int:
-    sizes = {m.chunk_size for m in load_model(path).modules() if isinstance(m, Mamba2Mixer)}
+def scan_chunk_size(path) -> int:
+    sizes = {m.chunk_size for m in load_model(path).modules() if isinstance(m, (Mamba2Mixer, GatedDeltaNetMixer))}
     assert len(sizes) == 1
     return sizes.pop()
 
@@ -35,11 +38,11 @@ def prompts_of(lengths, seed):
     return [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
 
-@pytest.mark.parametrize("name", MAMBA2_CONFIGS)
+@pytest.mark.parametrize("name", CHUNKED_SCAN_CONFIGS)
 @pytest.mark.parametrize("offset", [-1, 1])
-def test_prefill_steps_that_split_an_ssd_chunk(model_factory, name, offset):
+def test_prefill_steps_that_split_a_scan_chunk(model_factory, name, offset):
     path, hf = model_factory(name)
-    chunk = ssd_chunk_size(path)
+    chunk = scan_chunk_size(path)
     budget = max(1, chunk + offset)
     llm = LLM(path, block_size=4, max_num_batched_tokens=budget)
     prompts = prompts_of([3 * chunk + 2, chunk, 1], chunk + offset)
@@ -108,7 +111,7 @@ def test_a_fresh_prefill_that_reads_its_slot_is_caught(model_factory, monkeypatc
     assert after.logprobs != alone.logprobs, "a fresh prefill read a stranger's state unnoticed"
 
 
-@pytest.mark.parametrize("name", ["falcon_h1", "zamba2", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2", "nemotron_h", "lfm2", "qwen3_next"])
 def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, name):
     import torch
 

@@ -39,12 +39,22 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v = self.project(x, batch)
+        return self.o_proj(self.attend(q, k, v, batch, kv_cache).reshape(x.shape[0], -1))
+
+    def project(self, x: torch.Tensor, batch: ForwardBatch):
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied."""
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend: [T, heads, head_dim]."""
         k_cache, v_cache = kv_cache
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -63,7 +73,7 @@ class PagedAttention(nn.Module):
         if batch.decode_rows:
             out[batch.decode_token_index] = self._attend_decodes(q[batch.decode_token_index],
                                                                  k_cache, v_cache, batch)
-        return self.o_proj(out.reshape(tokens, -1))
+        return out
 
     def _gather(self, k_cache, v_cache, block_table, context):
         blocks = block_table[: -(-context // k_cache.shape[1])]

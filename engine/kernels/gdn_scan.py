@@ -1,0 +1,167 @@
+"""The gated delta rule of a Gated DeltaNet layer (Qwen3-Next's linear attention).
+
+Definition (`gated_delta_rule_ref`, one token at a time), per value head h reading key head
+h // (Hv / Hk), with a state S [dk, dv] (float32):
+    q_t, k_t <- L2-normalised (x / sqrt(|x|^2 + 1e-6)); q_t also scaled by dk^-1/2
+    S   <- exp(g_t) S                                   g_t <= 0: the per-head decay
+    S   <- S + k_t (outer) beta_t (v_t - S^T k_t)       the delta rule: write only what S
+                                                        does not already predict for k_t
+    o_t  = S^T q_t
+with q, k: [L, Hk, dk]; v: [L, Hv, dv]; g, beta: [L, Hv]; h0: [Hv, dk, dv]. Returns o
+[L, Hv, dv] and S_L, both float32. The normalisation is part of the rule (as in the fla
+kernels' use_qk_l2norm_in_kernel) so that a fused kernel can do it in registers.
+
+`chunk_gated_delta_rule_ref` computes the same over chunks of `chunk_size` tokens with no
+Python loop over tokens. Within a chunk entered with state S0, write D(i, j) = exp(g[j+1..i]
+summed) for j <= i and P_i = exp(g[start..i] summed). The values actually written,
+u_j = beta_j (v_j - P_j S0^T k_j - sum_{m<j} D(j, m) (k_j . k_m) u_m), solve one unit lower
+triangular system per chunk, (I + A) U = beta V - (beta P K) S0 with
+A[j, m] = beta_j D(j, m) k_j . k_m (m < j), so U = W - X S0 where W and X (the solutions
+against beta V and beta P K) do not depend on S0 and are found for every chunk at once. Then
+    o_i = P_i S0^T q_i + sum_{m<=i} D(i, m) (q_i . k_m) u_m
+    S   = P_last S0 + sum_m exp(g[m+1..last] summed) k_m (outer) u_m
+and only this [Hv, dk, dv] state is carried from chunk to chunk. Every decay exponent is a
+sum over a contiguous run of steps, accumulated over that run only, never a difference of two
+chunk-long cumsums (those lose digits when g is large and negative). Where a prefill is split
+across engine steps each piece starts from the state the previous one left, so chunk
+boundaries need not align with steps: only the float summation order changes.
+
+`gated_delta_step_ref` is one decode token for a batch of sequences on the engine's slot
+pool: read state[slots], apply one step of the definition, write the rows back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+
+
+def prepare_qk(q, k, num_v_heads):
+    """float32, L2-normalised, q scaled by dk^-1/2; key heads repeated to serve value heads
+    (key head j serves value heads j*r .. j*r + r-1). q, k: [..., Hk, dk] -> [..., Hv, dk]."""
+    q, k = q.float(), k.float()
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
+    q = q * q.shape[-1] ** -0.5
+    repeat = num_v_heads // k.shape[-2]
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=-2), k.repeat_interleave(repeat, dim=-2)
+    return q, k
+
+
+def _step(S, q, k, v, g, beta):
+    """One token of the rule, batched over leading dims: S [..., H, dk, dv]; q, k [..., H, dk]
+    (prepared); v [..., H, dv]; g, beta [..., H]. Returns (o [..., H, dv], new S)."""
+    S = S * torch.exp(g)[..., None, None]
+    predicted = torch.einsum("...kv,...k->...v", S, k)
+    S = S + k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :]
+    return torch.einsum("...kv,...k->...v", S, q), S
+
+
+def gated_delta_rule_ref(q, k, v, g, beta, h0):
+    check_rule(q, k, v, g, beta, h0)
+    q, k = prepare_qk(q, k, v.shape[1])
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = h0.float().clone()
+    outs = []
+    for t in range(v.shape[0]):
+        o, S = _step(S, q[t], k[t], v[t], g[t], beta[t])
+        outs.append(o)
+    return (torch.stack(outs) if outs else v.new_zeros(v.shape)), S
+
+
+def _segment_sums(g):
+    """g: [c, l, H] -> [c, H, l, l] with entry (i, j) = sum g[j+1..i] for j <= i, -inf above."""
+    chunk = g.shape[1]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    strict = lower.tril(-1)
+    g = g.permute(0, 2, 1)[..., None].expand(g.shape[0], g.shape[2], chunk, chunk)  # [c, H, i, j] = g_i
+    sums = g.masked_fill(~strict, 0.0).cumsum(dim=-2)  # running sum down column j of g_i, i > j
+    return sums.masked_fill(~lower, float("-inf"))
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size):
+    check_rule(q, k, v, g, beta, h0)
+    length, heads, v_dim = v.shape
+    k_dim = k.shape[2]
+    if length == 0:
+        return v.new_zeros(v.shape, dtype=torch.float32), h0.float().clone()
+    q, k = prepare_qk(q, k, heads)
+    chunk = max(1, min(chunk_size, length))
+    pad = (-length) % chunk
+
+    def chunks(t):  # [L, ...] -> [c, l, ...]; padded steps: g = 0, beta = 0, so they change nothing
+        return F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad)).view(-1, chunk, *t.shape[1:])
+
+    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
+    n_chunks = q.shape[0]
+    prefix = g.cumsum(dim=1)  # [c, l, H]: g[start..l]
+    suffix = g.flip(1).cumsum(dim=1).flip(1) - g  # g[l+1..end]
+    decay = torch.exp(_segment_sums(g))  # [c, H, i, j] = D(i, j), 0 above the diagonal
+
+    k_beta = k * beta[..., None]
+    A = (torch.einsum("cihd,cjhd->chij", k_beta, k) * decay).tril(-1)
+    rhs = torch.cat((v * beta[..., None], k_beta * torch.exp(prefix)[..., None]), dim=-1)
+    eye = torch.eye(chunk, dtype=A.dtype, device=A.device)
+    solved = torch.linalg.solve_triangular(A + eye, rhs.transpose(1, 2), upper=False, unitriangular=True)
+    W, X = solved.split([v_dim, k_dim], dim=-1)  # [c, H, l, dv], [c, H, l, dk]
+
+    attend = torch.einsum("cihd,cjhd->chij", q, k) * decay  # D(i, m) q_i . k_m, m <= i
+    q_read = (q * torch.exp(prefix)[..., None]).transpose(1, 2)  # [c, H, l, dk]: reads S0
+    k_write = (k * torch.exp(suffix)[..., None]).transpose(1, 2)  # writes into the chunk's end state
+    chunk_decay = torch.exp(prefix[:, -1])[..., None, None]  # [c, H, 1, 1]
+
+    out = torch.empty(n_chunks, heads, chunk, v_dim, dtype=torch.float32, device=v.device)
+    S = h0.float()
+    for c in range(n_chunks):  # one [H, dk, dv] state per chunk, not per token
+        U = W[c] - X[c] @ S
+        out[c] = q_read[c] @ S + attend[c] @ U
+        S = S * chunk_decay[c] + k_write[c].transpose(-1, -2) @ U
+    return out.transpose(1, 2).reshape(-1, heads, v_dim)[:length], S
+
+
+def gated_delta_step_ref(state, slots, q, k, v, g, beta):
+    """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
+    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g, beta: [b, Hv]. Returns o [b, Hv, dv]
+    float32."""
+    check_step(state, slots, q, k, v, g, beta)
+    q, k = prepare_qk(q, k, v.shape[1])
+    o, S = _step(state.index_select(0, slots).float(), q, k, v.float(), g.float(), beta.float())
+    state.index_copy_(0, slots, S.to(state.dtype))
+    return o
+
+
+def _check_shapes(wanted, context):
+    for name, (tensor, shape) in wanted.items():
+        if tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)} ({context})")
+
+
+def _check_heads(q, v):
+    if q.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"shapes: q {tuple(q.shape)} (want [L, Hk, dk]), v {tuple(v.shape)} (want [L, Hv, dv])")
+    if q.shape[1] == 0 or v.shape[1] % q.shape[1]:
+        raise ValueError(f"{v.shape[1]} value heads are not a multiple of {q.shape[1]} key heads")
+
+
+def check_rule(q, k, v, g, beta, h0):
+    _check_heads(q, v)
+    length, k_heads, k_dim = q.shape
+    heads, v_dim = v.shape[1:]
+    _check_shapes({"k": (k, q.shape), "v": (v, (length, heads, v_dim)), "g": (g, (length, heads)),
+                   "beta": (beta, (length, heads)), "h0": (h0, (heads, k_dim, v_dim))},
+                  f"q is {tuple(q.shape)}, v {tuple(v.shape)}")
+
+
+def check_step(state, slots, q, k, v, g, beta):
+    _check_heads(q, v)
+    batch, k_heads, k_dim = q.shape
+    heads, v_dim = v.shape[1:]
+    if state.dim() != 4:
+        raise ValueError(f"state has shape {tuple(state.shape)}, expected [slots, Hv, dk, dv]")
+    _check_shapes({"k": (k, q.shape), "v": (v, (batch, heads, v_dim)), "g": (g, (batch, heads)),
+                   "beta": (beta, (batch, heads)), "slots": (slots, (batch,)),
+                   "state": (state, (state.shape[0], heads, k_dim, v_dim))},
+                  f"q is {tuple(q.shape)}, v {tuple(v.shape)}")

@@ -1,0 +1,117 @@
+"""Gated DeltaNet mixer (Qwen3-Next's linear attention) over a varlen batch with a slot pool.
+
+Per token: projections give q, k (Hk key heads of dk), v, z (Hv value heads of dv) and b, a
+(one each per value head); a short causal depthwise conv plus activation runs over q|k|v;
+beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias) drive the gated
+delta rule (engine.kernels.gdn_scan); its output is RMS-normalised per head, gated by
+silu(z) and projected out. Per sequence it keeps `conv` [conv_dim, conv_kernel] (the last
+conv_kernel inputs of q|k|v) and `recurrent` [Hv, dk, dv], both float32.
+
+By phase (engine.phase): FRESH_PREFILL starts conv and recurrent state from explicit zeros and
+only writes the slot; CONTINUED_PREFILL starts from the slot (its own, checked by the runner);
+DECODE reads the slot, updates it with one token and writes it back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
+from engine.models.batch import ForwardBatch
+from engine.models.hybrid import StateTensorSpec
+from engine.models.layers import activation
+from engine.models.ssm import varlen_causal_conv
+from engine.phase import Phase
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """RMS-normalise each head's dv channels, scale by one [dv] weight shared by all heads, then
+    multiply by silu(z) (normalise first, gate after). y, z: [T, Hv, dv]."""
+
+    def __init__(self, head_dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float()
+        y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        return (y * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNetMixer(nn.Module):
+    state_kind = "gated_deltanet"
+
+    def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, k_head_dim: int,
+                 v_head_dim: int, conv_kernel: int, act: str, eps: float, chunk_size: int = 64):
+        super().__init__()
+        if num_k_heads <= 0 or num_v_heads % num_k_heads:
+            raise ValueError(f"{num_v_heads} value heads are not a multiple of {num_k_heads} key heads")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.conv_kernel = conv_kernel
+        self.chunk_size = chunk_size  # the prefill scan's chunk: our choice, not the checkpoint's
+        self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * num_v_heads, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, conv_kernel))
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = HeadGatedRMSNorm(v_head_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.act = activation(act)
+
+    def state_spec(self) -> list[StateTensorSpec]:
+        return [StateTensorSpec("conv", (self.conv_dim, self.conv_kernel)),
+                StateTensorSpec("recurrent", (self.num_v_heads, self.k_head_dim, self.v_head_dim))]
+
+    def split_projections(self, qkvz: torch.Tensor, ba: torch.Tensor):
+        """Projection outputs in the checkpoint's layout -> (qkv [T, conv_dim] as q | k | v, each
+        head-major; z [T, Hv, dv]; b, a [T, Hv]).
+
+        Qwen3-Next groups both projections by key head: for each key head its q (dk), its k (dk),
+        then v and z of the r = Hv / Hk value heads it serves (r * dv each); in_proj_ba holds per
+        key head the r b's then the r a's. A family whose checkpoint keeps q, k, v, z, b and a
+        apart overrides this."""
+        tokens, r = qkvz.shape[0], self.num_v_heads // self.num_k_heads
+        q, k, v, z = qkvz.view(tokens, self.num_k_heads, -1).split(
+            [self.k_head_dim, self.k_head_dim, r * self.v_head_dim, r * self.v_head_dim], dim=-1)
+        qkv = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), dim=-1)
+        b, a = ba.view(tokens, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        return (qkv, z.reshape(tokens, self.num_v_heads, self.v_head_dim),
+                b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads))
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
+                state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        conv_state, recurrent_state = state
+        tokens = hidden.shape[0]
+        qkv, z, b, a = self.split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        qkv = self.act(varlen_causal_conv(qkv, batch, conv_state, self.conv_weight, None))
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(tokens, self.num_k_heads, self.k_head_dim)
+        k = k.view(tokens, self.num_k_heads, self.k_head_dim)
+        v = v.view(tokens, self.num_v_heads, self.v_head_dim)
+        beta = b.sigmoid().float()
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+        out = torch.empty(tokens, self.num_v_heads, self.v_head_dim, dtype=torch.float32, device=hidden.device)
+        for row in batch.prefill_rows:
+            start, end = batch.query_starts[row], batch.query_starts[row + 1]
+            slot = batch.state_slots[row]
+            h0 = (torch.zeros(recurrent_state.shape[1:], device=hidden.device)
+                  if batch.phases[row] is Phase.FRESH_PREFILL else recurrent_state[slot])
+            out[start:end], h = chunk_gated_delta_rule_ref(q[start:end], k[start:end], v[start:end],
+                                                           g[start:end], beta[start:end], h0, self.chunk_size)
+            recurrent_state[slot] = h.to(recurrent_state.dtype)
+        if batch.decode_rows:  # read each slot's state, update it with one token, write it back
+            idx = batch.decode_token_index
+            out[idx] = gated_delta_step_ref(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
+                                            g[idx], beta[idx])
+        y = self.norm(out.to(hidden.dtype), z)
+        return self.out_proj(y.reshape(tokens, self.value_dim))
