@@ -66,7 +66,8 @@ def run_kernel_tests():
            if k not in ("TRITON_INTERPRET", "SPLITSERVE_FORCE_TRITON", "SPLITSERVE_DISABLE_TRITON")}
     env["SPLITSERVE_TRITON_ON_GPU"] = "1"  # tests/conftest.py otherwise selects the interpreter
     command = [sys.executable, "-m", "pytest", "-q", "-m", "triton", "-p", "no:cacheprovider",
-               str(ROOT / "tests" / "test_kernels.py"), str(ROOT / "tests" / "test_kernels_mamba2.py")]
+               str(ROOT / "tests" / "test_kernels.py"), str(ROOT / "tests" / "test_kernels_mamba2.py"),
+               str(ROOT / "tests" / "test_kernels_gdn.py")]
     print("\n== kernel tests on the GPU (compiled, no interpreter):", " ".join(command[1:]), flush=True)
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_LIMIT_S)

@@ -17,6 +17,8 @@ import torch
 
 from engine.kernels import _triton
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
+from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
 from engine.kernels.mamba2_update import NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
@@ -24,7 +26,8 @@ from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_row
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
-__all__ = ["causal_conv1d_update", "copy_rows", "gather_rows", "mamba2_state_update", "paged_attention_decode",
+__all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "copy_rows", "gather_rows", "gated_delta_step",
+           "mamba2_state_update", "paged_attention_decode",
            "scatter_rows", "selective_state_update", "ssd_chunk_scan", "triton_available", "uses_triton"]
 
 
@@ -66,6 +69,20 @@ def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     See engine.kernels.ssd_scan."""
     impl = ssd_chunk_scan_triton if uses_triton(x) else ssd_chunk_scan_ref
     return impl(x, dt, A, B, C, h0, chunk_size)
+
+
+def gated_delta_step(state, slots, q, k, v, g, beta):
+    """Gated DeltaNet decode step, in place at state[slots]; returns o [b, Hv, dv] float32.
+    See engine.kernels.gdn_scan."""
+    impl = gated_delta_step_triton if uses_triton(state) else gated_delta_step_ref
+    return impl(state, slots, q, k, v, g, beta)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
+    """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
+    See engine.kernels.gdn_scan."""
+    impl = chunk_gated_delta_rule_triton if uses_triton(v) else chunk_gated_delta_rule_ref
+    return impl(q, k, v, g, beta, h0, chunk_size)
 
 
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
+from engine.kernels import chunk_gated_delta_rule, gated_delta_step
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
@@ -106,12 +106,12 @@ class GatedDeltaNetMixer(nn.Module):
             slot = batch.state_slots[row]
             h0 = (torch.zeros(recurrent_state.shape[1:], device=hidden.device)
                   if batch.phases[row] is Phase.FRESH_PREFILL else recurrent_state[slot])
-            out[start:end], h = chunk_gated_delta_rule_ref(q[start:end], k[start:end], v[start:end],
-                                                           g[start:end], beta[start:end], h0, self.chunk_size)
+            out[start:end], h = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end],
+                                                       g[start:end], beta[start:end], h0, self.chunk_size)
             recurrent_state[slot] = h.to(recurrent_state.dtype)
         if batch.decode_rows:  # read each slot's state, update it with one token, write it back
             idx = batch.decode_token_index
-            out[idx] = gated_delta_step_ref(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
-                                            g[idx], beta[idx])
+            out[idx] = gated_delta_step(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
+                                        g[idx], beta[idx])
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))

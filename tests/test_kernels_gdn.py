@@ -1,0 +1,206 @@
+"""Gated DeltaNet kernels against their torch references, and the references against each other.
+
+Kernel tests (marker `triton`) run compiled on CUDA when there is a GPU, else under
+TRITON_INTERPRET=1 on CPU tensors; they skip without Triton. Every buffer the kernels fill
+(outputs and scratch) starts as NaN, so a missed row or a read of one never written fails;
+pool rows outside the batch must come back bit for bit. The tests at the end need no Triton:
+the chunked reference against the token-by-token definition, split prefills against whole
+ones, and a decode step against one token of the definition.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+if not ON_GPU:
+    # Before anything imports triton: it fixes its mode then (engine.kernels._triton).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from engine.kernels import _triton, gdn_triton
+from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_rule_ref, gated_delta_step_ref
+from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+NAN = float("nan")
+
+requires_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
+
+
+@pytest.fixture
+def kernel_mode(monkeypatch):
+    if not _triton.mode_matches():
+        pytest.skip("triton was imported before this module set TRITON_INTERPRET=1; "
+                    "run `TRITON_INTERPRET=1 python -m pytest -m triton`")
+    torch.manual_seed(0)
+    monkeypatch.setattr(gdn_triton, "_empty",
+                        lambda *shape, device: torch.full(shape, NAN, dtype=torch.float32, device=device))
+
+
+def _strided(rows, *shape, dtype=torch.float32):
+    """A [rows, *shape] view into a wider buffer, like the engine's split of the conv output."""
+    width = math.prod(shape)
+    return torch.randn(rows, 2 * width + 3, device=DEVICE).to(dtype)[:, 3:3 + width].view(rows, *shape)
+
+
+def _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype=torch.float32, g_max=1.0):
+    q, k = _strided(length, k_heads, k_dim, dtype=dtype), _strided(length, k_heads, k_dim, dtype=dtype)
+    v = _strided(length, heads, v_dim, dtype=dtype)
+    g = -torch.rand(length, heads, device=DEVICE) * g_max  # log decay per step, <= 0 (float32)
+    beta = torch.rand(length, heads, device=DEVICE)  # a sigmoid in the model
+    h0 = torch.randn(heads, k_dim, v_dim, device=DEVICE)
+    return q, k, v, g, beta, h0
+
+
+# ---------------------------------------------------------------- decode step on the slot pool
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("k_heads,heads,k_dim,v_dim,batch,g_max,dtype", [
+    (2, 4, 8, 16, 3, 1.0, torch.float32),     # two value heads per key head
+    (3, 3, 5, 7, 2, 1.0, torch.float32),      # Hk == Hv, odd sizes
+    (1, 2, 20, 80, 2, 1.0, torch.float32),    # two dv blocks
+    (2, 2, 6, 9, 4, 40.0, torch.float32),     # strong decay: exp(g) down to e^-40
+    (1, 3, 12, 10, 2, 1.0, torch.bfloat16),   # bf16 inputs and pool
+])
+def test_gated_delta_step_kernel(kernel_mode, k_heads, heads, k_dim, v_dim, batch, g_max, dtype):
+    pool = torch.randn(7, heads, k_dim, v_dim, device=DEVICE).to(dtype)
+    slots = torch.randperm(7, device=DEVICE)[:batch]
+    q, k, v, g, beta, _ = _rule_inputs(batch, k_heads, heads, k_dim, v_dim, dtype, g_max)
+    ref_pool, kernel_pool = pool.clone(), pool.clone()
+    want = gated_delta_step_ref(ref_pool, slots, q, k, v, g, beta)
+    got = gated_delta_step_triton(kernel_pool, slots, q, k, v, g, beta)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, v_dim)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    outside = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    outside[slots] = False
+    assert torch.equal(kernel_pool[outside], pool[outside]), "slot outside the batch changed"
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else {}
+    torch.testing.assert_close(kernel_pool, ref_pool, **tol)
+
+
+@pytest.mark.triton
+@requires_triton
+def test_gated_delta_step_kernel_empty_batch(kernel_mode):
+    pool = torch.randn(3, 2, 4, 4, device=DEVICE)
+    q, k, v, g, beta, _ = _rule_inputs(0, 1, 2, 4, 4)
+    got = gated_delta_step_triton(pool.clone(), torch.zeros(0, dtype=torch.int64, device=DEVICE), q, k, v, g, beta)
+    assert got.shape == (0, 2, 4)
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim,chunk_size,dtype", [
+    (1, 1, 2, 4, 8, 4, torch.float32),        # one token
+    (5, 2, 2, 5, 7, 16, torch.float32),       # L < chunk, Hk == Hv, odd sizes
+    (37, 1, 3, 6, 5, 8, torch.float32),       # many chunks, the last one partial, Hk < Hv
+    (70, 1, 1, 4, 4, 100, torch.float32),     # chunk_size past MAX_CHUNK: 64 + 6 inside the kernel
+    (45, 2, 4, 17, 70, 32, torch.bfloat16),   # two dv blocks, dk past 16
+])
+def test_chunk_gated_delta_rule_kernel(kernel_mode, length, k_heads, heads, k_dim, v_dim, chunk_size, dtype):
+    q, k, v, g, beta, h0 = _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype)
+    h0_before = h0.clone()
+    want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    got_o, got_h = chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
+    assert got_o.dtype == got_h.dtype == torch.float32
+    torch.testing.assert_close(got_o, want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0, h0_before), "h0 (a view of the state pool in the engine) changed"
+
+
+@pytest.mark.triton
+@requires_triton
+def test_chunk_gated_delta_rule_kernel_strong_decay(kernel_mode):
+    """Decays of up to e^-16 per step over chunks of 64: run sums keep a tight tolerance."""
+    q, k, v, g, beta, h0 = _rule_inputs(100, 1, 2, 8, 8, g_max=16.0)
+    want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    got_o, got_h = chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, 64)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.triton
+@requires_triton
+def test_chunk_gated_delta_rule_kernel_empty(kernel_mode):
+    q, k, v, g, beta, h0 = _rule_inputs(0, 1, 2, 4, 4)
+    got_o, got_h = chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, 8)
+    assert got_o.shape == (0, 2, 4) and torch.equal(got_h, h0) and got_h.data_ptr() != h0.data_ptr()
+
+
+# ---------------------------------------------------------------- dispatch
+
+@pytest.mark.triton
+@requires_triton
+def test_public_gdn_functions_route_their_arguments(kernel_mode, monkeypatch):
+    import engine.kernels as kernels
+
+    pool, slots = torch.randn(4, 4, 6, 8, device=DEVICE), torch.tensor([2, 0], device=DEVICE)
+    step = _rule_inputs(2, 2, 4, 6, 8)[:5]
+    rule = _rule_inputs(11, 2, 4, 6, 8)
+    calls = []
+    for name in ("gated_delta_step_triton", "chunk_gated_delta_rule_triton"):
+        kernel = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
+
+    def run_all():
+        p = pool.clone()
+        o = kernels.gated_delta_step(p, slots, *step)
+        return [o, p, *kernels.chunk_gated_delta_rule(*rule, 4)]
+
+    monkeypatch.setenv("SPLITSERVE_DISABLE_TRITON", "1")
+    want = run_all()
+    assert calls == []
+    monkeypatch.delenv("SPLITSERVE_DISABLE_TRITON")
+    monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")
+    got = run_all()
+    assert calls == ["gated_delta_step_triton", "chunk_gated_delta_rule_triton"]
+    for g, ref in zip(got, want):
+        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the references against each other
+
+@pytest.mark.parametrize("length,k_heads,chunk_size", [
+    (1, 2, 4), (13, 2, 1), (13, 1, 3), (13, 2, 4), (13, 4, 13), (13, 1, 50), (32, 2, 8)])
+def test_chunk_reference_matches_the_definition(length, k_heads, chunk_size):
+    torch.manual_seed(3)
+    q, k, v, g, beta, h0 = _rule_inputs(length, k_heads, 4, 5, 6)
+    want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    got_o, got_h = chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
+    torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split,chunk_size", [(1, 4), (5, 4), (8, 4), (12, 5), (19, 64)])
+def test_split_prefill_equals_whole(split, chunk_size):
+    """A prefill split across engine steps: the second piece starts from the first's state."""
+    torch.manual_seed(4)
+    q, k, v, g, beta, h0 = _rule_inputs(20, 1, 3, 4, 5)
+    want_o, want_h = chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
+    first, second = slice(0, split), slice(split, None)
+    o1, h1 = chunk_gated_delta_rule_ref(q[first], k[first], v[first], g[first], beta[first], h0, chunk_size)
+    o2, h2 = chunk_gated_delta_rule_ref(q[second], k[second], v[second], g[second], beta[second], h1, chunk_size)
+    torch.testing.assert_close(torch.cat([o1, o2]), want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h2, want_h, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_step_is_one_token_of_the_definition():
+    torch.manual_seed(5)
+    k_heads, heads, k_dim, v_dim, slots = 2, 4, 3, 5, torch.tensor([4, 1, 2])
+    pool = torch.randn(6, heads, k_dim, v_dim)
+    q, k, v, g, beta, _ = _rule_inputs(3, k_heads, heads, k_dim, v_dim)
+    states = pool.clone()
+    o = gated_delta_step_ref(states, slots, q, k, v, g, beta)
+    for row, slot in enumerate(slots.tolist()):
+        one = slice(row, row + 1)
+        want_o, want_h = gated_delta_rule_ref(q[one], k[one], v[one], g[one], beta[one], pool[slot])
+        torch.testing.assert_close(o[row], want_o[0], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(states[slot], want_h, atol=1e-6, rtol=1e-6)
+    untouched = [s for s in range(6) if s not in slots.tolist()]
+    assert torch.equal(states[untouched], pool[untouched])
