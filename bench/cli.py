@@ -1,4 +1,4 @@
-"""`splitserve bench serve|offline|compare|plan` (`bench transfer` lives in kvtransfer.bench)."""
+"""`splitserve bench serve|offline|compare|plan|roofline` (`bench transfer` lives in kvtransfer.bench)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bench.workloads import WORKLOAD_KINDS
 
-BENCHMARKS = ("serve", "offline", "compare", "plan")
+BENCHMARKS = ("serve", "offline", "compare", "plan", "roofline")
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -143,6 +143,13 @@ def cmd_plan(args) -> int:
     return run_plan(args)
 
 
+def cmd_roofline(args) -> int:
+    from bench.roofline import run_roofline
+
+    with _model_dir(args) as model:
+        return run_roofline(model, args.tiny or args.model or "demo model", args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="serving benchmarks")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -177,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(plan)
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
+
+    from bench.roofline import add_roofline_arguments
+
+    roofline = sub.add_parser("roofline", help="model FLOP utilisation vs this box's own GEMM peak")
+    _model_args(roofline)
+    add_roofline_arguments(roofline)
+    roofline.set_defaults(func=cmd_roofline)
     return parser
 
 

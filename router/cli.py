@@ -87,6 +87,7 @@ BENCHMARKS = {
     "compare": "transformers vs engine.LLM vs disaggregated splits, side by side, with plots",
     "plan": "DistServe-style P:D planner, optionally checked against a real cluster",
     "transfer": "the KV/state hand-off alone against memcpy",
+    "roofline": "model FLOP utilisation against this machine's GEMM rate, next to transformers",
 }
 
 

@@ -1,0 +1,275 @@
+"""`splitserve bench roofline`: model FLOP utilisation against this machine's own GEMM rate.
+
+The yardstick is measured in the same run: the best float32 `torch.mm` rate over a few square
+and skinny shapes, best of several repeats, at the thread count the engine runs with (swept
+before and after the workloads; the better sweep counts, so a neighbour's load that comes and
+goes lowers MFU rather than raising it).
+
+Model FLOPs count matmuls only, 2 per multiply-add: every linear a token goes through, routed
+experts for top_k experts per token, causal QK^T and AV, and the LM head for the rows the engine
+computes logits for (a sequence's last scheduled token). Scans, convolutions, norms and
+activations are not GEMMs and are left out, so MFU reads as how close the model's matmul work
+comes to what this box's sgemm can do.
+
+Prefill: N prompts with max_tokens=1, all in one engine step. Decode: B prompts of P tokens,
+O outputs each, all prefilled in one step; the decode phase runs from the moment every sequence
+has its first token to the last token: B * (O - 1) decode tokens at contexts P+1 .. P+O-1.
+transformers runs the same requests through bench.hf_baseline.hf_generate (one batch per phase)
+and is timed from the same per-token stamps. The best wall of `repeats` runs counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
+               (64, 4096, 4096), (8192, 256, 768), (64, 256, 8192))  # (m, k, n)
+QUICK_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (64, 1024, 1024))
+DEFAULTS = dict(prefill_num=8, prefill_len=1024, decode_batch=64, decode_prompt=128, decode_output=128,
+                repeats=2)
+QUICK = dict(prefill_num=2, prefill_len=256, decode_batch=8, decode_prompt=32, decode_output=32, repeats=1)
+SYSTEMS = ("ours", "transformers")
+
+
+# ----------------------------------------------------------------------------- the yardstick
+
+def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) -> dict:
+    """Best float32 torch.mm rate over `shapes`: {"gflops", "best_shape", "shapes", "threads"}."""
+    import torch
+
+    per_shape = {}
+    for m, k, n in shapes:
+        a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        torch.mm(a, b, out=c)  # first call pays for allocation and dispatch
+        start = time.perf_counter()
+        torch.mm(a, b, out=c)
+        inner = max(1, int(min_time_s / max(time.perf_counter() - start, 1e-6)))
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(inner):
+                torch.mm(a, b, out=c)
+            best = max(best, 2.0 * m * k * n * inner / (time.perf_counter() - start))
+        per_shape[f"{m}x{k}x{n}"] = best / 1e9
+    best_shape = max(per_shape, key=per_shape.get)
+    return {"gflops": per_shape[best_shape], "best_shape": best_shape, "shapes": per_shape,
+            "threads": torch.get_num_threads()}
+
+
+# ----------------------------------------------------------------------------- FLOP counting
+
+def _applied(module):
+    """`module` and every module it applies. Zamba2 shares by reference: a `_Plus` holds shared
+    linears in `_parts`, and a hybrid layer runs its shared block's MLP (`_block`) for its use."""
+    yield module
+    extra = [part for part in getattr(module, "_parts", ()) if part is not None]
+    if getattr(module, "_block", None):
+        block = module._block[0]
+        extra += [block.gate_up_proj, block.down_proj, block.gate_up_adapters[str(module.use)]]
+    for child in [*module.children(), *extra]:
+        yield from _applied(child)
+
+
+def _routed_flops(moe) -> int:
+    """Per token: each stacked [experts, out, in] weight is applied for top_k experts; a router
+    matrix the module holds itself (Nemotron's gate_weight) in full. nn.Linear routers and shared
+    experts are children and count as linears."""
+    total = 0
+    for p in moe.parameters(recurse=False):
+        if p.dim() == 3:
+            total += moe.top_k * 2 * p[0].numel()
+        elif p.dim() == 2:
+            total += 2 * p.numel()
+    return total
+
+
+def flop_profile(model) -> dict:
+    """What the count needs from an engine model (HybridLM): per-token FLOPs of linears and routed
+    experts, per attention layer (FLOPs per query-key pair, sliding window), LM head per row."""
+    from torch import nn
+
+    from engine.models.attention import PagedAttention
+
+    per_token, attention = 0, []
+    for layer in model.layers:
+        for m in _applied(layer):
+            if isinstance(m, nn.Linear):
+                per_token += 2 * m.in_features * m.out_features
+            elif hasattr(m, "top_k") and any(p.dim() == 3 for p in m.parameters(recurse=False)):
+                per_token += _routed_flops(m)
+            if isinstance(m, PagedAttention):  # QK^T and AV: 2 * 2 * head_dim per head and key
+                attention.append((4 * m.num_heads * m.head_dim, m.sliding_window))
+    return {"per_token": per_token, "attention": attention,
+            "lm_head": 2 * model.spec.hidden_size * model.spec.vocab_size}
+
+
+def _causal_keys(length: int, window: int | None) -> int:
+    """Keys attended over a whole causal prompt: sum over positions i = 1..length of min(i, window)."""
+    w = min(length, window or length)
+    return w * (w + 1) // 2 + (length - w) * w
+
+
+def matmul_flops(model, prefill_lens: list[int], decode_contexts: list[int]) -> int:
+    """Matmul FLOPs of prefilling whole prompts of `prefill_lens` (one logits row each) plus one
+    decode token per entry of `decode_contexts` (its context length, the token included)."""
+    prof = flop_profile(model)
+    tokens = sum(prefill_lens) + len(decode_contexts)
+    attention = sum(per_key * (sum(_causal_keys(n, w) for n in prefill_lens)
+                               + sum(min(c, w or c) for c in decode_contexts))
+                    for per_key, w in prof["attention"])
+    return prof["per_token"] * tokens + attention + prof["lm_head"] * (len(prefill_lens) + len(decode_contexts))
+
+
+def decode_contexts(batch: int, prompt_len: int, output_len: int) -> list[int]:
+    """The decode tokens of `batch` sequences: output 1 comes from the prefill, outputs 2..O each
+    from a decode step at context prompt_len + j."""
+    return [prompt_len + j for j in range(1, output_len)] * batch
+
+
+# ----------------------------------------------------------------------------- the runs
+
+def _requests(num: int, prompt_len: int, output_len: int, vocab: int):
+    from bench.workloads import WorkloadConfig, generate_requests
+
+    return generate_requests(WorkloadConfig("fixed", num, prompt_len, output_len, vocab_size=vocab,
+                                            max_model_len=prompt_len + output_len))
+
+
+def _decode_wall(records) -> float:
+    if not all(r.success and r.chunk_times for r in records):
+        raise RuntimeError("a decode request failed")
+    first = max(r.chunk_times[0] for r in records)
+    return max(r.chunk_times[-1] for r in records) - first
+
+
+def vllm_version() -> str | None:
+    try:
+        import vllm
+    except Exception:  # not installed, or installed without a usable backend
+        return None
+    return getattr(vllm, "__version__", "unknown")
+
+
+def _vllm_walls(model_dir: str, prefill, decode, output_len: int) -> dict:
+    """Prefill: generate with max_tokens=1. Decode: the whole run minus its own prefill
+    (vLLM streams nothing back offline). Not exercised where vllm is not installed."""
+    from vllm import LLM as VLLM
+    from vllm import SamplingParams as VSamplingParams
+
+    llm = VLLM(model=model_dir, dtype="float32")
+
+    def run(reqs, max_tokens):
+        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
+        params = VSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    run(prefill[:1], 2)  # warm-up
+    return {"prefill": run(prefill, 1), "decode": run(decode, output_len) - run(decode, 1)}
+
+
+def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.hf_baseline import HFConfig, hf_generate, warm_up
+    from bench.runner import run_engine_offline
+    from engine import LLM
+
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
+    peaks = [gemm_peak(shapes)]
+    n, length = cfg["prefill_num"], cfg["prefill_len"]
+    batch, prompt, out = cfg["decode_batch"], cfg["decode_prompt"], cfg["decode_output"]
+    llm = LLM(model_dir, max_num_batched_tokens=max(n * length, batch * prompt),
+              max_num_seqs=max(n, batch), max_model_len=max(length + 1, prompt + out) + 1)
+    model = llm.engine.model
+    vocab = llm.engine.spec.vocab_size
+    prefill, decode = _requests(n, length, 1, vocab), _requests(batch, prompt, out, vocab)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    run_engine_offline(llm, _requests(1, 8, 2, vocab))
+    warm_up(hf)
+    flops = {"prefill": matmul_flops(model, [length] * n, []),
+             "decode": matmul_flops(model, [], decode_contexts(batch, prompt, out))}
+    walls = {phase: {s: [] for s in SYSTEMS} for phase in flops}
+    for _ in range(cfg["repeats"]):  # alternating, so a neighbour's load hits both alike
+        walls["prefill"]["ours"].append(run_engine_offline(llm, prefill)[1])
+        walls["prefill"]["transformers"].append(hf_generate(hf, prefill, HFConfig(batch_size=n))[1])
+        walls["decode"]["ours"].append(_decode_wall(run_engine_offline(llm, decode)[0]))
+        walls["decode"]["transformers"].append(
+            _decode_wall(hf_generate(hf, decode, HFConfig(batch_size=batch))[0]))
+    peaks.append(gemm_peak(shapes))
+    peak = max(peaks, key=lambda p: p["gflops"])
+    result = {"model_dir": model_dir, "model_type": llm.engine.spec.model_type, "workload": cfg,
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "load_avg": list(os.getloadavg()), "peak_gflops": peak["gflops"], "gemm": peak,
+              "gemm_sweeps_gflops": [p["gflops"] for p in peaks]}
+    version = vllm_version()
+    vllm_walls = None
+    if version is None:
+        result["vllm"] = "not installed"
+    else:
+        try:
+            vllm_walls = _vllm_walls(model_dir, prefill, decode, out)
+            result["vllm"] = f"vllm {version}"
+        except Exception as e:  # e.g. an architecture vLLM-CPU does not serve
+            result["vllm"] = f"vllm {version} failed: {type(e).__name__}: {e}"
+    for phase, gflop in ((p, f / 1e9) for p, f in flops.items()):
+        entry = {"gflop": gflop}
+        systems = {s: min(walls[phase][s]) for s in SYSTEMS}
+        if vllm_walls is not None:
+            systems["vllm"] = vllm_walls[phase]
+        for system, wall in systems.items():
+            entry[system] = {"wall_s": wall, "wall_s_runs": walls[phase].get(system, [wall]),
+                             "gflop": gflop, "gflops": gflop / wall, "mfu": gflop / wall / peak["gflops"]}
+        entry["ratio_ours_over_transformers"] = entry["ours"]["mfu"] / entry["transformers"]["mfu"]
+        result[phase] = entry
+    return result
+
+
+def format_table(result: dict, label: str) -> str:
+    w = result["workload"]
+    work = {"prefill": f"{w['prefill_num']} x {w['prefill_len']}",
+            "decode": f"{w['decode_batch']} x ({w['decode_prompt']}+{w['decode_output']})"}
+    lines = [f"roofline: {label} ({result['model_type']}), torch {result['torch']}, "
+             f"{result['threads']} threads, load avg {' '.join(f'{x:.2f}' for x in result['load_avg'])}",
+             f"peak fp32 GEMM {result['peak_gflops']:.1f} GFLOP/s (best shape {result['gemm']['best_shape']}; "
+             f"sweeps {' / '.join(f'{g:.1f}' for g in result['gemm_sweeps_gflops'])})",
+             f"{'phase':8} {'work':16} {'system':13} {'wall s':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'MFU':>7}"]
+    for phase in ("prefill", "decode"):
+        entry = result[phase]
+        for system in (s for s in (*SYSTEMS, "vllm") if s in entry):
+            e = entry[system]
+            lines.append(f"{phase:8} {work[phase]:16} {system:13} {e['wall_s']:8.3f} {e['gflop']:8.2f} "
+                         f"{e['gflops']:8.2f} {e['mfu']:7.4f}")
+        lines.append(f"{phase:8} {'':16} {'ours/HF MFU':13} {entry['ratio_ours_over_transformers']:>43.2f}x")
+    lines.append(f"vllm: {result['vllm']}")
+    return "\n".join(lines)
+
+
+def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="2 x 256 prefill, decode 8 x (32+32), 1 repeat")
+    for name, value in DEFAULTS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--json", default=None, help="write the result here")
+
+
+def run_roofline(model_dir: str, label: str, args) -> int:
+    import torch
+
+    from bench.metrics import dump_json
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    base = QUICK if args.quick else DEFAULTS
+    cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
+    if any(v < 1 for v in cfg.values()) or cfg["decode_output"] < 2:
+        raise ValueError("workload sizes must be positive, and --decode-output at least 2")
+    result = measure(model_dir, cfg, quick=args.quick)
+    print(format_table(result, label))
+    if args.json:
+        dump_json(result, args.json)
+    return 0

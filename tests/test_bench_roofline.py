@@ -1,0 +1,106 @@
+"""bench.roofline: the matmul FLOP count against hand counts, the GEMM yardstick, the command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import roofline
+from tests.oracle import save_tiny_model
+
+VOCAB = 320  # tests.oracle's tiny models
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine.models import load_model
+
+    def load(name):
+        path = tmp_path_factory.mktemp(name)
+        save_tiny_model(name, path)
+        return path, load_model(path)
+
+    return {name: load(name) for name in ("llama", "jamba")}
+
+
+# Hand counts in multiply-adds per token, from tests/oracle.py's configs.
+# llama: hidden 64, 4 heads of 16 (2 KV heads), MLP 96, 2 layers.
+LLAMA_ATTN_PROJ = 64 * 64 + 2 * 64 * 32 + 64 * 64  # q, k, v, o
+LLAMA_MLP = 3 * 64 * 96  # gate, up, down
+LLAMA_PER_TOKEN = 2 * 2 * (LLAMA_ATTN_PROJ + LLAMA_MLP)
+# jamba: 4 layers, Mamba (d_inner 128, d_state 8, dt_rank 8) + top-2-of-4 MoE at 0 and 2,
+# attention + dense MLP at 1 and 3.
+JAMBA_MAMBA = 64 * 256 + 128 * (8 + 2 * 8) + 8 * 128 + 128 * 64  # in, x, dt, out projections
+JAMBA_MOE = 64 * 4 + 2 * (64 * 2 * 96 + 96 * 64)  # router, then two experts' gate+up and down
+JAMBA_PER_TOKEN = 2 * 2 * (JAMBA_MAMBA + JAMBA_MOE + LLAMA_ATTN_PROJ + LLAMA_MLP)
+PER_KEY = 2 * 2 * 4 * 16  # QK^T and AV, 4 heads of 16, per attention layer
+LM_HEAD = 2 * 64 * VOCAB
+
+
+@pytest.mark.parametrize("name, per_token", [("llama", LLAMA_PER_TOKEN), ("jamba", JAMBA_PER_TOKEN)])
+def test_matmul_flops_matches_hand_count(tiny, name, per_token):
+    model = tiny[name][1]
+    assert roofline.flop_profile(model) == {"per_token": per_token, "attention": [(PER_KEY, None)] * 2,
+                                            "lm_head": LM_HEAD}
+    # Prompts of 5 and 3 (keys 1+..+5 and 1+2+3), decode tokens at contexts 7 and 9.
+    expected = (per_token * (5 + 3 + 2) + 2 * PER_KEY * (15 + 6 + 7 + 9) + LM_HEAD * (2 + 2))
+    assert roofline.matmul_flops(model, [5, 3], [7, 9]) == expected
+    assert roofline.matmul_flops(model, [], []) == 0
+
+
+def test_decode_contexts_cover_outputs_after_the_first():
+    assert roofline.decode_contexts(2, 4, 3) == [5, 6, 5, 6]
+
+
+def test_causal_keys_with_and_without_window():
+    for length in (1, 5, 24, 40):
+        for window in (None, 1, 7, 24, 100):
+            brute = sum(min(i, window or i) for i in range(1, length + 1))
+            assert roofline._causal_keys(length, window) == brute
+
+
+def test_count_agrees_with_torch_flop_counter_on_engine_steps(tiny):
+    """torch's FlopCounterMode sees the engine's real matmuls (not its CPU SDPA): with the
+    attention term added, a prefill step and a decode step come out the same as our count."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine import LLM, SamplingParams
+
+    engine = LLM(tiny["llama"][0]).engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request(list(range(3, 10)), params)
+    engine.add_request(list(range(3, 8)), params)
+    for prefill, decode, keys in (([7, 5], [], 28 + 15), ([], [8, 6], 8 + 6)):
+        with FlopCounterMode(display=False) as counter:
+            engine.step()
+        seen = counter.get_total_flops() + 2 * PER_KEY * keys
+        assert roofline.matmul_flops(engine.model, prefill, decode) == seen
+
+
+def test_gemm_peak_is_positive():
+    peak = roofline.gemm_peak(((64, 64, 64), (32, 128, 64)), repeats=2, min_time_s=0.005)
+    assert peak["gflops"] > 0 and set(peak["shapes"]) == {"64x64x64", "32x128x64"}
+    assert peak["gflops"] == max(peak["shapes"].values()) and peak["threads"] >= 1
+
+
+def test_roofline_command_quick(tmp_path, capsys):
+    from bench.checkpoints import build_checkpoint
+    from bench.cli import main
+
+    model = tmp_path / "model"
+    build_checkpoint("jamba-test", model)
+    out = tmp_path / "out.json"
+    assert main(["roofline", "--model", str(model), "--quick", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["peak_gflops"] > 0 and result["workload"]["prefill_num"] == 2
+    assert result["vllm"] == "not installed" or result["vllm"].startswith("vllm")
+    for phase in ("prefill", "decode"):
+        entry = result[phase]
+        assert entry["gflop"] > 0 and entry["ratio_ours_over_transformers"] > 0
+        for system in ("ours", "transformers"):
+            e = entry[system]
+            assert set(e) >= {"wall_s", "gflop", "gflops", "mfu"} and e["wall_s"] > 0
+            assert 0 < e["mfu"] < 1.5
+    table = capsys.readouterr().out
+    assert "peak fp32 GEMM" in table and "ours/HF MFU" in table and "vllm:" in table
