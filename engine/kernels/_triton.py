@@ -39,6 +39,11 @@ def mode_matches() -> bool:
     return imported_interpreted == interpreting()
 
 
+def unit_last_stride(t):
+    """Kernels index the last dimension as contiguous; copy only when it is not."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
 
 ACTIVATIONS = (None, "silu")
 
@@ -41,7 +41,7 @@ def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activat
         out = torch.empty_like(x)
     if batch == 0:
         return out
-    x, weight = _unit_last_stride(x), _unit_last_stride(weight)
+    x, weight = unit_last_stride(x), unit_last_stride(weight)
     if conv_state.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError("conv_state and out need a unit stride in their last dimension")
     block_d = min(128, next_power_of_2(d_inner))
@@ -68,9 +68,6 @@ def _check(conv_state, slots, x, weight, bias, activation):
     if bias is not None and bias.shape != (x.shape[1],):
         raise ValueError(f"bias {tuple(bias.shape)} must be [D]")
 
-
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @jit

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
 from engine.kernels.gdn_scan import L2_EPS, check_rule, check_step
 
 MAX_CHUNK = 64
@@ -38,9 +38,6 @@ def _empty(*shape, device):
     """Every buffer the kernels fill (outputs and scratch); tests swap in NaN-filled ones."""
     return torch.empty(*shape, dtype=torch.float32, device=device)
 
-
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # ---------------------------------------------------------------- decode: one token on the slot pool
@@ -55,7 +52,7 @@ def gated_delta_step_triton(state, slots, q, k, v, g, beta):
     out = _empty(batch, heads, v_dim, device=v.device)
     if batch == 0:
         return out
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
     if state.stride(3) != 1:
         raise ValueError("state needs a unit stride in its last dimension")
     dk_pad = next_power_of_2(k_dim)
@@ -119,7 +116,7 @@ def chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size):
     h0 = h0.float().contiguous()  # read only: it may be a view of the engine's state pool
     if length == 0:
         return torch.zeros(v.shape, dtype=torch.float32, device=v.device), h0.clone()
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
     chunk = max(1, min(chunk_size, length, MAX_CHUNK))
     n_chunks = -(-length // chunk)
     block_t = max(16, next_power_of_2(chunk))

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
 
 NO_LIMIT = (0.0, math.inf)
 
@@ -86,7 +86,7 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
         out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=x.device)
     if batch == 0:
         return out
-    x, B, C = (_unit_last_stride(t) for t in (x, B, C))
+    x, B, C = (unit_last_stride(t) for t in (x, B, C))
     if ssm_state.stride(3) != 1 or out.stride(2) != 1:
         raise ValueError("ssm_state and out need a unit stride in their last dimension")
     lo, hi = (float(v) for v in dt_limit)
@@ -109,9 +109,6 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
     )
     return out
 
-
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @jit

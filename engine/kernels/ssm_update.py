@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
 
 
 def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
@@ -51,8 +51,8 @@ def selective_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, z=No
         out = torch.empty(batch, d_inner, dtype=torch.float32, device=x.device)
     if batch == 0:
         return out
-    x, dt, A, B, C = (_unit_last_stride(t) for t in (x, dt, A, B, C))
-    z = _unit_last_stride(z) if z is not None else None
+    x, dt, A, B, C = (unit_last_stride(t) for t in (x, dt, A, B, C))
+    z = unit_last_stride(z) if z is not None else None
     if ssm_state.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError("ssm_state and out need a unit stride in their last dimension")
     n_pad = next_power_of_2(d_state)
@@ -83,9 +83,6 @@ def _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias):
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} "
                              f"(x is {tuple(x.shape)}, ssm_state {tuple(ssm_state.shape)})")
 
-
-def _unit_last_stride(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @jit
