@@ -67,7 +67,7 @@ def run_kernel_tests():
     env["SPLITSERVE_TRITON_ON_GPU"] = "1"  # tests/conftest.py otherwise selects the interpreter
     command = [sys.executable, "-m", "pytest", "-q", "-m", "triton", "-p", "no:cacheprovider",
                str(ROOT / "tests" / "test_kernels.py"), str(ROOT / "tests" / "test_kernels_mamba2.py"),
-               str(ROOT / "tests" / "test_kernels_gdn.py")]
+               str(ROOT / "tests" / "test_kernels_gdn.py"), str(ROOT / "tests" / "test_kernels_mamba1_scan.py")]
     print("\n== kernel tests on the GPU (compiled, no interpreter):", " ".join(command[1:]), flush=True)
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_LIMIT_S)

@@ -5,8 +5,10 @@ module; the functions here pick one per call:
 - SPLITSERVE_DISABLE_TRITON=1: always the reference (debugging a GPU run);
 - SPLITSERVE_FORCE_TRITON=1: always Triton, CPU tensors included (with TRITON_INTERPRET=1
   this is how CPU-only CI exercises the kernels);
-- otherwise Triton when it is installed and the tensors are on CUDA.
-Triton stays optional: without it every call takes the reference path.
+- otherwise Triton when it is installed and the tensors are on CUDA;
+- on CPU, for the operations engine.kernels.cpu covers (the Mamba scan, state and conv
+  updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
+Triton stays optional: without it every CUDA call takes the reference path.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 
 import torch
 
-from engine.kernels import _triton
+from engine.kernels import _triton, cpu
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
@@ -24,11 +26,12 @@ from engine.kernels.paged_attention import paged_attention_decode_ref, paged_att
 from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
                                      scatter_rows_ref, scatter_rows_triton)
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
+from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 __all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "copy_rows", "gather_rows", "gated_delta_step",
-           "mamba2_state_update", "paged_attention_decode",
-           "scatter_rows", "selective_state_update", "ssd_chunk_scan", "triton_available", "uses_triton"]
+           "mamba2_state_update", "paged_attention_decode", "scatter_rows", "selective_scan_varlen",
+           "selective_state_update", "ssd_chunk_scan", "triton_available", "uses_cpu_kernel", "uses_triton"]
 
 
 def triton_available() -> bool:
@@ -46,11 +49,26 @@ def uses_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _triton.available()
 
 
+def uses_cpu_kernel(tensor: torch.Tensor) -> bool:
+    """Whether an operation engine.kernels.cpu covers runs its numba kernel on `tensor`."""
+    if os.environ.get("SPLITSERVE_DISABLE_NUMBA", "0") not in ("", "0"):
+        return False
+    return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
+            and cpu.available())
+
+
+def _pick(tensor: torch.Tensor, triton_impl, cpu_impl, ref_impl):
+    if uses_triton(tensor):
+        return triton_impl
+    return cpu_impl if uses_cpu_kernel(tensor) else ref_impl
+
+
 def selective_state_update(ssm_state, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                            dt_softplus=False, out=None):
     """Mamba decode step, in place at ssm_state[slots]; returns y [B, D] (float32 unless `out`).
     See engine.kernels.ssm_update."""
-    impl = selective_state_update_triton if uses_triton(ssm_state) else selective_state_update_ref
+    impl = _pick(ssm_state, selective_state_update_triton, cpu.selective_state_update_cpu,
+                 selective_state_update_ref)
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
                 dt_softplus=dt_softplus, out=out)
 
@@ -62,6 +80,14 @@ def mamba2_state_update(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, 
     impl = mamba2_state_update_triton if uses_triton(ssm_state) else mamba2_state_update_ref
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                 dt_limit=dt_limit, out=out)
+
+
+def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None, slots=None, out=None):
+    """Mamba prefill scan of every sequence cu_seqlens (or its `rows`) delimits, in one call;
+    returns (y [T, D] float32 unless `out`, h_final [S, D, N], or None when the final states
+    go to state[slots]). See engine.kernels.ssm_scan."""
+    impl = _pick(h0, selective_scan_varlen_triton, cpu.selective_scan_varlen_cpu, selective_scan_varlen_ref)
+    return impl(x, dt, A, B, C, cu_seqlens, h0, rows=rows, state=state, slots=slots, out=out)
 
 
 def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
@@ -88,7 +114,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):
     """Conv decode step, in place at conv_state[slots]; returns [B, D] in x's dtype.
     See engine.kernels.conv_update."""
-    impl = causal_conv1d_update_triton if uses_triton(conv_state) else causal_conv1d_update_ref
+    impl = _pick(conv_state, causal_conv1d_update_triton, cpu.causal_conv1d_update_cpu,
+                 causal_conv1d_update_ref)
     return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out)
 
 
@@ -96,7 +123,8 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scal
                            sliding_window=None, out=None):
     """One query per sequence over its paged KV; returns [B, H, Dh] in q's dtype.
     See engine.kernels.paged_attention."""
-    impl = paged_attention_decode_triton if uses_triton(q) else paged_attention_decode_ref
+    impl = _pick(k_cache, paged_attention_decode_triton, cpu.paged_attention_decode_cpu,
+                 paged_attention_decode_ref)
     return impl(q, k_cache, v_cache, block_tables, context_lens, scale,
                 sliding_window=sliding_window, out=out)
 

@@ -4,7 +4,8 @@ Each case counts the bytes the operation must move at least (reads + writes of t
 it touches); achieved GB/s = bytes / time, shown beside the bandwidth of a large device copy
 measured on the spot, which is the floor's yardstick: a kernel at ~100% of it is memory-bound
 and done. Shapes are decode-sized and Jamba-like (d_inner 8192, d_state 16, 8 KV heads of 128);
-the Mamba2 ones Bamba-like (128 heads of 64, d_state 128), plus one 4096-token prefill scan.
+the Mamba2 ones Bamba-like (128 heads of 64, d_state 128), plus one prefill scan of each
+family (Mamba: 4 sequences of 2048 tokens; Mamba2: one of 4096).
 Used by scripts/gpu_check.py.
 """
 
@@ -20,6 +21,7 @@ from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_u
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import gather_rows_ref, gather_rows_triton, scatter_rows_ref, scatter_rows_triton
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
+from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 
@@ -83,6 +85,26 @@ def mamba_cases(device, batch=128, d_inner=8192, d_state=16, d_conv=4, dtype=tor
         Case("causal_conv1d_update", f"B={batch} D={d_inner} K={d_conv} silu", conv_bytes,
              lambda: causal_conv1d_update_triton(*conv_args), lambda: causal_conv1d_update_ref(*conv_args)),
     ]
+
+
+def mamba_prefill_case(device, seqs=4, length=2048, d_inner=8192, d_state=16, dtype=torch.bfloat16):
+    """All prefills of a batch in one varlen scan, final states into the pool at their slots."""
+    tokens = seqs * length
+    x, B, C = (torch.randn(tokens, width, device=device, dtype=dtype) for width in (d_inner, d_state, d_state))
+    dt = torch.rand(tokens, d_inner, device=device) * 0.1  # final dt is float32 in the mixer
+    A = -torch.rand(d_inner, d_state, device=device)
+    cu_seqlens = torch.arange(seqs + 1, device=device) * length
+    pool = torch.randn(2 * seqs, d_inner, d_state, device=device)
+    slots = torch.randperm(2 * seqs, device=device)[:seqs]
+    h0 = pool.index_select(0, slots)
+    y = torch.empty(tokens, d_inner, device=device)
+    item = x.element_size()
+    nbytes = tokens * d_inner * (item + 4 + 4) + 2 * tokens * d_state * item + d_inner * d_state * 4 \
+        + 2 * seqs * d_inner * d_state * 4  # x, dt, y; B, C; A; h0 read, final states written
+    args = (x, dt, A, B, C, cu_seqlens, h0)
+    kw = dict(state=pool, slots=slots, out=y)
+    return Case("selective_scan_varlen", f"{seqs}x{length} tokens D={d_inner} N={d_state}", nbytes,
+                lambda: selective_scan_varlen_triton(*args, **kw), lambda: selective_scan_varlen_ref(*args, **kw))
 
 
 def mamba2_cases(device, batch=64, length=4096, heads=128, head_dim=64, d_state=128, groups=1,
@@ -151,6 +173,7 @@ def row_copy_cases(device, rows=4096, row_shape=(16, 8, 128), dtype=torch.bfloat
 def all_cases(device):
     """Built one group at a time, so each group's tensors are freed before the next."""
     yield from mamba_cases(device)
+    yield mamba_prefill_case(device)
     yield from mamba2_cases(device)
     yield attention_case(device, batch=64, context=4096)
     yield attention_case(device, batch=2, context=32768)  # few sequences: split context

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import paged_attention_decode, uses_triton
+from engine.kernels import paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
@@ -84,21 +84,24 @@ class PagedAttention(nn.Module):
     def _attend_one(self, q, keys, values, context):
         """q: [n, H, D] for the last n positions of a sequence whose cache holds `context` tokens."""
         n = q.shape[0]
-        q_pos = torch.arange(context - n, context, device=q.device)[:, None]
-        k_pos = torch.arange(context, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
+        mask = None
+        # A whole causal prompt needs no mask: SDPA then skips the blocks above the diagonal.
+        if n != context or (self.sliding_window is not None and context > self.sliding_window):
+            q_pos = torch.arange(context - n, context, device=q.device)[:, None]
+            k_pos = torch.arange(context, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if self.sliding_window is not None:
+                mask &= k_pos > q_pos - self.sliding_window
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys.to(q.dtype).transpose(0, 1).unsqueeze(0),
             values.to(q.dtype).transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            is_causal=mask is None, enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o.squeeze(0).transpose(0, 1)
 
     def _attend_decodes(self, q, k_cache, v_cache, batch: ForwardBatch):
         """q: [B, H, D], one query per decode sequence, all attending in one padded call."""
-        if uses_triton(q):
+        if uses_triton(q) or uses_cpu_kernel(k_cache):  # reads the pool in place
             return paged_attention_decode(q, k_cache, v_cache, batch.decode_block_tables,
                                           batch.decode_context_lens, self.scale, self.sliding_window)
         block_size = k_cache.shape[1]

@@ -4,8 +4,10 @@ Per sequence, by phase (see engine.phase):
 - FRESH_PREFILL: conv and ssm state start from explicit zeros; the slot is only written.
 - CONTINUED_PREFILL: starts from the slot's state (this request's own, checked by the runner).
 - DECODE: reads the slot's state, updates it with one token, writes it back.
-Prefill uses a blocked scan (`selective_scan`: whole-block ops plus one in-place [D, N]
-multiply-add per token); `selective_scan_ref` is the definition it is tested against.
+Prefill scans every prefill row of the batch in one call (engine.kernels.selective_scan_varlen:
+numba on CPU, Triton on CUDA); without either, a blocked torch scan (`selective_scan`:
+whole-block ops plus one in-place [D, N] multiply-add per token). `selective_scan_ref` is the
+definition both are tested against.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import causal_conv1d_update, selective_state_update
+from engine.kernels import (causal_conv1d_update, selective_scan_varlen, selective_state_update,
+                            uses_cpu_kernel, uses_triton)
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
@@ -106,6 +109,28 @@ class MambaMixer(nn.Module):
         dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
         A = -torch.exp(self.A_log.float())
         y = torch.empty_like(x, dtype=torch.float32)
+        if batch.prefill_rows:
+            self._prefill_scan(x, dt, A, B, C, batch, ssm_state, y)
+        if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
+            idx, slots = batch.decode_token_index, batch.decode_slots
+            y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
+                                            B[idx].float(), C[idx].float())
+        y = (y + x * self.D) * F.silu(gate)
+        return self.out_proj(y.to(hidden.dtype))
+
+    def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
+        """Every prefill row from its starting state (zeros when fresh, else its slot's), final
+        states into the slots; y written at the prefill rows' tokens."""
+        if uses_triton(x) or uses_cpu_kernel(ssm_state):  # all rows in one call
+            rows, device = batch.prefill_rows, x.device
+            slots = torch.tensor([batch.state_slots[r] for r in rows], device=device)
+            fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows], device=device)
+            # Fresh rows start from zeros, whatever their slot holds (NaN poison included).
+            h0 = ssm_state.index_select(0, slots).float().masked_fill_(fresh[:, None, None], 0.0)
+            selective_scan_varlen(x.float(), dt.float(), A, B.float(), C.float(),
+                                  torch.tensor(batch.query_starts, device=device), h0,
+                                  rows=torch.tensor(rows, device=device), state=ssm_state, slots=slots, out=y)
+            return
         for row in batch.prefill_rows:
             start, end = batch.query_starts[row], batch.query_starts[row + 1]
             slot = batch.state_slots[row]
@@ -114,12 +139,6 @@ class MambaMixer(nn.Module):
             y[start:end], h = selective_scan(x[start:end].float(), dt[start:end].float(), A,
                                              B[start:end].float(), C[start:end].float(), h0)
             ssm_state[slot] = h.to(ssm_state.dtype)
-        if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
-            idx, slots = batch.decode_token_index, batch.decode_slots
-            y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
-                                            B[idx].float(), C[idx].float())
-        y = (y + x * self.D) * F.silu(gate)
-        return self.out_proj(y.to(hidden.dtype))
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
         return self.act(varlen_causal_conv(x, batch, conv_state, self.conv_weight, self.conv_bias))

@@ -1,0 +1,139 @@
+"""CPU kernels: the torch-facing side of engine.kernels._numba_kernels.
+
+On CPU the hot loops that are not GEMMs (the Mamba scan and state update, decode attention
+over paged KV) cost more as chains of torch ops than their arithmetic: every op is a full pass
+over a [tokens, d_inner, d_state] tensor, and decode attention first copies every sequence's
+KV out of the pool. These run each row in one pass instead, reading the pool in place.
+
+Same contracts as the `*_ref` functions they stand for (engine.kernels.ssm_update,
+paged_attention, and engine.models.ssm.selective_scan_ref); float32 arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import threading
+
+import torch
+
+from engine.kernels.ssm_scan import _check as ssm_scan_check
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# numba's "workqueue" threading layer parks idle workers on condition variables, where an
+# OpenMP layer would be a second OpenMP runtime beside torch's whose threads spin after every
+# kernel and take the cores from torch's next op. It must not be entered from two threads at
+# once, so every launch holds this lock (one engine thread per process is the usual case).
+_LAUNCH = threading.Lock()
+
+
+@functools.cache
+def _kernels():
+    import numba
+
+    if "NUMBA_THREADING_LAYER" not in os.environ:
+        numba.config.THREADING_LAYER = "workqueue"
+    from engine.kernels import _numba_kernels
+
+    return _numba_kernels
+
+
+def _launch(name: str, *args) -> None:
+    kernel = getattr(_kernels(), name)
+    import numba
+
+    with _LAUNCH:
+        # numba's thread count is per calling thread; follow torch's so the two pools agree.
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        kernel(*args)
+
+
+def _f32(t: torch.Tensor):
+    return t.detach().float().numpy()
+
+
+def _ids(t: torch.Tensor):
+    return t.detach().to(torch.int64).numpy()
+
+
+def _pool(t: torch.Tensor, name: str):
+    if t.dtype != torch.float32 or not t.is_contiguous():
+        raise ValueError(f"{name}: the CPU kernel updates it in place and needs a contiguous "
+                         f"float32 pool, got {t.dtype}")
+    return t.detach().numpy()
+
+
+def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                               dt_softplus=False, out=None):
+    """See engine.kernels.ssm_update.selective_state_update_ref."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        _launch("ssm_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
+                _f32(A), _f32(B), _f32(C), y.numpy())
+    if D is not None:
+        y = y + x.float() * D.float()
+    if z is not None:
+        y = y * torch.nn.functional.silu(z.float())
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def selective_scan_varlen_cpu(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None, slots=None,
+                              out=None):
+    """See engine.kernels.ssm_scan.selective_scan_varlen_ref (same contract)."""
+    rows = ssm_scan_check(x, dt, A, B, C, cu_seqlens, h0, rows, state, slots, out)
+    if out is not None:
+        _pool(out, "out")  # written in place, at the rows' tokens only
+    y = torch.empty(x.shape, dtype=torch.float32) if out is None else out
+    h = h0.detach().to(torch.float32, copy=True).contiguous()  # the kernel's working state
+    if rows.shape[0]:
+        _launch("ssm_scan_varlen", _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), _ids(cu_seqlens),
+                _ids(rows), h.numpy(), y.numpy())
+    if state is None:
+        return y, h
+    state.index_copy_(0, slots, h.to(state.dtype))
+    return y, None
+
+
+def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+    """See engine.kernels.conv_update.causal_conv1d_update_ref."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation: {activation!r} not in (None, 'silu')")
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        bias = torch.zeros(weight.shape[0]) if bias is None else bias
+        _launch("conv_state_update", _pool(conv_state, "conv_state"), _ids(slots), _f32(x), _f32(weight),
+                _f32(bias), activation == "silu", y.numpy())
+    if out is None:
+        return y.to(x.dtype)
+    out.copy_(y)
+    return out
+
+
+def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,
+                               sliding_window=None, out=None):
+    """See engine.kernels.paged_attention.paged_attention_decode_ref."""
+    result = torch.empty(q.shape, dtype=torch.float32)
+    if q.shape[0]:
+        _launch("paged_attention_decode", _f32(q), _f32(k_cache), _f32(v_cache), _ids(block_tables),
+                _ids(context_lens), float(scale), int(sliding_window or 0), result.numpy())
+    if out is None:
+        return result.to(q.dtype)
+    out.copy_(result)
+    return out

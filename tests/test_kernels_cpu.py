@@ -1,0 +1,174 @@
+"""The numba CPU kernels (engine.kernels.cpu) against their torch references.
+
+As for the Triton kernels: outputs start as NaN and must be fully written where they should be
+and untouched elsewhere, pool rows outside the batch come back bit for bit, and KV entries no
+query may see are NaN, so reading one shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.kernels import cpu
+from engine.kernels.conv_update import causal_conv1d_update_ref
+from engine.kernels.paged_attention import paged_attention_decode_ref
+from engine.kernels.ssm_scan import selective_scan_varlen_ref
+from engine.kernels.ssm_update import selective_state_update_ref
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
+NAN = float("nan")
+
+
+def _outside_unchanged(after, before, slots):
+    outside = torch.ones(before.shape[0], dtype=torch.bool)
+    outside[slots] = False
+    assert torch.equal(after[outside], before[outside]), "a pool row outside the batch changed"
+
+
+@pytest.mark.parametrize("d_inner,d_state,batch", [(64, 16, 5), (33, 4, 1), (128, 7, 9)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_ssm_update(d_inner, d_state, batch, fused):
+    torch.manual_seed(d_inner + batch)
+    pool = torch.randn(batch + 3, d_inner, d_state)
+    slots = torch.randperm(batch + 3)[:batch]
+    x, dt, z = torch.randn(batch, d_inner), torch.randn(batch, d_inner), torch.randn(batch, d_inner)
+    A = -torch.rand(d_inner, d_state) * 4
+    B, C = torch.randn(batch, d_state), torch.randn(batch, d_state)
+    extra = dict(D=torch.randn(d_inner), z=z, dt_bias=torch.randn(d_inner), dt_softplus=True) if fused else {}
+    if not fused:
+        dt = torch.nn.functional.softplus(dt)
+    ours, ref = pool.clone(), pool.clone()
+    y = cpu.selective_state_update_cpu(ours, slots, x, dt, A, B, C, **extra)
+    y_ref = selective_state_update_ref(ref, slots, x, dt, A, B, C, **extra)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    _outside_unchanged(ours, pool, slots)
+
+
+@pytest.mark.parametrize("channels,width,batch", [(64, 4, 5), (33, 2, 1)])
+@pytest.mark.parametrize("bias,act", [(False, None), (True, "silu")])
+def test_conv_update(channels, width, batch, bias, act):
+    torch.manual_seed(channels + width)
+    pool = torch.randn(batch + 2, channels, width)
+    slots = torch.randperm(batch + 2)[:batch]
+    x, weight = torch.randn(batch, channels), torch.randn(channels, width)
+    b = torch.randn(channels) if bias else None
+    ours, ref = pool.clone(), pool.clone()
+    y = cpu.causal_conv1d_update_cpu(ours, slots, x, weight, b, act)
+    y_ref = causal_conv1d_update_ref(ref, slots, x, weight, b, act)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours, ref)  # the shift is exact
+    _outside_unchanged(ours, pool, slots)
+
+
+@pytest.mark.parametrize("lengths,row_mask", [([7], None), ([1, 40, 3, 17], None),
+                                              ([5, 1, 9, 2, 30], [1, 0, 1, 0, 1])])
+@pytest.mark.parametrize("d_inner,d_state", [(48, 16), (17, 5)])
+def test_ssm_scan_varlen(lengths, row_mask, d_inner, d_state):
+    torch.manual_seed(sum(lengths) + d_inner)
+    tokens = sum(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    rows = None if row_mask is None else torch.tensor([r for r, m in enumerate(row_mask) if m])
+    seqs = len(lengths) if rows is None else rows.shape[0]
+    x, dt = torch.randn(tokens, d_inner), torch.rand(tokens, d_inner)
+    A = -torch.rand(d_inner, d_state) * 4
+    B, C = torch.randn(tokens, d_state), torch.randn(tokens, d_state)
+    h0 = torch.randn(seqs, d_inner, d_state)
+    pool = torch.randn(seqs + 4, d_inner, d_state)
+    slots = torch.randperm(seqs + 4)[:seqs]
+    ours_pool, ref_pool = pool.clone(), pool.clone()
+    y = torch.full((tokens, d_inner), NAN)
+    y_ref = torch.full((tokens, d_inner), NAN)
+    _, none = cpu.selective_scan_varlen_cpu(x, dt, A, B, C, cu, h0.clone(), rows=rows, state=ours_pool,
+                                            slots=slots, out=y)
+    selective_scan_varlen_ref(x, dt, A, B, C, cu, h0, rows=rows, state=ref_pool, slots=slots, out=y_ref)
+    assert none is None
+    assert torch.equal(y.isnan(), y_ref.isnan()), "written tokens differ from the reference's"
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(ours_pool, ref_pool, atol=1e-4, rtol=1e-4)
+    _outside_unchanged(ours_pool, pool, slots)
+    y_alone, h_final = cpu.selective_scan_varlen_cpu(x, dt, A, B, C, cu, h0, rows=rows)
+    _, h_ref = selective_scan_varlen_ref(x, dt, A, B, C, cu, h0, rows=rows)
+    torch.testing.assert_close(h_final, h_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_paged_attention_decode(heads, kv_heads, head_dim, block_size, window):
+    torch.manual_seed(heads * block_size)
+    context_lens = torch.tensor([1, 13, block_size, 40])
+    batch = context_lens.shape[0]
+    width = -(-int(context_lens.max()) // block_size) + 1
+    num_blocks = batch * width + 2
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), NAN)
+    v_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), NAN)
+    tables = torch.zeros(batch, width, dtype=torch.long)
+    free = torch.randperm(num_blocks - 1) + 1  # block 0 is the padding id and stays NaN
+    for b, length in enumerate(context_lens.tolist()):
+        first = 0 if window is None else max(0, length - window)
+        for pos in range(length):
+            block = free[b * width + pos // block_size]
+            tables[b, pos // block_size] = block
+            if pos >= first:  # positions before the window stay NaN: reading them shows
+                k_cache[block, pos % block_size] = torch.randn(kv_heads, head_dim)
+                v_cache[block, pos % block_size] = torch.randn(kv_heads, head_dim)
+    q = torch.randn(batch, heads, head_dim)
+    ours = cpu.paged_attention_decode_cpu(q, k_cache, v_cache, tables, context_lens, 0.3, window)
+    ref = paged_attention_decode_ref(q, k_cache, v_cache, tables, context_lens, 0.3, window)
+    assert not ours.isnan().any()
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatch_picks_the_cpu_kernels(monkeypatch):
+    t = torch.zeros(2)
+    assert kernels.uses_cpu_kernel(t)
+    assert not kernels.uses_cpu_kernel(t.bfloat16())  # bf16 pools take the reference
+    monkeypatch.setenv("SPLITSERVE_DISABLE_NUMBA", "1")
+    assert not kernels.uses_cpu_kernel(t)
+
+
+def test_a_request_does_not_depend_on_its_batch_neighbours():
+    """Every row's arithmetic is the same whatever else the call holds: bit-identical results."""
+    torch.manual_seed(1)
+    pool = torch.randn(6, 32, 8)
+    x, dt = torch.randn(4, 32), torch.rand(4, 32)
+    A, B, C = -torch.rand(32, 8), torch.randn(4, 8), torch.randn(4, 8)
+    together = pool.clone()
+    y_all = cpu.selective_state_update_cpu(together, torch.tensor([0, 1, 2, 3]), x, dt, A, B, C)
+    alone = pool.clone()
+    y_one = cpu.selective_state_update_cpu(alone, torch.tensor([2]), x[2:3], dt[2:3], A, B[2:3], C[2:3])
+    assert torch.equal(y_all[2], y_one[0]) and torch.equal(together[2], alone[2])
+
+
+def test_launches_from_several_threads_at_once():
+    """Engines in one process may run on different threads; numba's workqueue layer aborts the
+    process on concurrent parallel launches unless they are serialised."""
+    import threading
+
+    import numba
+
+    torch.manual_seed(2)
+    pool = torch.randn(8, 64, 16)
+    x, dt = torch.randn(8, 64), torch.rand(8, 64)
+    A, B, C = -torch.rand(64, 16), torch.randn(8, 16), torch.randn(8, 16)
+    expected = selective_state_update_ref(pool.clone(), torch.arange(8), x, dt, A, B, C)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(50):
+                results.append(cpu.selective_state_update_cpu(pool.clone(), torch.arange(8), x, dt, A, B, C))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 150
+    for y in results:
+        torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    assert numba.threading_layer() == "workqueue"
