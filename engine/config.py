@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from engine.hub import resolve_model
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")
 
@@ -27,8 +29,12 @@ class EngineConfig:
     seed: int = 0
     # Debug mode also poisons freed state slots with NaN so an unguarded read shows up at once.
     debug: bool = os.environ.get("SPLITSERVE_DEBUG", "") not in ("", "0")
+    # Hub ids (engine/hub.py): the branch, tag or commit to serve; after __post_init__ the
+    # commit resolved, and `model` the snapshot folder. None for a local folder.
+    revision: str | None = None
 
     def __post_init__(self):
+        self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
         if not Path(self.model).is_dir():
             raise ValueError(f"model: {self.model!r} is not a directory")
         if self.dtype not in _DTYPES:

@@ -10,7 +10,7 @@ def _cmd_run(args) -> int:
     """Generate in-process with engine.LLM (no cluster): the quickest way to see the model work."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, **({"revision": args.revision} if args.revision else {}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
     for prompt in args.prompt:
@@ -37,24 +37,12 @@ def _cmd_serve(args) -> int:
     import threading
 
     from router.cluster import launch
-    from router.frontdoor import FrontDoorConfig, start_frontdoor
+    from router.frontdoor import start_frontdoor
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("splitserve")
-    door_config = FrontDoorConfig(grpc_port=args.grpc_port, http_port=args.http_port, host=args.host,
-                                  auth_token=args.auth_token, tls_cert=args.tls_cert,
-                                  tls_key=args.tls_key, max_queued=args.max_queued)
-    engine_options = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs),
-                                        ("num_kv_blocks", args.num_kv_blocks),
-                                        ("max_model_len", args.max_model_len)) if v is not None}
-    cluster = launch(args.model, prefill=args.prefill, decode=args.decode, transport=args.transport,
-                     address=args.address, local_prefill_tokens=args.local_prefill_tokens,
-                     max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
-                     gpus_per_worker=args.gpus_per_worker,
-                     prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
-                     decode_resource=None if args.decode_resource == "none" else args.decode_resource,
-                     pack_pairs=args.pack_pairs, max_retries=args.max_retries,
-                     transfer_timeout_s=args.transfer_timeout, **engine_options)
+    launch_options, door_config = serve_options(args)
+    cluster = launch(args.model, **launch_options)
     door = None
     try:
         door = start_frontdoor(cluster, door_config)
@@ -79,6 +67,29 @@ def _cmd_serve(args) -> int:
             door.stop()
         cluster.shutdown()
     return 0
+
+
+def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
+    """`serve` options -> (keyword arguments of router.cluster.launch besides the model, the
+    front door's config). The Ray Serve application (router/serve_app.py) takes the same."""
+    from router.frontdoor import FrontDoorConfig
+
+    door_config = FrontDoorConfig(grpc_port=args.grpc_port, http_port=args.http_port, host=args.host,
+                                  auth_token=args.auth_token, tls_cert=args.tls_cert,
+                                  tls_key=args.tls_key, max_queued=args.max_queued)
+    engine_options = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs),
+                                        ("num_kv_blocks", args.num_kv_blocks),
+                                        ("max_model_len", args.max_model_len),
+                                        ("revision", args.revision)) if v is not None}
+    launch_options = dict(prefill=args.prefill, decode=args.decode, transport=args.transport,
+                          address=args.address, local_prefill_tokens=args.local_prefill_tokens,
+                          max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
+                          gpus_per_worker=args.gpus_per_worker,
+                          prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
+                          decode_resource=None if args.decode_resource == "none" else args.decode_resource,
+                          pack_pairs=args.pack_pairs, max_retries=args.max_retries,
+                          transfer_timeout_s=args.transfer_timeout, **engine_options)
+    return launch_options, door_config
 
 
 BENCHMARKS = {
@@ -107,22 +118,10 @@ def _cmd_bench(args, rest: list[str]) -> int:
     return bench_main([args.what, *rest])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="generate in-process from a model folder (default: bundled demo)")
-    run.add_argument("prompt", nargs="+")
-    run.add_argument("--model", default=None, help="HF-format folder (default: the bundled demo model)")
-    run.add_argument("--max-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stream", action="store_true")
-    run.set_defaults(func=_cmd_run)
-
-    serve = sub.add_parser("serve", help="serve a model on a local or existing Ray cluster")
-    serve.add_argument("--model", default=None, help="HF-format folder (default: the bundled demo model)")
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The options of `splitserve serve`, shared with the Ray Serve application builder."""
+    serve.add_argument("--model", default=None, help="HF-format folder or Hugging Face Hub id (default: the bundled demo model)")
+    serve.add_argument("--revision", default=None, help="Hub id only: branch, tag or commit (default: main)")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--decode", type=int, default=1, help="decode workers")
     serve.add_argument("--transport", default="auto", choices=["auto", "shm", "gloo", "nccl"],
@@ -154,6 +153,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate in-process from a model folder (default: bundled demo)")
+    run.add_argument("prompt", nargs="+")
+    run.add_argument("--model", default=None,
+                     help="HF-format folder or Hugging Face Hub id (default: the bundled demo model)")
+    run.add_argument("--revision", default=None, help="Hub id only: branch, tag or commit (default: main)")
+    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--top-p", type=float, default=1.0)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stream", action="store_true")
+    run.set_defaults(func=_cmd_run)
+
+    serve = sub.add_parser("serve", help="serve a model on a local or existing Ray cluster")
+    add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
     try:  # client subcommands (generate, status) live with the gRPC client

@@ -51,12 +51,18 @@ class ClusterConfig:
     retry_wait_s: float = 60.0  # how long a retry waits for a live worker (Ray restarts dead ones)
     max_restarts: int = -1  # Ray restarts of a dead worker actor; -1: always
     ray_init_options: dict = field(default_factory=dict)
+    model_path: str = field(init=False, default="")  # the folder `model` names on this node
 
     def __post_init__(self):
         if self.placement.gpus_per_worker and "device" not in self.engine_options:
             self.engine_options["device"] = "cuda"
         # Validate the engine options here; the device is checked on the workers that use it.
-        EngineConfig(model=self.model, **{**self.engine_options, "device": "cpu"})
+        # A Hub id is resolved here, once: workers get the id with the commit it resolved to, so
+        # every node loads the same snapshot (each from its own cache).
+        checked = EngineConfig(model=self.model, **{**self.engine_options, "device": "cpu"})
+        self.model_path = checked.model
+        if checked.revision is not None:
+            self.engine_options["revision"] = checked.revision
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one worker of each kind, got prefill={self.prefill} "
                              f"decode={self.decode}")
@@ -71,7 +77,7 @@ class ClusterConfig:
 class Cluster:
     def __init__(self, config: ClusterConfig):
         self.config = config
-        path = Path(config.model)
+        path = Path(config.model_path)
         try:
             self._tokenizer: Tokenizer | None = Tokenizer(path)
         except FileNotFoundError:
@@ -91,7 +97,8 @@ class Cluster:
             self.shutdown()
             raise
         facts = self.workers.model_facts
-        self.info = ModelInfo(path.name, str(path), facts["model_type"], facts["vocab_size"],
+        name = config.model if "revision" in config.engine_options else path.name  # a Hub id names itself
+        self.info = ModelInfo(name, str(path), facts["model_type"], facts["vocab_size"],
                               facts["max_model_len"], facts["layer_kinds"], facts["eos_token_ids"])
 
     @property

@@ -19,6 +19,7 @@ KUBERAY = REPO / "deploy" / "kuberay"
 CRD_DIR = Path(os.environ.get("SPLITSERVE_KUBERAY_CRDS", REPO.parent / "shared" / "kuberay-crds"))
 # Keyed by image variant; ("gpu" as a test id would be skipped by conftest without CUDA.)
 RAYCLUSTERS = {"cuda": KUBERAY / "raycluster-gpu.yaml", "cpu": KUBERAY / "raycluster-cpu.yaml"}
+RAYSERVICES = {"cuda": KUBERAY / "rayservice-gpu.yaml", "cpu": KUBERAY / "rayservice-cpu.yaml"}
 ROLES = ("prefill", "decode")
 
 
@@ -90,7 +91,8 @@ def test_every_yaml_under_deploy_is_covered():
     launcher = sorted((REPO / "deploy" / "ray").glob("*.yaml"))
     assert set(yamls) == set(MANIFESTS) | set(launcher)
     assert {p.name for p in MANIFESTS} >= {
-        "raycluster-gpu.yaml", "raycluster-cpu.yaml", "service.yaml", "model-pvc.yaml", "model-loader.yaml"}
+        "raycluster-gpu.yaml", "raycluster-cpu.yaml", "service.yaml", "model-pvc.yaml", "model-loader.yaml",
+        "rayservice-gpu.yaml", "rayservice-cpu.yaml", "rayjob-bench.yaml"}
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(REPO)))
@@ -391,3 +393,93 @@ def test_worker_script_runs_the_generated_ray_start(tmp_path, variant):
         assert "--block" in ray_call
         (resources,) = [a for a in ray_call if a.startswith("--resources=")]
         assert json.loads(resources.partition("=")[2]) == {f"splitserve_{role}": 1}
+
+
+# ------------------------------------------------------------------ the RayServices and the RayJob
+
+RAYSERVICE_TYPOS = {
+    "serveConfigV2": (["spec", "serveConfigV2"], "serveConfigv2"),
+    "rayClusterConfig": (["spec", "rayClusterConfig"], "rayClusterConf"),
+    "worker group": (["spec", "rayClusterConfig", "workerGroupSpecs", 0, "replicas"], "replica"),
+    "worker container": (["spec", "rayClusterConfig", "workerGroupSpecs", 1, "template", "spec", "containers", 0,
+                          "env"], "envs"),
+    "serveService": (["spec", "serveService", "spec", "ports"], "port"),
+    "upgradeStrategy": (["spec", "upgradeStrategy", "type"], "kind"),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(RAYSERVICES))
+@pytest.mark.parametrize("case", sorted(RAYSERVICE_TYPOS))
+def test_misspelled_field_in_rayservice_fails(validator, variant, case):
+    path, typo = RAYSERVICE_TYPOS[case]
+    doc = _one(RAYSERVICES[variant])
+    assert validator.validate(doc) == []
+    problems = validator.validate(_mutated(doc, path, new_key=typo))
+    assert any(repr(typo) in p for p in problems), problems
+
+
+def test_misspelled_or_mistyped_field_in_rayjob_fails(validator):
+    pvc, job = _docs(KUBERAY / "rayjob-bench.yaml")
+    assert validator.validate(pvc) == [] and validator.validate(job) == []
+    assert any("'entryPoint'" in p for p in validator.validate(_mutated(job, ["spec", "entrypoint"], "entryPoint")))
+    assert validator.validate(_mutated(job, ["spec", "backoffLimit"], value="none")) != []
+
+
+def _serve_config(service: dict) -> dict:
+    import yaml
+
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("variant", sorted(RAYSERVICES))
+def test_rayservice_runs_the_serve_app_with_options_matching_the_worker_groups(variant):
+    from router.serve_app import GRPC_SERVICER_FUNCTIONS, parse_options
+
+    service = _one(RAYSERVICES[variant])
+    config = _serve_config(service)
+    (app,) = config["applications"]
+    assert app["import_path"] == "router.serve_app:build" and app["route_prefix"] == "/"
+    model, launch, _ = parse_options(app["args"])  # the builder's own parsing: the args are valid
+    assert launch["transport"] == {"cuda": "nccl", "cpu": "gloo"}[variant]
+    assert launch["gpus_per_worker"] == {"cuda": 1.0, "cpu": 0.0}[variant]
+    assert (model or "").startswith("/models/") if variant == "cuda" else model is None
+    cluster = {"spec": service["spec"]["rayClusterConfig"]}
+    for role, group in _groups(cluster).items():
+        units = _parse_resources_param(group["rayStartParams"]["resources"])[f"splitserve_{role}"]
+        assert launch[role] == group["replicas"] * units, f"{role} must equal the {role} capacity"
+    head = cluster["spec"]["headGroupSpec"]
+    assert "resources" not in head["rayStartParams"] and head["rayStartParams"]["num-cpus"] == "0"
+    assert config["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS
+    assert (config["http_options"]["port"], config["grpc_options"]["port"]) == (8000, 50051)
+    ports = {p["name"]: p["port"] for p in service["spec"]["serveService"]["spec"]["ports"]}
+    assert ports == {"http": 8000, "grpc": 50051}
+    for pod in [head, *_groups(cluster).values()]:  # ingress replicas may land on any node
+        container = _ray_container(pod)
+        (token,) = [e for e in container["env"] if e["name"] == "SPLITSERVE_AUTH_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "splitserve-auth", "key": "token"}
+        assert "command" not in container, "KubeRay's own ray start: Serve needs nothing else"
+
+
+def test_rayservice_worker_groups_are_the_rayclusters():
+    for variant in RAYSERVICES:
+        service_groups = _groups({"spec": _one(RAYSERVICES[variant])["spec"]["rayClusterConfig"]})
+        cluster_groups = _groups(_one(RAYCLUSTERS[variant]))
+        for role in ROLES:
+            assert service_groups[role]["rayStartParams"] == cluster_groups[role]["rayStartParams"]
+            assert (_ray_container(service_groups[role])["resources"]
+                    == _ray_container(cluster_groups[role])["resources"])
+
+
+def test_rayjob_benchmarks_the_service_and_keeps_the_json():
+    pvc, job = _docs(KUBERAY / "rayjob-bench.yaml")
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["splitserve", "bench", "serve"]
+    server = argv[argv.index("--server") + 1]
+    assert server == f"{_one(KUBERAY / 'service.yaml')['metadata']['name']}:50051"
+    assert server.split(":")[0] == _one(RAYSERVICES["cpu"])["spec"]["serveService"]["metadata"]["name"]
+    out = Path(argv[argv.index("--out") + 1])
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    (mount,) = [m for m in _ray_container({"template": {"spec": head}})["volumeMounts"]
+                if out.is_relative_to(m["mountPath"])]
+    (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
