@@ -21,6 +21,7 @@ and is timed from the same per-token stamps. The best wall of `repeats` runs cou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -30,7 +31,9 @@ QUICK_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (64, 1024, 1024))
 DEFAULTS = dict(prefill_num=8, prefill_len=1024, decode_batch=64, decode_prompt=128, decode_output=128,
                 repeats=2)
 QUICK = dict(prefill_num=2, prefill_len=256, decode_batch=8, decode_prompt=32, decode_output=32, repeats=1)
-SYSTEMS = ("ours", "transformers")
+# "ours-torch": the same engine with its numba CPU kernels off (SPLITSERVE_DISABLE_NUMBA=1), i.e.
+# those loops as chains of torch ops: what the kernels buy, measured in the same run.
+SYSTEMS = ("ours", "ours-torch", "transformers")
 
 
 # ----------------------------------------------------------------------------- the yardstick
@@ -171,6 +174,20 @@ def _vllm_walls(model_dir: str, prefill, decode, output_len: int) -> dict:
     return {"prefill": run(prefill, 1), "decode": run(decode, output_len) - run(decode, 1)}
 
 
+@contextlib.contextmanager
+def _torch_ops():
+    """The engine's CPU kernels off for the duration (engine.kernels reads this per call)."""
+    before = os.environ.get("SPLITSERVE_DISABLE_NUMBA")
+    os.environ["SPLITSERVE_DISABLE_NUMBA"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["SPLITSERVE_DISABLE_NUMBA"]
+        else:
+            os.environ["SPLITSERVE_DISABLE_NUMBA"] = before
+
+
 def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -197,6 +214,9 @@ def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
     for _ in range(cfg["repeats"]):  # alternating, so a neighbour's load hits both alike
         walls["prefill"]["ours"].append(run_engine_offline(llm, prefill)[1])
         walls["prefill"]["transformers"].append(hf_generate(hf, prefill, HFConfig(batch_size=n))[1])
+        with _torch_ops():
+            walls["prefill"]["ours-torch"].append(run_engine_offline(llm, prefill)[1])
+            walls["decode"]["ours-torch"].append(_decode_wall(run_engine_offline(llm, decode)[0]))
         walls["decode"]["ours"].append(_decode_wall(run_engine_offline(llm, decode)[0]))
         walls["decode"]["transformers"].append(
             _decode_wall(hf_generate(hf, decode, HFConfig(batch_size=batch))[0]))
@@ -225,6 +245,7 @@ def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
             entry[system] = {"wall_s": wall, "wall_s_runs": walls[phase].get(system, [wall]),
                              "gflop": gflop, "gflops": gflop / wall, "mfu": gflop / wall / peak["gflops"]}
         entry["ratio_ours_over_transformers"] = entry["ours"]["mfu"] / entry["transformers"]["mfu"]
+        entry["ratio_ours_over_torch_ops"] = entry["ours"]["mfu"] / entry["ours-torch"]["mfu"]
         result[phase] = entry
     return result
 
@@ -245,6 +266,7 @@ def format_table(result: dict, label: str) -> str:
             lines.append(f"{phase:8} {work[phase]:16} {system:13} {e['wall_s']:8.3f} {e['gflop']:8.2f} "
                          f"{e['gflops']:8.2f} {e['mfu']:7.4f}")
         lines.append(f"{phase:8} {'':16} {'ours/HF MFU':13} {entry['ratio_ours_over_transformers']:>43.2f}x")
+        lines.append(f"{phase:8} {'':16} {'ours/torch-op':13} {entry['ratio_ours_over_torch_ops']:>43.2f}x")
     lines.append(f"vllm: {result['vllm']}")
     return "\n".join(lines)
 

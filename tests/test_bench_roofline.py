@@ -98,9 +98,10 @@ def test_roofline_command_quick(tmp_path, capsys):
     for phase in ("prefill", "decode"):
         entry = result[phase]
         assert entry["gflop"] > 0 and entry["ratio_ours_over_transformers"] > 0
-        for system in ("ours", "transformers"):
+        assert entry["ratio_ours_over_torch_ops"] > 0
+        for system in ("ours", "ours-torch", "transformers"):
             e = entry[system]
             assert set(e) >= {"wall_s", "gflop", "gflops", "mfu"} and e["wall_s"] > 0
             assert 0 < e["mfu"] < 1.5
     table = capsys.readouterr().out
-    assert "peak fp32 GEMM" in table and "ours/HF MFU" in table and "vllm:" in table
+    assert "peak fp32 GEMM" in table and "ours/HF MFU" in table and "ours/torch-op" in table and "vllm:" in table

@@ -13,6 +13,7 @@ import torch
 from engine import kernels
 from engine.kernels import cpu
 from engine.kernels.conv_update import causal_conv1d_update_ref
+from engine.kernels.mamba2_update import mamba2_state_update_ref
 from engine.kernels.paged_attention import paged_attention_decode_ref
 from engine.kernels.ssm_scan import selective_scan_varlen_ref
 from engine.kernels.ssm_update import selective_state_update_ref
@@ -42,6 +43,27 @@ def test_ssm_update(d_inner, d_state, batch, fused):
     ours, ref = pool.clone(), pool.clone()
     y = cpu.selective_state_update_cpu(ours, slots, x, dt, A, B, C, **extra)
     y_ref = selective_state_update_ref(ref, slots, x, dt, A, B, C, **extra)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    _outside_unchanged(ours, pool, slots)
+
+
+@pytest.mark.parametrize("heads,head_dim,groups,d_state,batch", [(8, 16, 1, 32, 5), (6, 3, 3, 5, 2)])
+@pytest.mark.parametrize("fused", [False, True])
+def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):
+    torch.manual_seed(heads + batch)
+    pool = torch.randn(batch + 3, heads, head_dim, d_state)
+    slots = torch.randperm(batch + 3)[:batch]
+    x, dt = torch.randn(batch, heads, head_dim), torch.randn(batch, heads)
+    A = -torch.rand(heads) * 4
+    B, C = torch.randn(batch, groups, d_state), torch.randn(batch, groups, d_state)
+    extra = dict(D=torch.randn(heads), dt_bias=torch.randn(heads), dt_softplus=True,
+                 dt_limit=(0.01, 2.0)) if fused else {}
+    if not fused:
+        dt = dt.abs()
+    ours, ref = pool.clone(), pool.clone()
+    y = cpu.mamba2_state_update_cpu(ours, slots, x, dt, A, B, C, **extra)
+    y_ref = mamba2_state_update_ref(ref, slots, x, dt, A, B, C, **extra)
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     _outside_unchanged(ours, pool, slots)

@@ -6,8 +6,8 @@ module; the functions here pick one per call:
 - SPLITSERVE_FORCE_TRITON=1: always Triton, CPU tensors included (with TRITON_INTERPRET=1
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
-- on CPU, for the operations engine.kernels.cpu covers (the Mamba scan, state and conv
-  updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
+- on CPU, for the operations engine.kernels.cpu covers (the Mamba scan, Mamba and Mamba2
+  state updates, conv updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
 Triton stays optional: without it every CUDA call takes the reference path.
 """
 
@@ -77,7 +77,7 @@ def mamba2_state_update(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, 
                         dt_limit=NO_LIMIT, out=None):
     """Mamba2 decode step, in place at ssm_state[slots]; returns y [b, H, P] (float32 unless
     `out`). See engine.kernels.mamba2_update."""
-    impl = mamba2_state_update_triton if uses_triton(ssm_state) else mamba2_state_update_ref
+    impl = _pick(ssm_state, mamba2_state_update_triton, cpu.mamba2_state_update_cpu, mamba2_state_update_ref)
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                 dt_limit=dt_limit, out=out)
 

@@ -127,3 +127,28 @@ def conv_state_update(state, slots, x, weight, bias, silu, y):
         if silu:
             acc = acc / (np.float32(1.0) + math.exp(-acc))
         y[b, c] = acc
+
+
+@njit(parallel=True, cache=True)
+def mamba2_state_update(state, slots, x, dt, A, B, C, y):
+    """Mamba2 decode step: per row b, head h (group g), channel p, the row h = state[slots[b], h, p]
+    in place: h = h * exp(dt A) + dt x B_g ; y[b, h, p] = h . C_g. dt final (bias, softplus, clamp)."""
+    batch, heads, head_dim = x.shape
+    groups, d_state = B.shape[1], B.shape[2]
+    per_group = heads // groups
+    for i in prange(batch * heads * head_dim):
+        b = i // (heads * head_dim)
+        rest = i - b * heads * head_dim
+        h = rest // head_dim
+        p = rest - h * head_dim
+        g = h // per_group
+        row = state[slots[b], h, p]
+        dt_v = dt[b, h]
+        decay = math.exp(dt_v * A[h])
+        dt_x = dt_v * x[b, h, p]
+        acc = np.float32(0.0)
+        for n in range(d_state):
+            h_n = row[n] * decay + dt_x * B[b, g, n]
+            row[n] = h_n
+            acc += h_n * C[b, g, n]
+        y[b, h, p] = acc

@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from engine.kernels.mamba2_update import NO_LIMIT, check_state_update, process_dt
 from engine.kernels.ssm_scan import _check as ssm_scan_check
 
 
@@ -88,6 +89,23 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
         y = y + x.float() * D.float()
     if z is not None:
         y = y * torch.nn.functional.silu(z.float())
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
+                            dt_limit=NO_LIMIT, out=None):
+    """See engine.kernels.mamba2_update.mamba2_state_update_ref."""
+    check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
+    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    y = torch.empty(x.shape, dtype=torch.float32)
+    if x.shape[0]:
+        _launch("mamba2_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
+                _f32(A), _f32(B), _f32(C), y.numpy())
+    if D is not None:
+        y = y + x.float() * D.float()[None, :, None]
     if out is None:
         return y
     out.copy_(y)
