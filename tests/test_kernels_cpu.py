@@ -12,10 +12,8 @@ import torch
 
 from engine import kernels
 from engine.kernels import cpu
-from engine.kernels.conv_update import causal_conv1d_update_ref
 from engine.kernels.mamba2_update import mamba2_state_update_ref
 from engine.kernels.paged_attention import paged_attention_decode_ref
-from engine.kernels.ssm_scan import selective_scan_varlen_ref
 from engine.kernels.ssm_update import selective_state_update_ref
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="numba is not installed")
@@ -67,53 +65,6 @@ def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     _outside_unchanged(ours, pool, slots)
-
-
-@pytest.mark.parametrize("channels,width,batch", [(64, 4, 5), (33, 2, 1)])
-@pytest.mark.parametrize("bias,act", [(False, None), (True, "silu")])
-def test_conv_update(channels, width, batch, bias, act):
-    torch.manual_seed(channels + width)
-    pool = torch.randn(batch + 2, channels, width)
-    slots = torch.randperm(batch + 2)[:batch]
-    x, weight = torch.randn(batch, channels), torch.randn(channels, width)
-    b = torch.randn(channels) if bias else None
-    ours, ref = pool.clone(), pool.clone()
-    y = cpu.causal_conv1d_update_cpu(ours, slots, x, weight, b, act)
-    y_ref = causal_conv1d_update_ref(ref, slots, x, weight, b, act)
-    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(ours, ref)  # the shift is exact
-    _outside_unchanged(ours, pool, slots)
-
-
-@pytest.mark.parametrize("lengths,row_mask", [([7], None), ([1, 40, 3, 17], None),
-                                              ([5, 1, 9, 2, 30], [1, 0, 1, 0, 1])])
-@pytest.mark.parametrize("d_inner,d_state", [(48, 16), (17, 5)])
-def test_ssm_scan_varlen(lengths, row_mask, d_inner, d_state):
-    torch.manual_seed(sum(lengths) + d_inner)
-    tokens = sum(lengths)
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    rows = None if row_mask is None else torch.tensor([r for r, m in enumerate(row_mask) if m])
-    seqs = len(lengths) if rows is None else rows.shape[0]
-    x, dt = torch.randn(tokens, d_inner), torch.rand(tokens, d_inner)
-    A = -torch.rand(d_inner, d_state) * 4
-    B, C = torch.randn(tokens, d_state), torch.randn(tokens, d_state)
-    h0 = torch.randn(seqs, d_inner, d_state)
-    pool = torch.randn(seqs + 4, d_inner, d_state)
-    slots = torch.randperm(seqs + 4)[:seqs]
-    ours_pool, ref_pool = pool.clone(), pool.clone()
-    y = torch.full((tokens, d_inner), NAN)
-    y_ref = torch.full((tokens, d_inner), NAN)
-    _, none = cpu.selective_scan_varlen_cpu(x, dt, A, B, C, cu, h0.clone(), rows=rows, state=ours_pool,
-                                            slots=slots, out=y)
-    selective_scan_varlen_ref(x, dt, A, B, C, cu, h0, rows=rows, state=ref_pool, slots=slots, out=y_ref)
-    assert none is None
-    assert torch.equal(y.isnan(), y_ref.isnan()), "written tokens differ from the reference's"
-    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4, equal_nan=True)
-    torch.testing.assert_close(ours_pool, ref_pool, atol=1e-4, rtol=1e-4)
-    _outside_unchanged(ours_pool, pool, slots)
-    y_alone, h_final = cpu.selective_scan_varlen_cpu(x, dt, A, B, C, cu, h0, rows=rows)
-    _, h_ref = selective_scan_varlen_ref(x, dt, A, B, C, cu, h0, rows=rows)
-    torch.testing.assert_close(h_final, h_ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3)])

@@ -6,8 +6,8 @@ module; the functions here pick one per call:
 - SPLITSERVE_FORCE_TRITON=1: always Triton, CPU tensors included (with TRITON_INTERPRET=1
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
-- on CPU, for the operations engine.kernels.cpu covers (the Mamba scan, Mamba and Mamba2
-  state updates, conv updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
+- on CPU, for the operations engine.kernels.cpu covers (the Mamba and Mamba2 decode state
+  updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
 Triton stays optional: without it every CUDA call takes the reference path.
 """
 
@@ -86,7 +86,7 @@ def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None,
     """Mamba prefill scan of every sequence cu_seqlens (or its `rows`) delimits, in one call;
     returns (y [T, D] float32 unless `out`, h_final [S, D, N], or None when the final states
     go to state[slots]). See engine.kernels.ssm_scan."""
-    impl = _pick(h0, selective_scan_varlen_triton, cpu.selective_scan_varlen_cpu, selective_scan_varlen_ref)
+    impl = selective_scan_varlen_triton if uses_triton(x) else selective_scan_varlen_ref
     return impl(x, dt, A, B, C, cu_seqlens, h0, rows=rows, state=state, slots=slots, out=out)
 
 
@@ -114,8 +114,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):
     """Conv decode step, in place at conv_state[slots]; returns [B, D] in x's dtype.
     See engine.kernels.conv_update."""
-    impl = _pick(conv_state, causal_conv1d_update_triton, cpu.causal_conv1d_update_cpu,
-                 causal_conv1d_update_ref)
+    impl = causal_conv1d_update_triton if uses_triton(conv_state) else causal_conv1d_update_ref
     return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out)
 
 

@@ -4,10 +4,10 @@ Per sequence, by phase (see engine.phase):
 - FRESH_PREFILL: conv and ssm state start from explicit zeros; the slot is only written.
 - CONTINUED_PREFILL: starts from the slot's state (this request's own, checked by the runner).
 - DECODE: reads the slot's state, updates it with one token, writes it back.
-Prefill scans every prefill row of the batch in one call (engine.kernels.selective_scan_varlen:
-numba on CPU, Triton on CUDA); without either, a blocked torch scan (`selective_scan`:
-whole-block ops plus one in-place [D, N] multiply-add per token). `selective_scan_ref` is the
-definition both are tested against.
+Prefill on CUDA scans every prefill row of the batch in one Triton launch
+(engine.kernels.selective_scan_varlen); elsewhere a blocked torch scan per row (`selective_scan`:
+whole-block ops plus one in-place [D, N] multiply-add per token; its exps dominate, and torch
+vectorises them). `selective_scan_ref` is the definition both are tested against.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import (causal_conv1d_update, selective_scan_varlen, selective_state_update,
-                            uses_cpu_kernel, uses_triton)
+from engine.kernels import causal_conv1d_update, selective_scan_varlen, selective_state_update, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
@@ -121,7 +120,7 @@ class MambaMixer(nn.Module):
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
         """Every prefill row from its starting state (zeros when fresh, else its slot's), final
         states into the slots; y written at the prefill rows' tokens."""
-        if uses_triton(x) or uses_cpu_kernel(ssm_state):  # all rows in one call
+        if uses_triton(x):  # all rows in one launch
             rows, device = batch.prefill_rows, x.device
             slots = torch.tensor([batch.state_slots[r] for r in rows], device=device)
             fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows], device=device)
