@@ -4,6 +4,10 @@ Allocated once at start from what the model's layers declare (engine.models.hybr
 for attention, named state tensors for recurrent layers, whatever their kind. Bookkeeping
 (which blocks and slots belong to whom) lives in the torch-free BlockManager and
 StateSlotAllocator; this file only owns memory.
+
+Every tensor has one row more than the allocators know of: block `num_blocks` and slot
+`num_slots` are scratch, where the padded rows of a static decode batch (engine.cuda_graphs)
+read and write. No request is ever given them, and the hand-off tensors stop before them.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: 
         if not spec.attention_layers:
             num_blocks = enough  # no attention: block tables are bookkeeping only, no memory behind them
         else:
-            budget = memory_bytes - per_slot * num_slots
+            budget = memory_bytes - per_slot * (num_slots + 1) - per_block  # + the scratch rows
             num_blocks = min(enough, budget // per_block)
             if num_blocks < -(-max_model_len // block_size):
                 raise ValueError(
@@ -67,15 +71,16 @@ class ModelCache:
         self.spec = spec
         self.sizes = sizes
         self.block_size = block_size
+        self.scratch_block, self.scratch_slot = sizes.num_blocks, sizes.num_slots
         kv: list = [None] * len(spec.layers)
         state: list = [None] * len(spec.layers)
         for i, layer in enumerate(spec.layers):
             if layer.kv is not None:
-                shape = (sizes.num_blocks, block_size, layer.kv.num_kv_heads, layer.kv.head_dim)
+                shape = (sizes.num_blocks + 1, block_size, layer.kv.num_kv_heads, layer.kv.head_dim)
                 kv[i] = (torch.zeros(shape, dtype=dtype, device=device),
                          torch.zeros(shape, dtype=dtype, device=device))
             if layer.state:
-                state[i] = tuple(torch.zeros((sizes.num_slots, *t.shape), dtype=t.torch_dtype, device=device)
+                state[i] = tuple(torch.zeros((sizes.num_slots + 1, *t.shape), dtype=t.torch_dtype, device=device)
                                  for t in layer.state)
         self.layers = LayerCaches(kv, state)
 
@@ -95,13 +100,14 @@ class ModelCache:
 
     def handoff_tensors(self) -> list[tuple[str, int, str, str, torch.Tensor]]:
         """(name, layer, kind, role, tensor) for every cache tensor, in layer order: the hand-off
-        and its layout handshake are built from this alone."""
+        and its layout handshake are built from this alone. Views without the scratch rows."""
         out = []
+        blocks, slots = self.sizes.num_blocks, self.sizes.num_slots
         for i, layer in enumerate(self.spec.layers):
             if layer.kv is not None:
                 k, v = self.layers.kv[i]
-                out += [(f"layer{i}.k", i, "attention", BLOCK_ROLE, k),
-                        (f"layer{i}.v", i, "attention", BLOCK_ROLE, v)]
+                out += [(f"layer{i}.k", i, "attention", BLOCK_ROLE, k[:blocks]),
+                        (f"layer{i}.v", i, "attention", BLOCK_ROLE, v[:blocks])]
             for tensor_spec, tensor in zip(layer.state, self.layers.state[i] or ()):
-                out.append((f"layer{i}.{tensor_spec.name}", i, layer.state_kind, SLOT_ROLE, tensor))
+                out.append((f"layer{i}.{tensor_spec.name}", i, layer.state_kind, SLOT_ROLE, tensor[:slots]))
         return out

@@ -27,6 +27,9 @@ class EngineConfig:
     cache_memory_bytes: int = 1 << 30  # KV blocks + state slots are carved from this at start
     mode: str = "colocated"  # "prefill" / "decode": one half of a disaggregated pair
     seed: int = 0
+    # False: on CUDA, decode-only steps replay a CUDA graph per padded batch size, captured at
+    # start (engine.cuda_graphs; a model that cannot be captured decodes eagerly). No effect on CPU.
+    enforce_eager: bool = False
     # Debug mode also poisons freed state slots with NaN so an unguarded read shows up at once.
     debug: bool = os.environ.get("SPLITSERVE_DEBUG", "") not in ("", "0")
     # Hub ids (engine/hub.py): the branch, tag or commit to serve; after __post_init__ the
@@ -47,6 +50,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -67,7 +67,8 @@ class LLMEngine:
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug)
+        self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
+                                  config.enforce_eager, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []

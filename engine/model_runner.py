@@ -2,52 +2,155 @@
 
 from __future__ import annotations
 
+import logging
+from array import array
+from dataclasses import dataclass
+
 import torch
 
 from engine.cache import ModelCache
+from engine.cuda_graphs import StaticDecode
 from engine.models import ForwardBatch, HybridLM
+from engine.phase import Phase
+from engine.request import Request
 from engine.sampler import SampleResult, Sampler
 from engine.scheduler import ScheduledSeq
 from engine.state_slots import StateSlotAllocator
 
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostBatch:
+    """A step's inputs as int64 CPU tensors, built with whole-tensor ops: the Python work per
+    step is one pass over the rows, none over the tokens."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    kv_write_index: torch.Tensor  # [T]
+    query_starts: torch.Tensor  # [B + 1]
+    context_lens: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B]
+    block_counts: torch.Tensor  # [B] blocks in each row's table
+    block_tables: torch.Tensor  # [B, widest table] (padding: 0)
+    phases: list[Phase]
+
+
+class SlotBlockTables:
+    """Each state slot's block table as a row of one int64 tensor, kept in step with the
+    BlockManager's lists, so a step indexes rows instead of converting every table again.
+
+    A row remembers the list object it mirrors (holding it, so identity cannot be reused): a
+    live list only ever grows at the end, so for the same list only the new blocks are
+    copied; any other list (a new owner, a preempted request restarted) rewrites the row."""
+
+    def __init__(self, num_rows: int, width: int):
+        self.rows = torch.zeros(num_rows, width, dtype=torch.long)
+        self.lens = [0] * num_rows
+        self.lists: list[list[int] | None] = [None] * num_rows
+
+    def update(self, slot: int, table: list[int]) -> None:
+        have = self.lens[slot]
+        if self.lists[slot] is not table or len(table) < have:
+            self.rows[slot].zero_()
+            self.lists[slot], have = table, 0
+        if len(table) > have:
+            if len(table) > self.rows.shape[1]:
+                wider = torch.zeros(self.rows.shape[0], 2 * len(table), dtype=torch.long)
+                wider[:, : self.rows.shape[1]] = self.rows
+                self.rows = wider
+            self.rows[slot, have:len(table)] = int64(table[have:])
+            self.lens[slot] = len(table)
+
+
+def int64(values: list[int]) -> torch.Tensor:
+    """A CPU int64 tensor of `values`: through array('q'), 3x faster than torch.tensor(list)."""
+    return torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)
+
+
+def token_slice(request: Request, begin: int, end: int) -> list[int]:
+    """request.all_token_ids[begin:end] without building the whole list."""
+    prompt, outputs = request.prompt_token_ids, request.output_token_ids
+    if end <= len(prompt):
+        return prompt[begin:end]
+    if begin >= len(prompt):
+        return outputs[begin - len(prompt):end - len(prompt)]
+    return prompt[begin:] + outputs[:end - len(prompt)]
+
+
+def host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
+    token_ids, rows = [], []
+    for seq in seqs:
+        begin = seq.request.num_computed_tokens
+        token_ids += token_slice(seq.request, begin, begin + seq.num_new_tokens)
+        tables.update(seq.slot, seq.block_table)
+        rows += (begin, seq.num_new_tokens, len(seq.block_table), seq.slot)
+    begins, lens, counts, slots = int64(rows).view(-1, 4).unbind(1)
+    ends = torch.cumsum(lens, 0)
+    table = tables.rows.index_select(0, slots)[:, : int(counts.max())]
+    num_tokens = len(token_ids)
+    if num_tokens == len(seqs):  # one token per row (decodes): no row expansion needed
+        positions = begins
+        write_index = table.gather(1, (positions // block_size)[:, None])[:, 0]
+    else:
+        row = torch.repeat_interleave(torch.arange(len(seqs)), lens, output_size=num_tokens)
+        positions = begins[row] + torch.arange(num_tokens) - (ends - lens)[row]
+        write_index = table[row, positions // block_size]
+    return HostBatch(int64(token_ids), positions, write_index * block_size + positions % block_size,
+                     torch.cat((torch.zeros(1, dtype=torch.long), ends)), begins + lens, slots, counts,
+                     table, [s.phase for s in seqs])
+
 
 class ModelRunner:
     def __init__(self, model: HybridLM, cache: ModelCache, slots: StateSlotAllocator,
-                 device: torch.device | str, debug: bool):
+                 device: torch.device | str, debug: bool, enforce_eager: bool = True,
+                 max_model_len: int | None = None):
         self.model = model
         self.cache = cache
         self.slots = slots
         self.device = torch.device(device)
         self.debug = debug
         self.sampler = Sampler(model.spec.vocab_size, self.device)
+        self.static: StaticDecode | None = None
+        width = self.cache.sizes.num_blocks
+        if max_model_len is not None:
+            width = min(width, -(-max_model_len // self.cache.block_size))
+        self.block_tables = SlotBlockTables(self.cache.sizes.num_slots, width)
+        if self.device.type == "cuda" and not enforce_eager:
+            self.use_static_decode(capture=True)
+
+    def use_static_decode(self, capture: bool) -> None:
+        """Route decode-only steps through persistent padded buffers (engine.cuda_graphs), and
+        on CUDA capture a graph per padded size (any failure: logged, eager replays instead)."""
+        self.static = StaticDecode(self.model, self.cache, self.slots.num_slots,
+                                   self.block_tables.rows.shape[1], self.device)
+        if capture:
+            self.static.capture()
 
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
-        block_size = self.cache.block_size
-        input_ids, positions, write_index, starts, context_lens = [], [], [], [0], []
-        for seq in seqs:
-            request = seq.request
-            begin = request.num_computed_tokens
-            end = begin + seq.num_new_tokens
-            input_ids += request.all_token_ids[begin:end]
-            positions += range(begin, end)
-            table = seq.block_table
-            write_index += [table[p // block_size] * block_size + p % block_size for p in range(begin, end)]
-            starts.append(starts[-1] + seq.num_new_tokens)
-            context_lens.append(end)
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.zeros(len(seqs), width, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        dev = self.device
+        return self.device_batch(host_batch(seqs, self.cache.block_size, self.block_tables))
+
+    def device_batch(self, host: HostBatch) -> ForwardBatch:
+        decode = [i for i, p in enumerate(host.phases) if p is Phase.DECODE]
+        starts = host.query_starts[:-1]
+        if len(decode) == len(host.phases):
+            extra = (starts, host.slots, host.context_lens, host.block_tables)
+        else:
+            rows = torch.tensor(decode, dtype=torch.long)
+            extra = (starts[rows], host.slots[rows], host.context_lens[rows], host.block_tables[rows])
+        tensors = [host.input_ids, host.positions, host.kv_write_index, host.block_tables,
+                   host.query_starts[1:] - 1, *extra]
+        if self.device.type != "cpu":  # one host-to-device copy for the whole step
+            flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device, non_blocking=True)
+            tensors = [part.view(t.shape) for part, t in
+                       zip(flat.split([t.numel() for t in tensors]), tensors)]
+        input_ids, positions, write_index, tables, logits_indices, d_index, d_slots, d_lens, d_tables = tensors
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            query_starts=starts, context_lens=context_lens,
-            phases=[s.phase for s in seqs], state_slots=[s.slot for s in seqs],
-            block_tables=tables.to(dev),
-            kv_write_index=torch.tensor(write_index, dtype=torch.long, device=dev),
-            block_size=block_size,
-            logits_indices=torch.tensor(starts[1:], dtype=torch.long, device=dev) - 1,
+            input_ids=input_ids, positions=positions, query_starts=host.query_starts.tolist(),
+            context_lens=host.context_lens.tolist(), phases=host.phases, state_slots=host.slots.tolist(),
+            block_tables=tables, kv_write_index=write_index, block_size=self.cache.block_size,
+            logits_indices=logits_indices, decode_token_index=d_index, decode_slots=d_slots,
+            decode_context_lens=d_lens, decode_block_tables=d_tables,
         )
 
     def check_state_reads(self, seqs: list[ScheduledSeq]) -> None:
@@ -58,8 +161,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
-        logits = self.model(self.build_batch(seqs), self.cache.layers)
+        if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
+            host = host_batch(seqs, self.cache.block_size, self.block_tables)
+            if self.static.fits(host):
+                logits = self.static.run(host)
+            else:
+                logits = self.model(self.device_batch(host), self.cache.layers)
+        else:
+            logits = self.model(self.build_batch(seqs), self.cache.layers)
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
         return logits
@@ -74,4 +185,3 @@ class ModelRunner:
     def on_slot_freed(self, slot: int) -> None:
         if self.debug:
             self.cache.poison_slot(slot)
-

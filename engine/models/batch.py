@@ -11,6 +11,12 @@ from engine.phase import Phase
 
 @dataclass
 class ForwardBatch:
+    """Tensors carry the data; the Python lists are per-row metadata that the mixers read only
+    for prefill rows (a prefill row's slice, context and slot). Decode rows are reached only
+    through the `decode_*` tensors, so a decode-only batch can be replayed with new data
+    written into the same tensors (engine.cuda_graphs leaves context_lens and state_slots
+    empty there: a read of them for a decode row fails instead of reading a stale value)."""
+
     input_ids: torch.Tensor  # [T] all scheduled tokens, sequence after sequence
     positions: torch.Tensor  # [T]
     query_starts: list[int]  # [B + 1] offsets of each sequence's tokens in the flat batch
@@ -21,24 +27,25 @@ class ForwardBatch:
     kv_write_index: torch.Tensor  # [T] flat cache row (block * block_size + offset) per token
     block_size: int
     logits_indices: torch.Tensor  # [B] flat index of each sequence's last token
+    # Over the decode rows only, in row order; derived from the lists above when not given.
+    decode_token_index: torch.Tensor | None = None  # [D] flat index of the row's one token
+    decode_slots: torch.Tensor | None = None  # [D]
+    decode_context_lens: torch.Tensor | None = None  # [D]
+    decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     decode_rows: list[int] = field(init=False)
     prefill_rows: list[int] = field(init=False)
 
     def __post_init__(self):
         self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
         self.prefill_rows = [i for i, p in enumerate(self.phases) if p is not Phase.DECODE]
+        if self.decode_token_index is not None:
+            return
         device = self.input_ids.device
-        rows = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
-        self.decode_token_index = torch.tensor(
-            [self.query_starts[i] for i in self.decode_rows], dtype=torch.long, device=device
-        )
-        self.decode_slots = torch.tensor(
-            [self.state_slots[i] for i in self.decode_rows], dtype=torch.long, device=device
-        )
-        self.decode_context_lens = torch.tensor(
-            [self.context_lens[i] for i in self.decode_rows], dtype=torch.long, device=device
-        )
-        self.decode_block_tables = self.block_tables.index_select(0, rows)
+        rows = torch.tensor(self.decode_rows, dtype=torch.long)
+        self.decode_token_index = torch.tensor(self.query_starts[:-1], dtype=torch.long)[rows].to(device)
+        self.decode_slots = torch.tensor(self.state_slots, dtype=torch.long)[rows].to(device)
+        self.decode_context_lens = torch.tensor(self.context_lens, dtype=torch.long)[rows].to(device)
+        self.decode_block_tables = self.block_tables.index_select(0, rows.to(self.block_tables.device))
 
     @property
     def num_seqs(self) -> int:

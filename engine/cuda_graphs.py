@@ -1,0 +1,161 @@
+"""Static-shape decode: persistent, padded input tensors per batch size and, on CUDA, one
+captured CUDA graph of the model's decode step per size.
+
+A decode-only step is padded up to the next size in `padded_sizes`. Its inputs are written
+into tensors that live as long as the engine, and the ForwardBatch over them is built once
+per size, so the forward pass of that step reads no per-step Python data: what a graph
+captured is what every replay computes, with new data in the same tensors.
+
+Padded rows are the danger: they run every layer like real decodes. Each one decodes token 0
+at position 0 from the cache's scratch state slot and scratch KV block (engine.cache: rows
+the allocators never hand out and a hand-off never moves), its whole block-table row is the
+scratch block, and its logits are dropped. All padded rows share the scratch rows, so what
+they leave there is garbage, read only by other padded rows; every layer computes each row
+on its own, so nothing of it reaches a real row.
+
+Capture is refused with a reason, and the step stays eager, when the decode step would
+synchronise with the host (`capture_blockers`); any other capture failure is logged and
+falls back to eager too. None of this has run on a GPU yet: on CPU only the eager static
+path runs (tests/test_static_decode.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kernels import uses_triton
+from engine.models import ForwardBatch, HybridLM
+from engine.models.layers import SparseMoE
+from engine.models.nemotron_moe import NemotronMoE
+from engine.phase import Phase
+
+if TYPE_CHECKING:
+    from engine.cache import ModelCache
+    from engine.model_runner import HostBatch
+
+log = logging.getLogger(__name__)
+
+# Modules whose forward reads device data on the host (dispatch_experts: bincount().tolist()
+# sizes its per-expert loop), which a CUDA graph cannot capture.
+HOST_SYNCING_MODULES = (SparseMoE, NemotronMoE)
+
+
+def padded_sizes(max_num_seqs: int) -> list[int]:
+    """Batch sizes with static buffers (and graphs): 1, 2, 4, then every multiple of 8, and
+    max_num_seqs itself; a step pads to the smallest size that holds it."""
+    return sorted({s for s in (1, 2, 4, *range(8, max_num_seqs, 8)) if s < max_num_seqs} | {max_num_seqs})
+
+
+def capture_blockers(model: HybridLM, device: torch.device) -> list[str]:
+    """Why the decode step of `model` on `device` cannot be captured; empty when it can."""
+    reasons = []
+    syncing = sorted({type(m).__name__ for m in model.modules() if isinstance(m, HOST_SYNCING_MODULES)})
+    if syncing:
+        reasons.append(f"{', '.join(syncing)}: expert dispatch reads per-expert token counts on "
+                       "the host (engine.models.layers.dispatch_experts)")
+    if model.spec.attention_layers and not uses_triton(torch.empty(0, device=device)):
+        reasons.append("decode attention without Triton reads context_lens.max() on the host")
+    return reasons
+
+
+class StaticDecode:
+    def __init__(self, model: HybridLM, cache: ModelCache, max_num_seqs: int, max_blocks: int,
+                 device: torch.device):
+        self.model, self.cache, self.device = model, cache, device
+        self.sizes = padded_sizes(max_num_seqs)
+        self.max_blocks = max_blocks
+        self.scratch_block = cache.scratch_block
+        # Rows: input id, position, KV write index, state slot, context length.
+        pad = torch.tensor([0, 0, cache.scratch_block * cache.block_size, cache.scratch_slot, 1])
+        self.pad_rows = pad[:, None].expand(5, self.sizes[-1]).contiguous()
+        self.inputs = self.pad_rows.to(device, copy=True)
+        self.block_tables = torch.full((self.sizes[-1], max_blocks), cache.scratch_block,
+                                       dtype=torch.long, device=device)
+        rows = torch.arange(self.sizes[-1], device=device)
+        self.batches = {size: self._batch(size, rows[:size]) for size in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_logits: dict[int, torch.Tensor] = {}
+        self.eager_reason: str | None = "not captured"
+
+    def _batch(self, size: int, rows: torch.Tensor) -> ForwardBatch:
+        ids, positions, write_index, slots, context_lens = self.inputs[:, :size]
+        tables = self.block_tables[:size]
+        return ForwardBatch(
+            input_ids=ids, positions=positions, query_starts=list(range(size + 1)), context_lens=[],
+            phases=[Phase.DECODE] * size, state_slots=[], block_tables=tables,
+            kv_write_index=write_index, block_size=self.cache.block_size, logits_indices=rows,
+            decode_token_index=rows, decode_slots=slots, decode_context_lens=context_lens,
+            decode_block_tables=tables)
+
+    def fits(self, host: HostBatch) -> bool:
+        return (len(host.phases) <= self.sizes[-1] and host.block_tables.shape[1] <= self.max_blocks
+                and all(p is Phase.DECODE for p in host.phases))
+
+    def load(self, host: HostBatch) -> int:
+        """Write a decode-only step's inputs into the static tensors; returns its padded size."""
+        n = len(host.phases)
+        size = next(s for s in self.sizes if s >= n)
+        rows = self.pad_rows[:, :size].clone()
+        rows[:, :n] = torch.stack((host.input_ids, host.positions, host.kv_write_index, host.slots,
+                                   host.context_lens))
+        self.inputs[:, :size].copy_(rows, non_blocking=True)
+        self.block_tables[:size].fill_(self.scratch_block)  # no stale block id of any earlier step
+        width = host.block_tables.shape[1]
+        used = torch.arange(width) < host.block_counts[:, None]  # the rest: scratch, not block 0
+        tables = torch.where(used, host.block_tables, self.scratch_block)
+        self.block_tables[:n, :width].copy_(tables, non_blocking=True)
+        return size
+
+    def run(self, host: HostBatch) -> torch.Tensor:
+        """Logits of the real rows, [n, vocab]: a view valid until the next step."""
+        size = self.load(host)
+        if size in self.graphs:
+            self.graphs[size].replay()
+            logits = self.graph_logits[size]
+        else:
+            logits = self.model(self.batches[size], self.cache.layers)
+        return logits[: len(host.phases)]
+
+    @torch.inference_mode()
+    def capture(self) -> bool:
+        """Capture one graph per padded size, largest first (smaller ones reuse its memory
+        pool). On any refusal or failure no graph is kept and every step runs eagerly."""
+        blockers = capture_blockers(self.model, self.device) if self.device.type == "cuda" else ["not on CUDA"]
+        if blockers:
+            self.eager_reason = "; ".join(blockers)
+            log.warning("decode step not captured as CUDA graphs, running eagerly: %s", self.eager_reason)
+            return False
+        self.inputs.copy_(self.pad_rows)  # every row a padded row: capture touches only scratch
+        self.block_tables.fill_(self.scratch_block)
+        try:
+            pool = torch.cuda.graph_pool_handle()
+            warm = torch.cuda.Stream(self.device)
+            for size in reversed(self.sizes):
+                batch = self.batches[size]
+                warm.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(warm):  # compiles Triton kernels, moves lazy buffers
+                    for _ in range(2):
+                        self.model(batch, self.cache.layers)
+                torch.cuda.current_stream(self.device).wait_stream(warm)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: a hand-off thread's CUDA calls during capture are not ours to fail
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    logits = self.model(batch, self.cache.layers)
+                self.graphs[size], self.graph_logits[size] = graph, logits
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # a capture failure must leave a working (eager) engine
+            self.graphs.clear()
+            self.graph_logits.clear()
+            self.eager_reason = f"capture failed: {type(e).__name__}: {e}"
+            log.warning("decode step not captured as CUDA graphs, running eagerly: %s", self.eager_reason)
+            try:
+                torch.cuda.synchronize(self.device)
+            except Exception:
+                log.exception("CUDA synchronize after a failed capture")
+            return False
+        self.eager_reason = None
+        log.info("decode step captured as CUDA graphs for batch sizes %s", self.sizes)
+        return True
