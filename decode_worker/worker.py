@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
-from kvtransfer import HandoffResult, HandoffTarget, make_transport
+from kvtransfer import HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
 
 
@@ -26,11 +26,12 @@ class DecodeWorker(EngineEndpoint):
                  transfer_timeout_s: float = 30.0):
         engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
         super().__init__(name, engine, transfer_timeout_s)
-        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config,
-                                                           on_done=self._landed)
+        # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
+        # is where shm finds its landings, and applies results on its own thread.
+        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config)
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
-        self.thread = EngineThread(self.engine, self._deliver, name=f"{name}-loop")
+        self.thread = EngineThread(self.engine, self._deliver, after_step=self._take_handoffs, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
 
@@ -58,7 +59,7 @@ class DecodeWorker(EngineEndpoint):
 
     async def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self.receiver.pending():
-            # Rows may still be written: the receiver reports (and _landed frees) once they are not.
+            # Rows may still be written: the receiver reports (and _take_handoffs frees) once they are not.
             self.receiver.abort(request_id, error or "aborted by the router")
             return
         await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id, error)))
@@ -78,22 +79,20 @@ class DecodeWorker(EngineEndpoint):
 
     # ---- engine thread and transport callbacks ----
 
-    def _landed(self, result: HandoffResult) -> None:
-        def apply(engine: LLMEngine):
+    def _take_handoffs(self, engine: LLMEngine) -> None:
+        """After each step, on the engine thread: start decoding what landed, drop what failed.
+        The loop keeps stepping while a request waits for its state, so this runs every step then."""
+        outputs = []
+        for result in self.receiver.poll():
             request = engine.requests.get(result.request_id)
             if request is None or request.status is not RequestStatus.WAITING_FOR_STATE:
-                return None
+                continue
             if result.ok:
-                return engine.accept_handoff(result.request_id, result.first_token)
-            engine.abort(result.request_id, f"state hand-off failed: {result.error}")
-            return None
-
-        def deliver(fut):
-            out = fut.result() if fut.exception() is None else None
-            if out is not None:
-                self._deliver([out])
-
-        self.thread.call(apply).add_done_callback(deliver)
+                outputs.append(engine.accept_handoff(result.request_id, result.first_token))
+            else:
+                engine.abort(result.request_id, f"state hand-off failed: {result.error}")
+        if outputs:
+            self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._crash_point({out.request_id for out in outputs})

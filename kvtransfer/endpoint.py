@@ -68,7 +68,9 @@ class Endpoint:
     # ---- what the caller uses ----
 
     def poll(self) -> list[HandoffResult]:
-        """Finished hand-offs since the last poll (each reported exactly once)."""
+        """Finished hand-offs since the last poll (each reported exactly once). Cheap enough
+        to call at every engine step: shm completions are found right here."""
+        self._sweep()
         with self._lock:
             out, self._results = self._results, []
         return out
@@ -77,8 +79,9 @@ class Endpoint:
         """Block until every listed request has a result here; returns and consumes them."""
         wanted, got = set(request_ids), {}
         deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while True:
+        while True:
+            self._sweep()
+            with self._lock:
                 for r in [r for r in self._results if r.request_id in wanted]:
                     got[r.request_id] = r
                     self._results.remove(r)
@@ -88,7 +91,7 @@ class Endpoint:
                 if remaining <= 0:
                     missing = sorted(wanted - got.keys())
                     raise TimeoutError(f"{self.side} {self.name}: no result for {missing[:5]} within {timeout_s}s")
-                self._changed.wait(min(remaining, 0.1))
+                self._changed.wait(min(remaining, self._sweep_interval_s))
 
     def close(self) -> None:
         """Close every channel; hand-offs still in flight fail (reported like any failure)."""
@@ -123,8 +126,16 @@ class Endpoint:
     def _result(self, request_id: str, ok: bool, started: float, **fields) -> HandoffResult:
         return HandoffResult(request_id, ok, self.side, elapsed_s=time.monotonic() - started, **fields)
 
+    # Transports whose completions sit in shared memory find them here (poll, wait_for and
+    # the watchdog sweep); the others push results as they land.
+    _sweep_interval_s = 0.1
+
+    def _sweep(self) -> None:
+        pass
+
     def _watch(self) -> None:
         while not self._stop.wait(self.config.watchdog_interval_s):
+            self._sweep()
             self._expire(time.monotonic())
 
     def _expire(self, now: float) -> None:

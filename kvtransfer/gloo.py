@@ -26,8 +26,8 @@ from kvtransfer.stream_channel import StreamSenderChannel, join_as_receiver, joi
 # Gloo closes a pair when any wait times out, so every wait here has a real deadline.
 _IDLE_FOREVER = datetime.timedelta(days=365)
 _TAG_SPACE = 1 << 30
-_DOORBELL_NAP = datetime.timedelta(hours=1)  # bounded only so a lost wake-up cannot hang forever
 RECEIVER_RANK, SENDER_RANK = 0, 1
+_CLOSED = b"closed"  # a doorbell value no header can be (headers are HEADER_BYTES long)
 
 
 class GlooPending:
@@ -49,7 +49,8 @@ class GlooWire:
 
     A Gloo wait can be neither cancelled (abort() leaves it hanging) nor timed out without
     closing the pair, so an idle receiver must not sit in one. It sleeps on a store key
-    instead: the sender rings before each request, and close() rings it to wake the thread.
+    instead: the sender rings with each request's header as the key's value, and close()
+    rings it to wake the thread.
     """
 
     def __init__(self, group: dist.ProcessGroupGloo, store: dist.Store, waiting_store: dist.Store, rank: int):
@@ -63,23 +64,25 @@ class GlooWire:
         self._rung = self._answered = 0
         self.aborted = False
 
-    def announce(self) -> None:
+    def announce(self, header: torch.Tensor) -> None:
         self._rung += 1
-        self._doorbell.set(str(self._rung), b"go")
+        self._doorbell.set(str(self._rung), header.numpy().tobytes())
 
-    def await_announcement(self) -> bool:
-        """Sleep until the peer announces the next request (True) or the wire is closed (False)."""
+    def await_announcement(self) -> torch.Tensor | None:
+        """Sleep until the peer announces the next request (its header) or the wire is closed (None)."""
+        if self._answered:  # the previous ring, deleted now rather than on that request's path
+            self._doorbell_waiter.delete_key(str(self._answered))
         key = str(self._answered + 1)
         while not self.aborted:
             try:
-                self._doorbell_waiter.wait([key], _DOORBELL_NAP)
+                value = self._doorbell_waiter.get(key)  # one call: blocks until rung (or the store's timeout)
             except RuntimeError:  # nap over: look at the aborted flag again
                 continue
             self._answered += 1
-            value = self._doorbell_waiter.get(key)
-            self._doorbell_waiter.delete_key(key)
-            return value == b"go" and not self.aborted
-        return False
+            if value == _CLOSED or self.aborted:
+                return None
+            return torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        return None
 
     def send(self, tensors: list[torch.Tensor]) -> GlooPending:
         return GlooPending([self._send_one(t) for t in tensors])
@@ -118,7 +121,7 @@ class GlooWire:
             return
         self.aborted = True
         with contextlib.suppress(Exception):
-            self._doorbell.set(str(max(self._rung, self._answered) + 1), b"closed")  # wakes whichever side waits
+            self._doorbell.set(str(max(self._rung, self._answered) + 1), _CLOSED)  # wakes whichever side waits
         with contextlib.suppress(Exception):
             self._group.abort()
         # Destroy the group now, while the interpreter is alive: destroyed during interpreter

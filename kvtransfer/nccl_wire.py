@@ -17,7 +17,7 @@ import time
 import torch
 
 from kvtransfer.errors import WireError, WireTimeoutError
-from kvtransfer.messages import NcclOffer
+from kvtransfer.messages import HEADER_BYTES, NcclOffer
 from kvtransfer.nccl import IN_PROGRESS, NcclCommunicator, load_library
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
@@ -63,11 +63,16 @@ class NcclWire:
         if code not in (0, IN_PROGRESS):
             raise WireError(f"nccl: {self.comm.lib.error_string(code)}")
 
-    def announce(self) -> None:
-        pass  # an idle NCCL receive can be polled and cancelled, no doorbell needed
+    # An idle NCCL receive can be polled and cancelled: no doorbell, the header is a message.
+    def announce(self, header: torch.Tensor) -> NcclPending:
+        return self.send([header])
 
-    def await_announcement(self) -> bool:
-        return not self.aborted
+    def await_announcement(self) -> torch.Tensor | None:
+        if self.aborted:
+            return None
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
+        self.recv([header]).wait(None)
+        return header
 
     def _issue(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> NcclPending:
         with self._comm_lock, torch.cuda.device(self.device):

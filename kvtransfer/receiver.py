@@ -33,6 +33,8 @@ class Incoming:
         self.compute_ready = compute_ready  # CUDA event: last use of these rows by the previous owner
         self.write_lock = threading.Lock()  # held by a channel while it writes this request's rows
         self.error: TransferError | None = None
+        self.row: int | None = None  # shm: this reservation's row of the grant table, and its generation
+        self.gen = 0
 
     @property
     def live(self) -> bool:
@@ -66,6 +68,7 @@ class HandoffReceiver(Endpoint):
                 raise ChannelClosedError(f"receiver {self.name} is closed")
             if target.request_id in self._incoming:
                 raise ValueError(f"request {target.request_id} is already expected on {self.name}")
+            self._reserve(incoming)
             self._incoming[target.request_id] = incoming
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
@@ -74,6 +77,9 @@ class HandoffReceiver(Endpoint):
     def pending(self) -> list[str]:
         with self._lock:
             return sorted(self._incoming)
+
+    def _reserve(self, incoming: Incoming) -> None:
+        """Called under the lock as a reservation is registered (shm grants its rows here)."""
 
     # ---- channels ----
 

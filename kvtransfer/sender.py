@@ -77,7 +77,8 @@ class HandoffSender(Endpoint):
         with self._lock:
             return peer in self._channels
 
-    def begin(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float | None = None) -> OutgoingHandoff:
+    def begin(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float | None = None,
+              *, first_token: int | None = None) -> OutgoingHandoff:
         """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked done.
 
         Moves the first ceil(num_tokens / block_size) ids of src_block_ids to the same number
@@ -93,6 +94,10 @@ class HandoffSender(Endpoint):
         if (src_slot is None) != (target.dst_slot is None):
             raise ValueError(f"request {rid}: source slot {src_slot} and destination slot {target.dst_slot} must both be set or both None")
         job = OutgoingHandoff(self, target, num_tokens, blocks, src_block_ids, src_slot, timeout_s or self.config.timeout_s)
+        if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
+            event = record_compute_event(self.cache)
+            job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
+            job.ready_events = [(ALL_LAYERS, event)] if event is not None else []
         with self._lock:
             channel = self._channels.get(target.receiver)
             if channel is None:
@@ -107,9 +112,7 @@ class HandoffSender(Endpoint):
 
     def send(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, first_token: int, timeout_s: float | None = None) -> OutgoingHandoff:
         """begin() + finish() for a prefill that already ran to the end."""
-        job = self.begin(target, num_tokens, src_block_ids, src_slot, timeout_s)
-        job.finish(first_token)
-        return job
+        return self.begin(target, num_tokens, src_block_ids, src_slot, timeout_s, first_token=first_token)
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
         self._fail(request_id, HandoffAbortedError(f"request {request_id}: {reason} (sender {self.name})"))

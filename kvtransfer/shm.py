@@ -1,41 +1,42 @@
-"""Shared-memory transport: CPU workers on one node, one copy per byte.
+"""Shared-memory transport: CPU workers on one node, one copy per byte, no message per hand-off.
 
 The receiver moves its cache storage into shared memory once (in place: the engine's
 tensor objects stay valid; do it before anything caches raw data pointers) and passes
-the descriptors to each sender over a Unix socket. The sender maps them and copies its
-rows straight into the reserved blocks and slot; the socket carries only the control
-messages, per request:
+the descriptors, with those of its grant table, to each sender over a Unix socket at the
+handshake. Per request (kvtransfer/grant_table.py has the table's rules):
 
-    sender  -> BEGIN(request, counts, checksum of destination rows)
-    receiver-> GRANT | REFUSE(why)          (GRANT: the rows are reserved for this request)
-    sender  -> DONE(first token) | ABORTED(why)   after the last layer is written
-    receiver-> REVOKE                        (timeout/abort while the sender may write)
+    receiver, expect():   grant a table row to the request (its destination rows' checksum)
+    sender, begin():      find the grant, lock the row, claim it (or mark it refused)
+    sender, layer_done(): copy that layer's rows into the receiver's blocks and slot, on the caller's thread
+    sender, finish():     first token, status and DONE into the row; unlock; the sender's rows are free
+    receiver, poll():     DONE seen and the row's lock free: the request landed
 
-The sender writes only between GRANT and DONE/ABORTED and checks for REVOKE before
-each layer, so a revoked request is reported failed (and its rows freed) only after the
-sender's ABORTED (or its disconnect) says no write of it is still running.
+Nothing on that path waits for the other process or wakes a thread. A failure on the
+receiver (timeout, abort) revokes the grant and is reported once the row's lock is free,
+that is once no write of it can still run; the sender sees the revocation before its next
+layer or at its watchdog's next look, whichever comes first. The socket stays open only
+so that each side notices the other going away.
 """
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import socket
-import threading
-import uuid
 
 import numpy as np
 
 from kvtransfer.control import ControlSocket
-from kvtransfer.errors import ChannelClosedError, LayoutMismatchError
+from kvtransfer.errors import ChannelClosedError
 from kvtransfer.layout import CacheLayout, CacheTensors
 from kvtransfer.messages import ShmOffer
-from kvtransfer.receiver import HandoffReceiver
+from kvtransfer.grant_table import GrantTable
+from kvtransfer.sender import ABORTING, HandoffSender
+from kvtransfer.shm_receiver import ShmReceiver
 from kvtransfer.shm_sender import ShmSenderChannel
-from kvtransfer.sender import HandoffSender
 
-PROTOCOL_VERSION = 1
+__all__ = ["ShmReceiver", "ShmSender", "SHM_SENDER_ENV", "share_cache_storage", "map_peer_cache"]
+PROTOCOL_VERSION = 2
 
 # Environment for a process that sends over shm (set at its start, e.g. in the Ray actor's
 # runtime_env): glibc then copies a block row (tens of KiB) with non-temporal stores, as it
@@ -79,122 +80,45 @@ def map_peer_cache(layout: CacheLayout, fds: list[int], sizes: list[int], places
     return maps, views
 
 
-class ShmReceiver(HandoffReceiver):
-    """Moves the cache's storage into shared memory at construction (see the module doc)."""
+class ShmSender(HandoffSender):
+    """Writes on the caller's thread (kvtransfer/shm_sender.py); the watchdog also looks for revoked grants."""
 
     transport = "shm"
 
     def __init__(self, *args, **kwargs):
+        self._retired: list[GrantTable] = []
         super().__init__(*args, **kwargs)
-        self._shared = share_cache_storage(self.cache)
-        self._tokens: dict[str, str] = {}
-        self._socket_name = f"\0kvtransfer-{self.name}-{uuid.uuid4().hex}"
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self._socket_name)
-        self._listener.listen(64)
-        self._listener.settimeout(0.2)
-        self._accepter = threading.Thread(target=self._accept_loop, name=f"kvtransfer-shm-listen-{self.name}", daemon=True)
-        self._accepter.start()
 
-    def accept(self, peer: str) -> ShmOffer:
-        token = uuid.uuid4().hex
+    def _mark_ready(self, job, layer, first_token) -> None:
+        super()._mark_ready(job, layer, first_token)
+        job.channel.write_ready(job)
+
+    def _fail(self, request_id, error, only_if=None) -> None:
         with self._lock:
-            self._tokens[token] = peer
-        return ShmOffer(self.name, self._socket_name, token)
+            job = self._outgoing.get(request_id)
+        super()._fail(request_id, error, only_if)
+        if job is not None and job.state == ABORTING:
+            job.channel.release(job)
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._welcome, args=(conn,), daemon=True).start()
+    def _expire(self, now: float) -> None:
+        super()._expire(now)
+        with self._lock:
+            channels = list(self._channels.values())
+        for channel in channels:
+            channel.check_revoked()
 
-    def _welcome(self, conn: socket.socket) -> None:
-        control = ControlSocket(conn)
-        control.settimeout(self.config.connect_timeout_s)
-        peer = None
-        try:
-            hello, _ = control.recv()
-            with self._lock:
-                peer = self._tokens.pop(hello.get("token", ""), None)
-            if hello.get("kind") != "hello" or peer is None:
-                raise ChannelClosedError("unknown or reused offer token")
-            if hello.get("version") != PROTOCOL_VERSION:
-                raise ChannelClosedError(f"peer speaks shm protocol {hello.get('version')}, this is {PROTOCOL_VERSION}")
-            try:
-                self.layout.check_compatible(CacheLayout.from_dict(hello["layout"]), f"receiver {self.name}", f"sender {peer}")
-            except LayoutMismatchError as error:
-                control.send("refused", error=str(error), layout=self.layout.to_dict())
-                self._channel_failed_to_open(peer, error)
-                control.close()
-                return
-            fds, sizes, places = self._shared
-            rows = {"block": self.cache.num_blocks, "slot": self.cache.num_slots}
-            control.send("welcome", fds=fds, layout=self.layout.to_dict(), sizes=sizes, places=places, rows=rows)
-            control.settimeout(None)
-        except Exception as error:  # a peer that cannot pair gets disconnected, nothing else
-            if peer is not None:
-                self._channel_failed_to_open(peer, error)
-            control.close()
-            return
-        self._install_channel(peer, ShmReceiverChannel(self, peer, control))
+    def _retire(self, table: GrantTable) -> None:
+        # Closing a descriptor of the table would drop every record lock this process holds
+        # on it, a newer channel's included: tables close with the sender.
+        with self._lock:
+            self._retired.append(table)
 
     def _close_channels(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop now
-        with contextlib.suppress(OSError):
-            self._listener.close()
-        self._accepter.join(timeout=2)
         super()._close_channels()
-
-
-class ShmReceiverChannel:
-    def __init__(self, receiver: ShmReceiver, peer: str, control: ControlSocket):
-        self.receiver, self.peer, self.control = receiver, peer, control
-        self._landing: dict[str, object] = {}
-        self._thread = threading.Thread(target=self._run, name=f"kvtransfer-shm-recv-{receiver.name}-{peer}", daemon=True)
-        self._thread.start()
-
-    def release(self, incoming) -> bool:
-        with contextlib.suppress(ChannelClosedError):
-            self.control.send("revoke", request_id=incoming.target.request_id)
-        return False  # the failure is reported when the sender answers ABORTED or goes away
-
-    def close(self) -> None:
-        self.control.close()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        try:
-            while True:
-                message, _ = self.control.recv()
-                self._handle(message)
-        except Exception as error:
-            self.control.close()
-            self.receiver._channel_broken(self, self.peer, error)
-
-    def _handle(self, message: dict) -> None:
-        kind, rid = message["kind"], message["request_id"]
-        if kind == "begin":
-            incoming, why = self.receiver._claim(rid, message["num_tokens"], message["num_blocks"], message["digest"], message["slot"], self)
-            if incoming is None:
-                self.control.send("refuse", request_id=rid, error=why)
-            else:
-                self._landing[rid] = incoming
-                self.control.send("grant", request_id=rid)
-        elif kind in ("done", "aborted"):
-            incoming = self._landing.pop(rid, None)
-            if incoming is not None:
-                self.receiver._landed(incoming, kind == "done", message.get("first_token"), message.get("error", ""))
-        else:
-            raise ChannelClosedError(f"unexpected control message {kind!r} from sender {self.peer}")
-
-
-class ShmSender(HandoffSender):
-    transport = "shm"
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for table in retired:
+            table.close()
 
     def _open_channel(self, peer: str, offer: ShmOffer) -> ShmSenderChannel:
         if not isinstance(offer, ShmOffer) or offer.receiver != peer:
@@ -214,9 +138,12 @@ class ShmSender(HandoffSender):
             self.layout.check_compatible(theirs, f"sender {self.name}", f"receiver {peer}")
             if reply["kind"] != "welcome":
                 raise ChannelClosedError(f"receiver {peer} refused: {reply.get('error')}")
+            if len(fds) != len(reply["sizes"]) + 1:
+                raise ChannelClosedError(f"receiver {peer} sent {len(fds)} descriptors, expected {len(reply['sizes']) + 1}")
+            table = GrantTable(fds.pop(), reply["grant_rows"])
             maps, views = map_peer_cache(theirs, fds, reply["sizes"], reply["places"], reply["rows"])
         except Exception:
             control.close()
             raise
         control.settimeout(None)
-        return ShmSenderChannel(self, peer, control, maps, views)
+        return ShmSenderChannel(self, peer, control, maps, views, table, reply["peer_index"])

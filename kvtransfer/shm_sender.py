@@ -1,105 +1,142 @@
-"""Sender half of the shared-memory transport: writes rows straight into the peer's mapped cache."""
+"""Sender half of the shared-memory transport: claims the receiver's grant and writes rows
+straight into its mapped cache, on the thread that calls begin()/layer_done()/finish().
+
+Copying inline costs the caller the copy itself (2.3 MB: about 0.2 ms) and saves waking a
+transport thread, which under a busy engine loop waits for the GIL far longer than that.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import queue
 import threading
+import time
 
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError, HandoffAbortedError
+from kvtransfer.grant_table import (CLAIM, CLAIMER, DIGEST, GEN, KEY0, KEY1, NUM_BLOCKS, SLOT, STATUS_ABORTED,
+                                    STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
 from kvtransfer.rows import byte_rows, copy_rows, request_maps
 from kvtransfer.sender import ALL_LAYERS, ON_WIRE
 
-log = logging.getLogger(__name__)
-
 
 class ShmSenderChannel:
-    def __init__(self, sender, peer: str, control: ControlSocket, maps: list, dst_rows: dict):
+    def __init__(self, sender, peer: str, control: ControlSocket, maps: list, dst_rows: dict, table: GrantTable, index: int):
         self.sender, self.peer, self.control = sender, peer, control
         self._maps = maps  # keeps the peer's shared memory mapped while dst_rows are in use
         self._dst_rows = dst_rows
         self._src_rows = {name: byte_rows(t) for name, t in sender.cache.tensors.items()}
-        self._granted: set[str] = set()
+        self.table, self.index = table, index
+        self._writing: dict[str, object] = {}  # request id -> job whose grant row this process has locked
+        self._write_lock = threading.Lock()  # our threads' claims, copies and releases (record locks do not exclude them)
         self._dead: Exception | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name=f"kvtransfer-shm-send-{sender.name}-{peer}", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name=f"kvtransfer-shm-ctl-{sender.name}-{peer}", daemon=True)
-        self._writer.start()
+        self._reader = threading.Thread(target=self._watch_peer, name=f"kvtransfer-shm-ctl-{sender.name}-{peer}", daemon=True)
         self._reader.start()
 
+    # ---- called by the sender on the caller's thread ----
+
     def submit(self, job) -> None:
-        self._queue.put(job)
+        if not self.sender._start(job, self):
+            return
+        with self._write_lock:
+            why = f"channel to {self.peer} closed: {self._dead}" if self._dead else self._claim(job)
+        if why:
+            self.sender._fail(job.request_id, HandoffAbortedError(f"request {job.request_id}: {why}"), only_if=lambda x: x is job)
+        else:
+            self.write_ready(job)
+
+    def _claim(self, job) -> str:
+        """Lock and claim the job's grant row; '' on success, else why not (the job writes nothing)."""
+        rid, table = job.request_id, self.table
+        key = request_key(rid)
+        found = table.find(key)
+        missing = f"refused by receiver {self.peer}: request {rid} is not expected there (never reserved, timed out or aborted)"
+        if found is None:
+            return missing
+        row, gen = found
+        table.lock(row)  # the receiver holds a row's lock only for a moment
+        r = table.rows[row]
+        if r[GEN] != gen or r[KEY0] != key[0] or r[KEY1] != key[1]:
+            table.unlock(row)
+            return missing
+        if r[CLAIM] == gen:
+            table.unlock(row)
+            return f"refused by receiver {self.peer}: request {rid} was already claimed by another hand-off"
+        target, slot = job.target, job.target.dst_slot
+        if len(job.dst_block_ids) > r[NUM_BLOCKS] or r[SLOT] != (-1 if slot is None else slot) or r[DIGEST] != target.digest():
+            table.finish(row, gen, STATUS_REFUSED, job.num_tokens, -1, time.monotonic_ns())
+            table.unlock(row)
+            return f"refused by receiver {self.peer}: sender's destination rows differ from the reservation"
+        r[CLAIMER] = self.index
+        r[CLAIM] = gen
+        job.row, job.gen, job.copied = row, gen, 0
+        job.maps = request_maps(self.sender.layout, job.src_block_ids, job.src_slot, job.dst_block_ids, slot)
+        self._writing[rid] = job
+        return ""
+
+    def write_ready(self, job) -> None:
+        """Copy every layer marked ready and not yet copied; after the last, mark the row done."""
+        layout, table = self.sender.layout, self.table
+        revoked = done = False
+        with self._write_lock:
+            if self._writing.get(job.request_id) is not job or job.state != ON_WIRE:
+                return
+            upto = job.ready_layer if self.sender.config.pipeline_layers or job.ready_layer == ALL_LAYERS else -1
+            layers = layout.layers
+            while job.copied < len(layers) and layers[job.copied] <= upto:
+                if table.rows[job.row, GEN] != job.gen:  # revoked: the receiver waits for our lock to go
+                    revoked = True
+                    break
+                for spec in layout.specs_of_layer(layers[job.copied]):
+                    copy_rows(self._src_rows[spec.name], self._dst_rows[spec.name], job.maps[spec.role])
+                job.copied += 1
+            if not revoked and upto == ALL_LAYERS:
+                table.finish(job.row, job.gen, STATUS_OK, job.num_tokens, job.first_token, time.monotonic_ns())
+                table.unlock(job.row)
+                del self._writing[job.request_id]
+                done = True
+        if revoked:
+            self._revoked(job)
+        elif done:
+            self.sender._finalize(job, ok=True)
+
+    def release(self, job) -> None:
+        """The job failed: stop writing it, tell the receiver, let go of its row, report it."""
+        with self._write_lock:
+            if self._writing.get(job.request_id) is job:
+                del self._writing[job.request_id]
+                self.table.finish(job.row, job.gen, STATUS_ABORTED, job.num_tokens, -1, time.monotonic_ns())
+                self.table.unlock(job.row)
+        self.sender._finalize(job, ok=False)
+
+    def check_revoked(self) -> None:
+        """The sender's watchdog: fail jobs whose grant the receiver took back (timeout or abort there)."""
+        with self._write_lock:
+            revoked = [j for j in self._writing.values() if self.table.rows[j.row, GEN] != j.gen]
+        for job in revoked:
+            self._revoked(job)
+
+    def _revoked(self, job) -> None:
+        why = f"request {job.request_id}: revoked by receiver {self.peer} (timeout or abort there)"
+        self.sender._fail(job.request_id, HandoffAbortedError(why), only_if=lambda x: x is job)
+
+    # ---- channel lifetime ----
+
+    def _watch_peer(self) -> None:
+        try:
+            message, _ = self.control.recv()  # blocks, without the GIL, until the receiver goes away
+            error: Exception = ChannelClosedError(f"unexpected control message {message.get('kind')!r} from receiver {self.peer}")
+        except Exception as exc:
+            error = exc
+        self._stop_writing(error)
+        self.sender._channel_broken(self, self.peer, error)
+
+    def _stop_writing(self, error: Exception) -> None:
+        with self._write_lock:
+            if self._dead is None:
+                self._dead = error
+        self.sender._abort_jobs_of(self, ChannelClosedError(f"channel to {self.peer} closed: {error}"))
 
     def close(self) -> None:
         self._stop_writing(ChannelClosedError(f"channel to {self.peer} closed by sender {self.sender.name}"))
-        self._writer.join(timeout=10)
         self.control.close()
         self._reader.join(timeout=5)
-
-    # ---- control messages from the receiver ----
-
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                message, _ = self.control.recv()
-                kind, rid = message["kind"], message["request_id"]
-                if kind == "grant":
-                    with self.sender._lock:
-                        if rid in self.sender._outgoing:  # else it failed meanwhile; the writer says so
-                            self._granted.add(rid)
-                        self.sender._changed.notify_all()
-                elif kind in ("refuse", "revoke"):
-                    why = message.get("error") or f"revoked by receiver {self.peer} (timeout or abort there)"
-                    self.sender._fail(rid, HandoffAbortedError(f"request {rid}: {why}"), only_if=lambda job: job.channel is self)
-        except Exception as error:
-            self._stop_writing(error)
-
-    def _stop_writing(self, error: Exception) -> None:
-        with self.sender._lock:
-            if self._dead is None:
-                self._dead = error
-            self.sender._changed.notify_all()
-        self.sender._abort_jobs_of(self, ChannelClosedError(f"channel to {self.peer} closed: {error}"))
-        self._queue.put(None)
-
-    # ---- the writer ----
-
-    def _write_loop(self) -> None:
-        while (job := self._queue.get()) is not None and self._dead is None:
-            if self.sender._start(job, self):
-                self._write(job)
-        self.sender._channel_broken(self, self.peer, self._dead or ChannelClosedError("channel closed"))
-
-    def _wait_granted(self, job) -> bool:
-        with self.sender._lock:
-            while job.state == ON_WIRE and job.request_id not in self._granted and self._dead is None:
-                self.sender._changed.wait(0.1)
-            self._granted.discard(job.request_id)
-            return job.state == ON_WIRE and self._dead is None
-
-    def _write(self, job) -> None:
-        target, rid = job.target, job.request_id
-        try:
-            self.control.send("begin", request_id=rid, num_tokens=job.num_tokens, num_blocks=len(job.src_block_ids), digest=target.digest(), slot=target.dst_slot)
-            ok = self._wait_granted(job)
-            layout = self.sender.layout
-            maps = request_maps(layout, job.src_block_ids, job.src_slot, job.dst_block_ids, target.dst_slot)
-            groups = [[layer] for layer in layout.layers] if self.sender.config.pipeline_layers else [layout.layers]
-            for group in groups:
-                ok = ok and self.sender._wait_ready(job, group[-1])[0]  # False once revoked or aborted
-                if not ok:
-                    break
-                for spec in (s for layer in group for s in layout.specs_of_layer(layer)):
-                    copy_rows(self._src_rows[spec.name], self._dst_rows[spec.name], maps[spec.role])
-            ok = ok and self.sender._wait_ready(job, ALL_LAYERS)[0]
-            if ok:
-                self.control.send("done", request_id=rid, first_token=job.first_token)
-            else:
-                with contextlib.suppress(ChannelClosedError):
-                    self.control.send("aborted", request_id=rid, error=str(job.error or "aborted by the sender"))
-        except ChannelClosedError as error:
-            ok = False
-            self._stop_writing(error)
-        self.sender._finalize(job, ok=ok)
+        self.sender._retire(self.table)

@@ -1,8 +1,11 @@
 """Hand-offs over a point-to-point message wire: the protocol shared by Gloo and NCCL.
 
 Per request, in order on the pair: a fixed header (request id, token and block counts,
-checksum of the destination rows), one packed message per segment (one layer when
-pipelined, else all layers), and a fixed trailer (status, first token). The sender
+checksum of the destination rows; Gloo carries it in the doorbell that announces the
+request), then either one packed message per layer and a fixed trailer (status, first
+token), when the prefill was still running as the hand-off began and layers are
+pipelined, or else one message: all rows with the trailer at its end. Every message is a
+wait on each side, and under a busy engine thread each wait may cost a GIL hand-off. The sender
 packs its rows into a reused buffer; the receiver lands each segment in its own reused
 buffer and scatters it into the reserved rows only while the reservation is live. So a
 late or aborted stream can only ever write the channel's buffer, never a freed block,
@@ -23,12 +26,12 @@ import torch
 
 from kvtransfer.errors import ChannelClosedError
 from kvtransfer.layout import CacheLayout
-from kvtransfer.messages import HEADER_BYTES, STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
+from kvtransfer.messages import STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
 from kvtransfer.rows import byte_rows, copy_rows, packed, packed_rows, plan_packing, request_maps
 from kvtransfer.sender import ALL_LAYERS
 
 log = logging.getLogger(__name__)
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class Pending(Protocol):
@@ -41,8 +44,8 @@ class Wire(Protocol):
 
     device: torch.device
 
-    def announce(self) -> None: ...  # sender: a request follows
-    def await_announcement(self) -> bool: ...  # receiver: sleep until one follows; False once closed
+    def announce(self, header: torch.Tensor) -> Pending | None: ...  # sender: this request follows
+    def await_announcement(self) -> torch.Tensor | None: ...  # receiver: the next header; None once closed
     def send(self, tensors: list[torch.Tensor]) -> Pending: ...
     def recv(self, tensors: list[torch.Tensor]) -> Pending: ...
     def exchange(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> Pending: ...
@@ -111,13 +114,14 @@ class StreamSenderChannel:
             self.sender._channel_broken(self, self.peer, error)
 
     def _send(self, job) -> None:
-        pipelined = self.sender.config.pipeline_layers
+        # A job whose prefill already finished goes as one message: fewer waits on both sides,
+        # each of which may cost a GIL hand-off under a busy engine thread.
+        pipelined = self.sender.config.pipeline_layers and job.ready_layer != ALL_LAYERS
         plan = plan_packing(self.sender.layout, len(job.src_block_ids), pipelined)
-        buffer = self._buffer.at_least(plan.total_bytes)
+        buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
         target = job.target
         header = WireHeader(job.request_id, job.num_tokens, len(job.src_block_ids), target.dst_slot, target.digest(), pipelined)
-        self.wire.announce()
-        pending = [self.wire.send([header.encode().to(self.wire.device)])]
+        pending = [p for p in [self.wire.announce(header.encode().to(self.wire.device))] if p is not None]
         blocks = len(job.src_block_ids)
         maps = request_maps(self.sender.layout, job.src_block_ids, job.src_slot, packed(blocks), 0 if job.src_slot is not None else None)
         ok = True
@@ -130,11 +134,17 @@ class StreamSenderChannel:
                         self.wire.wait_event(ready_event)
                     for entry in segment.entries:
                         copy_rows(self._src_rows[entry.spec.name], packed_rows(buffer, entry), maps[entry.spec.role])
-            pending.append(self.wire.send([buffer[segment.offset : segment.offset + segment.nbytes]]))
+            if pipelined:
+                pending.append(self.wire.send([buffer[segment.offset : segment.offset + segment.nbytes]]))
         if ok:
             ok, _ = self.sender._wait_ready(job, ALL_LAYERS)
-        trailer = encode_trailer(STATUS_OK if ok else STATUS_ABORTED, job.first_token if ok else -1)
-        pending.append(self.wire.send([trailer.to(self.wire.device)]))
+        trailer = encode_trailer(STATUS_OK if ok else STATUS_ABORTED, job.first_token if ok else -1).to(self.wire.device)
+        if pipelined:
+            pending.append(self.wire.send([trailer]))
+        else:
+            with self.wire.on_stream():
+                buffer[plan.total_bytes : plan.total_bytes + TRAILER_BYTES].copy_(trailer)
+            pending.append(self.wire.send([buffer[: plan.total_bytes + TRAILER_BYTES]]))
         if not ok:
             self.wire.fence()  # no packing of source rows is still queued
             self.sender._finalize(job, ok=False)
@@ -167,9 +177,7 @@ class StreamReceiverChannel:
     def _run(self) -> None:
         error: Exception = ChannelClosedError(f"sender {self.peer} closed the channel")
         try:
-            while self.wire.await_announcement():
-                header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.wire.device)
-                self.wire.recv([header]).wait(None)
+            while (header := self.wire.await_announcement()) is not None:
                 self._receive(WireHeader.decode(header))
         except Exception as exc:
             error = exc
@@ -183,10 +191,15 @@ class StreamReceiverChannel:
         if incoming is None:
             log.warning("kvtransfer: draining hand-off: %s", why)
         plan = plan_packing(self.receiver.layout, header.num_blocks, header.pipelined)
-        buffer = self._buffer.at_least(plan.total_bytes)
-        segments = [(s, self.wire.recv([buffer[s.offset : s.offset + s.nbytes]])) for s in plan.segments]
-        trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire.device)
-        trailer_pending = self.wire.recv([trailer])
+        buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
+        if header.pipelined:
+            segments = [(s, self.wire.recv([buffer[s.offset : s.offset + s.nbytes]])) for s in plan.segments]
+            trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire.device)
+            trailer_pending = self.wire.recv([trailer])
+        else:  # one message, trailer last: waited for once, with the segment
+            whole = self.wire.recv([buffer[: plan.total_bytes + TRAILER_BYTES]])
+            segments, trailer_pending = [(s, whole) for s in plan.segments], None
+            trailer = buffer[plan.total_bytes : plan.total_bytes + TRAILER_BYTES]
         stall_limit = self.receiver.config.timeout_s  # a sender silent this long mid-request is gone
         waited_for_compute = False
         maps = None
@@ -206,7 +219,8 @@ class StreamReceiverChannel:
                     waited_for_compute = True
                     for entry in segment.entries:
                         copy_rows(packed_rows(buffer, entry), self._dst_rows[entry.spec.name], maps[entry.spec.role])
-        trailer_pending.wait(stall_limit)
+        if trailer_pending is not None:
+            trailer_pending.wait(stall_limit)
         status, first_token = decode_trailer(trailer)
         if incoming is not None:
             self.wire.fence()  # every scatter has run before DONE is reported

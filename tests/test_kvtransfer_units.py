@@ -110,7 +110,27 @@ def test_runs_and_copy_rows_are_exact():
         RowMap([1], [1, 2])
     with pytest.raises(IndexError, match=r"destination row ids outside \[0, 20\): \[20\]"):
         copy_rows(byte_rows(src), byte_rows(dst), RowMap([1, 2], [3, 20]))
+    with pytest.raises(IndexError, match=r"source row ids outside \[0, 20\): \[-1\]"):
+        copy_rows(byte_rows(src), byte_rows(dst), RowMap([-1, 2], [3, 4]))
     assert isinstance(byte_rows(src), np.ndarray) and byte_rows(src).shape == (20, 4 * 3 * 2)
+
+
+@pytest.mark.parametrize("gather_scatter_max", [0, 1 << 30])  # memmove per run / numpy gather-scatter
+def test_copy_rows_every_path_against_indexing(monkeypatch, gather_scatter_max):
+    import kvtransfer.rows as rows_module
+
+    monkeypatch.setattr(rows_module, "GATHER_SCATTER_MAX_BYTES", gather_scatter_max)
+    rng = np.random.default_rng(0)
+    src = torch.from_numpy(rng.integers(0, 256, (40, 24), dtype=np.uint8)).view(torch.bfloat16)
+    for src_ids, dst_ids in [(list(range(5, 12)), [30, 2, 3, 4, 17, 18, 0]),  # packed source
+                             ([9, 1, 2, 3, 33, 34, 20], list(range(10, 17))),  # packed destination
+                             ([9, 1, 2, 3, 33, 34, 20], [30, 2, 3, 4, 17, 18, 0]),  # both scattered
+                             ([7], [39])]:
+        dst = torch.zeros_like(src)
+        copy_rows(byte_rows(src), byte_rows(dst), RowMap(src_ids, dst_ids))
+        expected = torch.zeros_like(src)
+        expected[dst_ids] = src[src_ids]
+        assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8)), (src_ids, dst_ids)
 
 
 def test_wire_records_round_trip():
@@ -153,8 +173,8 @@ def test_transport_factory():
 
 def test_no_model_family_is_named_where_state_travels():
     """kvtransfer, the workers and the router move what layers declare: a new model family or
-    state kind must not need code there. (kvtransfer/testing.py and kvtransfer/bench.py build
-    synthetic caches, so they name kinds as data.)"""
+    state kind must not need code there. (kvtransfer/testing.py and the benches kvtransfer/bench.py
+    and kvtransfer/bench_latency.py build synthetic caches, so they name kinds as data.)"""
     import re
     from pathlib import Path
 
@@ -166,7 +186,7 @@ def test_no_model_family_is_named_where_state_travels():
     offenders = []
     for folder in ("kvtransfer", "prefill_worker", "decode_worker", "router"):
         for path in sorted((root / folder).glob("*.py")):
-            if path.name in ("testing.py", "bench.py"):
+            if path.name in ("testing.py", "bench.py", "bench_latency.py"):
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if pattern.search(line):
