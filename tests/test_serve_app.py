@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import grpc
 import pytest
 
 from router.client import SplitServeClient
@@ -90,6 +91,7 @@ def _ask_everything(http_port, grpc_port, model):
 
 SERVICE = "splitserve.v1.SplitServe"
 STREAMED = 1000  # the model's context is 1024
+TOKEN = "serve-test-token"
 
 
 def test_serve_app_answers_like_the_cli_path(ray_nodes, serve_ports, deployed, api_model_path, cluster_backend):
@@ -118,7 +120,8 @@ def test_redeploy_with_changed_options_lets_a_running_stream_finish(ray_nodes, s
     reader.start()
     # Other options: a new router with new workers for the new replica, while the old replica
     # drains and its router finishes this stream.
-    redeploy = threading.Thread(target=_deploy, args=(api_model_path,), kwargs={"local_prefill_tokens": 4})
+    redeploy = threading.Thread(target=_deploy, args=(api_model_path,),
+                                kwargs={"local_prefill_tokens": 4, "auth_token": TOKEN})
     redeploy.start()
     wait_until(lambda: len(_routers() - routers_before) == 1, 90, "the new deployment's router")
     assert reader.is_alive(), "the stream ended before the new deployment was up: nothing was tested"
@@ -128,5 +131,16 @@ def test_redeploy_with_changed_options_lets_a_running_stream_finish(ray_nodes, s
     assert len(ids) == STREAMED and ids[:8] == head.token_ids  # one stream: nothing twice, nothing missing
     assert chunks[-1].choices[0].finish_reason == "length"
     wait_until(lambda: not _routers() & routers_before, 30, "the old router to stop")
-    after = client.completions.create(model=model, prompt="x = 1", max_tokens=8, **GREEDY).choices[0]
+    # The new deployment checks a token, over HTTP and gRPC, as `splitserve serve --auth-token` does.
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model=model, prompt="x = 1", max_tokens=8, **GREEDY)
+    authed = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=TOKEN, max_retries=0)
+    after = authed.completions.create(model=model, prompt="x = 1", max_tokens=8, **GREEDY).choices[0]
     assert after.token_ids == head.token_ids  # the new deployment (prompt prefilled locally) agrees
+    grpc_port = serve_ports[1]
+    with SplitServeClient(f"127.0.0.1:{grpc_port}") as anonymous:
+        with pytest.raises(grpc.RpcError) as refused:
+            anonymous.generate([5, 6, 7], max_tokens=2, temperature=0.0)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with SplitServeClient(f"127.0.0.1:{grpc_port}", auth_token=TOKEN) as client_with_token:
+        assert len(client_with_token.generate([5, 6, 7], max_tokens=2, temperature=0.0, ignore_eos=True).token_ids) == 2
