@@ -150,6 +150,17 @@ def cmd_roofline(args) -> int:
         return run_roofline(model, args.tiny or args.model or "demo model", args)
 
 
+def cmd_structured(args) -> int:
+    from bench.structured import format_rows, run_structured
+
+    with _model_dir(args) as model:
+        rows = run_structured(model, args.num_prompts, args.max_tokens)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="serving benchmarks")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -191,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(roofline)
     add_roofline_arguments(roofline)
     roofline.set_defaults(func=cmd_roofline)
+
+    structured = sub.add_parser("structured", help="throughput cost of a JSON schema vs free sampling")
+    _model_args(structured)
+    structured.add_argument("--num-prompts", type=int, default=16)
+    structured.add_argument("--max-tokens", type=int, default=96)
+    structured.add_argument("--out", default=None, help="write the JSON rows here")
+    structured.set_defaults(func=cmd_structured)
     return parser
 
 

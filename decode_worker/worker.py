@@ -45,6 +45,8 @@ class DecodeWorker(EngineEndpoint):
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       resume: Resume | None = None) -> HandoffTarget:
+        # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
+        await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
         reservation = await asyncio.wrap_future(self.thread.call(
             lambda engine: engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)))
         target = HandoffTarget(request_id, self.name, tuple(reservation.block_ids),
@@ -54,6 +56,7 @@ class DecodeWorker(EngineEndpoint):
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              resume: Resume | None = None) -> None:
+        await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)  # as in reserve
         await asyncio.wrap_future(self.thread.call(
             lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
 

@@ -18,6 +18,7 @@ from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
+from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class LLMEngine:
         except FileNotFoundError:
             self.tokenizer = None
         self.eos_token_ids = list(self.spec.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
                            self.max_model_len, config.cache_memory_bytes, config.num_kv_blocks)
         self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
@@ -102,15 +104,17 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
         request = Request(request_id, ids, params)
+        request.grammar = self.grammars.state(params.structured_output)  # compiled once, then copied
         if resume is not None:
             done = self.tokenize(list(resume.output_token_ids)) if resume.output_token_ids else []
             if len(done) >= params.max_tokens or len(ids) + len(done) >= self.max_model_len:
                 raise InvalidRequest("resume", f"{len(done)} tokens already generated leave nothing to "
                                      f"generate (max_tokens {params.max_tokens}, context {self.max_model_len})")
             request.output_token_ids = list(done)
+        tracker = OutputTracker(request, self.tokenizer, self.eos_token_ids,
+                                self.max_model_len, resume.sent_chars if resume else 0)
         self.requests[request_id] = request
-        self.trackers[request_id] = OutputTracker(request, self.tokenizer, self.eos_token_ids,
-                                                  self.max_model_len, resume.sent_chars if resume else 0)
+        self.trackers[request_id] = tracker
         return request
 
     def abort(self, request_id: str, error: str | None = None) -> bool:

@@ -180,7 +180,8 @@ class ModelRunner:
         requests = [s.request for s in seqs]
         return self.sampler(logits, [r.sampling_params for r in requests],
                             [r.prompt_token_ids for r in requests],
-                            [r.output_token_ids for r in requests])
+                            [r.output_token_ids for r in requests],
+                            [r.grammar for r in requests])  # structured outputs (engine/structured.py)
 
     def on_slot_freed(self, slot: int) -> None:
         if self.debug:

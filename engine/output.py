@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request, RequestStatus
+from engine.sampling_params import InvalidRequest
 from engine.tokenizer import Tokenizer
 
 
@@ -46,6 +47,9 @@ class OutputTracker:
         for token_id in request.output_token_ids:
             if self.detok is not None:
                 self.text += self.detok.step(token_id)
+            if request.grammar is not None and not request.grammar.consume(token_id):
+                raise InvalidRequest("resume", f"token {token_id} does not follow the request's "
+                                     f"structured output: {request.grammar.error}")
         self.sent_tokens = request.num_output_tokens
         self.sent_text = min(max(sent_chars, 0), len(self.text))
 
@@ -64,6 +68,14 @@ class OutputTracker:
                     self.text = self.text[:at]
                     request.finish(RequestStatus.FINISHED_STOPPED)
                     return
+        if request.grammar is not None:
+            if not request.grammar.consume(token_id):
+                request.finish(RequestStatus.FINISHED_ERROR,
+                               f"structured output: token {token_id} refused: {request.grammar.error}")
+                return
+            if request.grammar.finished:  # complete: only an end-of-sequence token could follow
+                request.finish(RequestStatus.FINISHED_STOPPED)
+                return
         if token_id in self.stop_ids:
             request.finish(RequestStatus.FINISHED_STOPPED)
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:

@@ -61,6 +61,8 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # engine.structured.GrammarState when the output is constrained: fed every output token
+    grammar: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,6 +1,6 @@
 """Batched sampling over one step's logits: one set of tensor ops for all requests.
 
-Order: penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> draw.
+Order: grammar masks -> penalties -> (greedy rows: argmax) -> temperature -> top-k -> top-p -> min-p -> draw.
 A draw is argmax(probs / E) with E ~ Exp(1) noise (the Gumbel-max trick in exponential form);
 a seeded request's noise for its i-th output token comes from a generator seeded with
 (seed, i), so its tokens depend neither on which requests share the batch nor on which
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -30,11 +31,14 @@ class Sampler:
         self._generator = torch.Generator(device=device)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 prompt_ids: list[list[int]], output_ids: list[list[int]]) -> SampleResult:
+                 prompt_ids: list[list[int]], output_ids: list[list[int]],
+                 grammars: list[GrammarState | None] | None = None) -> SampleResult:
         logits = logits.float()
         rows = logits.shape[0]
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        if grammars is not None:
+            logits = apply_grammar_masks(logits, grammars)
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
 

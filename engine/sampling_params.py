@@ -77,6 +77,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
     skip_special_tokens: bool = True
+    # engine.structured.StructuredOutput: the output must match it (checked when that is built)
+    structured_output: object | None = None
 
     def __post_init__(self):
         self.max_tokens = _number("max_tokens", self.max_tokens, integer=True)
@@ -137,6 +139,11 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], "
                                      f"got {describe(self.logprobs)}")
+        if self.structured_output is not None:
+            from engine.structured import StructuredOutput
+
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise InvalidRequest("structured_output", "must be an engine.structured.StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -69,6 +69,8 @@ class PrefillWorker(EngineEndpoint):
         self._targets[request_id] = target
         self._queued_tokens[request_id] = len(prompt_token_ids) + len(resume.output_token_ids if resume else ())
         try:
+            # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
             await asyncio.wrap_future(self.thread.call(
                 lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
             return await asyncio.wrap_future(waiter)

@@ -76,6 +76,9 @@ def normalize_messages(messages) -> list[dict]:
         if not is_unicode(content):
             raise InvalidRequest(f"{where}.content", "not valid Unicode (a lone surrogate)")
         entry = {"role": role, "content": content}
+        for key in ("tool_calls", "tool_call_id"):  # tool-use turns, for templates that render them
+            if isinstance(message.get(key), (list, str)):
+                entry[key] = message[key]
         if isinstance(message.get("name"), str):
             if not is_unicode(message["name"]):
                 raise InvalidRequest(f"{where}.name", "not valid Unicode (a lone surrogate)")
@@ -84,7 +87,7 @@ def normalize_messages(messages) -> list[dict]:
     return result
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
+def chat_prompt_ids(tokenizer, messages, tools: list | None = None) -> list[int]:
     """Render with the checkpoint's template (or the default) and tokenize."""
     if tokenizer is None:
         raise InvalidRequest("messages", "this model has no tokenizer.json; use /v1/completions "
@@ -93,7 +96,7 @@ def chat_prompt_ids(tokenizer, messages) -> list[int]:
     template = checkpoint_template(tokenizer)
     try:
         text = _compile(template or DEFAULT_CHAT_TEMPLATE).render(
-            messages=messages, add_generation_prompt=True, bos_token=tokenizer.bos_token or "",
+            messages=messages, tools=tools, add_generation_prompt=True, bos_token=tokenizer.bos_token or "",
             eos_token=tokenizer.eos_token or "")
     except TemplateRefused as e:
         raise InvalidRequest("messages", f"the model's chat template refused them: {e}") from None

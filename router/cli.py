@@ -99,6 +99,7 @@ BENCHMARKS = {
     "plan": "DistServe-style P:D planner, optionally checked against a real cluster",
     "transfer": "the KV/state hand-off alone against memcpy",
     "roofline": "model FLOP utilisation against this machine's GEMM rate, next to transformers",
+    "structured": "throughput of JSON-schema-constrained vs free sampling, side by side",
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from contextlib import aclosing
@@ -15,27 +16,66 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.structured import StructuredOutput
 from protos.splitserve.v1 import splitserve_pb2 as pb
 from protos.splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from router.auth import GrpcTokenInterceptor, TokenCheck
 from router.backend import Overloaded, Unavailable
+from router.chat_template import checkpoint_template
 from router.serving import Delta, GenerationFailed, ServingCore
+from router.tools import ToolPlan, tool_plan
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["SplitServe"].full_name  # "splitserve.v1.SplitServe"
-SAMPLING_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence]
+SAMPLING_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields
+                    if f.has_presence and f.message_type is None]
 SAMPLING_LISTS = ["stop", "stop_token_ids"]
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+SAMPLING_MESSAGES = ["structured_output"]
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 WORKER_FIELDS = [f.name for f in pb.WorkerStatus.DESCRIPTOR.fields]
 MAX_REQUEST_ID_CHARS = 256
 
 
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(msg: pb.SamplingParams, forced: StructuredOutput | None = None) -> SamplingParams:
     """Only the fields the caller set; unset ones keep engine.SamplingParams' defaults."""
     kwargs = {name: getattr(msg, name) for name in SAMPLING_SCALARS if msg.HasField(name)}
     kwargs.update({name: list(getattr(msg, name)) for name in SAMPLING_LISTS if getattr(msg, name)})
+    structured = structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None
+    if structured is not None and forced is not None:
+        raise InvalidRequest("structured_output", "cannot be combined with a required or named tool_choice")
+    if structured or forced:
+        kwargs["structured_output"] = structured or forced
     return SamplingParams(**kwargs)
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object") if msg.json_object else None
+    if kind == "choice":
+        return StructuredOutput.choice(list(msg.choice.choices))
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def tools_from_proto(request: pb.GenerateRequest, template: str | None) -> ToolPlan | None:
+    """The OpenAI-shaped tools of a GenerateRequest, checked by router.tools."""
+    tools = []
+    for i, tool in enumerate(request.tools):
+        try:
+            params = json.loads(tool.parameters_json) if tool.parameters_json else None
+        except ValueError as e:
+            raise InvalidRequest(f"tools[{i}].parameters_json", f"not valid JSON: {e}") from None
+        fn = {"name": tool.name, "description": tool.description}
+        tools.append({"type": "function", "function": fn if params is None else {**fn, "parameters": params}})
+    kind = request.tool_choice.WhichOneof("choice") if request.HasField("tool_choice") else None
+    choice = None if kind is None else getattr(request.tool_choice, kind)
+    if kind == "function":
+        choice = {"type": "function", "function": {"name": choice}}
+    return tool_plan(tools, choice, template)
 
 
 class Undecodable:
@@ -70,14 +110,22 @@ def add_servicer(servicer: SplitServeServicer, server) -> None:
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def request_from_proto(request) -> tuple[str | list[int], SamplingParams]:
+def request_from_proto(request, template: str | None = None) -> tuple[str | list[int], SamplingParams]:
     """A GenerateRequest's prompt and sampling parameters; InvalidRequest naming the field."""
+    prompt, params, _ = parse_generate(request, template)
+    return prompt, params
+
+
+def parse_generate(request, template: str | None) -> tuple[str | list[int], SamplingParams, ToolPlan | None]:
     if isinstance(request, Undecodable):
         raise InvalidRequest("request", request.message)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:  # it is echoed in every response
         raise InvalidRequest("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, "
                              f"got {len(request.request_id)}")
-    return prompt_from_proto(request), sampling_from_proto(request.sampling)
+    tools = tools_from_proto(request, template)
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    forced = tools.structured(parallel) if tools is not None else None
+    return prompt_from_proto(request), sampling_from_proto(request.sampling, forced), tools
 
 
 def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
@@ -91,7 +139,8 @@ def prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
 
 def field_path(field: str) -> str:
     """engine's field name -> where it lives in GenerateRequest."""
-    return f"sampling.{field}" if field in SAMPLING_SCALARS or field in SAMPLING_LISTS else field
+    sampling = SAMPLING_SCALARS + SAMPLING_LISTS + SAMPLING_MESSAGES
+    return f"sampling.{field}" if field in sampling else field
 
 
 def model_info_proto(core: ServingCore) -> pb.ModelInfo:
@@ -120,7 +169,7 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
         deadline = DeadlineWatch(context)
         try:
             try:
-                prompt, params = request_from_proto(request)
+                prompt, params, tools = parse_generate(request, checkpoint_template(self.core.backend.tokenizer))
             except InvalidRequest:
                 self.core.count_invalid("grpc")
                 raise
@@ -135,7 +184,7 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
                         await context.abort(grpc.StatusCode.CANCELLED,
                                             f"request {request_id!r} was aborted")
                     else:
-                        yield _final_proto(request_id, event)
+                        yield _final_proto(request_id, event, tools)
         except asyncio.CancelledError:
             if not deadline.passed:
                 raise  # the client went away; aclosing above already aborted the request
@@ -209,10 +258,14 @@ def _logprob_proto(token_id: int, lp: dict) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=token_id, logprob=lp["token"], top=top)
 
 
-def _final_proto(request_id: str, final) -> pb.GenerateResponse:
+def _final_proto(request_id: str, final, tools: ToolPlan | None = None) -> pb.GenerateResponse:
     u = final.usage
+    calls = tools.calls(final.text)[0] if tools is not None and final.finish_reason == "stop" else []
+    reason = "tool_calls" if calls else final.finish_reason
     return pb.GenerateResponse(
-        request_id=request_id, finished=True, finish_reason=FINISH_REASONS.get(final.finish_reason, 0),
+        request_id=request_id, finished=True, finish_reason=FINISH_REASONS.get(reason, 0),
+        tool_calls=[pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                    for c in calls],
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        cached_tokens=u.cached_tokens, total_tokens=u.total_tokens),
         timings=pb.Timings(time_to_first_token_s=final.time_to_first_token_s,

@@ -91,13 +91,34 @@ class ChatShape(_Shape):
         return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def full(self, final: Final) -> dict:
-        return self._choice("message", final.text, final.token_ids, final.logprobs, final.finish_reason)
+    @property
+    def buffered(self) -> bool:
+        """With tools in play the text is only read for tool calls once whole: one last chunk."""
+        return self.parsed.tools is not None and self.parsed.tools.mode != "none"
 
-    def chunk(self, delta: Delta) -> dict:
+    def _with_tool_calls(self, key, final: Final, token_ids, logprobs) -> dict:
+        calls, content = [], final.text
+        if self.parsed.tools is not None and final.finish_reason == "stop":
+            calls, content = self.parsed.tools.calls(final.text)
+        if not calls:
+            return self._choice(key, final.text, token_ids, logprobs, final.finish_reason)
+        choice = self._choice(key, content, token_ids, logprobs, "tool_calls")
+        choice[key]["tool_calls"] = [dict(c, index=i) if key == "delta" else c for i, c in enumerate(calls)]
+        if key == "delta" and content is None:
+            choice[key].pop("content", None)
+        return choice
+
+    def full(self, final: Final) -> dict:
+        return self._with_tool_calls("message", final, final.token_ids, final.logprobs)
+
+    def chunk(self, delta: Delta) -> dict | None:
+        if self.buffered:
+            return None
         return self._choice("delta", delta.text, delta.token_ids, delta.logprobs, None)
 
     def last_chunk(self, final: Final) -> dict:
+        if self.buffered:
+            return self._with_tool_calls("delta", final, final.token_ids, final.logprobs)
         return self._choice("delta", "", [], [], final.finish_reason)
 
 
@@ -231,8 +252,10 @@ class OpenAIApp:
                         if shape.parsed.include_usage_chunk:
                             yield chunk([], usage=usage)
                         break
-                    if event.text or shape.parsed.return_token_ids or shape.parsed.logprobs is not None:
-                        yield chunk([shape.chunk(event)])  # else: text held back, nothing to show yet
+                    piece = shape.chunk(event)
+                    if piece is not None and (event.text or shape.parsed.return_token_ids
+                                              or shape.parsed.logprobs is not None):
+                        yield chunk([piece])  # else: text held back (or buffered), nothing to show yet
                     event = await events.__anext__()
             except (GenerationFailed, Overloaded, Unavailable, InvalidRequest) as e:
                 yield _sse(json.loads(_error_for(e).body))

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from engine.prompts import check_max_tokens
 from engine.sampling_params import InvalidRequest, SamplingParams, describe
 from router.backend import ModelInfo
-from router.chat_template import chat_prompt_ids
+from router.chat_template import chat_prompt_ids, checkpoint_template
+from router.tools import ToolPlan, from_extension, from_response_format, tool_plan
 from router.serving import Usage
 
 # OpenAI fields and engine extensions (as vLLM spells them) passed to SamplingParams as they are
@@ -23,8 +24,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "presence_penal
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # field -> values that mean "not used"; anything else is refused rather than silently ignored
 UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-               "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
-               "response_format": (None, {"type": "text"})}
+               "logit_bias": (None, {}), "functions": (None, [])}
 
 
 class ModelNotFound(Exception):
@@ -39,6 +39,22 @@ class ParsedRequest:
     include_usage_chunk: bool  # stream_options.include_usage: a last chunk with usage only
     logprobs: int | None  # None: none; n: the chosen token's and the top n
     return_token_ids: bool  # extension: token ids next to the text
+    tools: ToolPlan | None = None  # chat with tools: how to constrain and read tool calls
+
+
+def _structured(body, tools: ToolPlan | None = None) -> dict:
+    """SamplingParams.structured_output from response_format, structured_outputs or tool_choice."""
+    given = [name for name in ("response_format", "structured_outputs")
+             if body.get(name) not in (None, {"type": "text"})]
+    forced = tools is not None and tools.mode in ("required", "named")
+    if len(given) > 1 or (given and forced):
+        raise InvalidRequest(given[-1], "only one of response_format, structured_outputs and a "
+                             "required or named tool_choice may constrain the output")
+    spec = from_response_format(body.get("response_format")) or from_extension(body.get("structured_outputs"))
+    if forced:
+        parallel = _flag(body, "parallel_tool_calls") if body.get("parallel_tool_calls") is not None else True
+        spec = tools.structured(parallel)
+    return {"structured_output": spec} if spec is not None else {}
 
 
 def _check_common(body, info: ModelInfo) -> None:
@@ -114,7 +130,9 @@ def parse_completion(body, info: ModelInfo) -> ParsedRequest:
         raise InvalidRequest("logprobs", "must be an integer (how many top tokens to return)")
     stream = _flag(body, "stream")
     defaults = {} if body.get("max_tokens") is not None else {"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS}
-    params = _sampling(body, logprobs=logprobs, **defaults)
+    if body.get("tools") not in (None, []):
+        raise InvalidRequest("tools", "not supported on /v1/completions; use /v1/chat/completions")
+    params = _sampling(body, logprobs=logprobs, **defaults, **_structured(body))
     return ParsedRequest(prompt, params, stream, _stream_options(body, stream), params.logprobs,
                          _flag(body, "return_token_ids"))
 
@@ -124,7 +142,8 @@ def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
     max_tokens_name = "max_tokens"
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         body, max_tokens_name = {**body, "max_tokens": body["max_completion_tokens"]}, "max_completion_tokens"
-    ids = chat_prompt_ids(tokenizer, body.get("messages"))
+    tools = tool_plan(body.get("tools"), body.get("tool_choice"), checkpoint_template(tokenizer))
+    ids = chat_prompt_ids(tokenizer, body.get("messages"), body.get("tools") or None)
     if len(ids) >= info.max_model_len:
         raise InvalidRequest("messages", f"{len(ids)} tokens once templated; the context holds "
                              f"{info.max_model_len} and at least one must be generated")
@@ -137,10 +156,10 @@ def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
     # No max_tokens: up to the end of the context, as OpenAI does.
     defaults = {} if body.get("max_tokens") is not None else {"max_tokens": info.max_model_len - len(ids)}
     with _renamed({"max_tokens": max_tokens_name, "logprobs": "top_logprobs"}):
-        params = _sampling(body, logprobs=logprobs, **defaults)
+        params = _sampling(body, logprobs=logprobs, **defaults, **_structured(body, tools))
         check_max_tokens(len(ids), params.max_tokens, info.max_model_len)
     return ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
-                         _flag(body, "return_token_ids"))
+                         _flag(body, "return_token_ids"), tools)
 
 
 # ---------------------------------------------------------------- responses

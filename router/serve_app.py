@@ -109,14 +109,13 @@ class SplitServeIngress:
     # ---- gRPC, called by Serve's gRPC proxy by method name ----
 
     async def Generate(self, request, grpc_context):
-        context = _ServeGrpcContext(grpc_context)
+        # Serve's proxy copies a streaming call's context only with a yielded message; a status
+        # set before any arrives reaches the client only if the call raises (Serve then wraps
+        # the exception with the code and details set on the context).
         if self._refused(grpc_context):
-            return
-        try:
-            async for response in self._servicer.Generate(request, context):
-                yield response
-        except grpc.aio.AbortError:  # the status is set on the context
-            return
+            raise PermissionError("missing or wrong token")
+        async for response in self._servicer.Generate(request, _ServeGrpcContext(grpc_context)):
+            yield response  # an abort raises grpc.aio.AbortError with its status on the context
 
     async def Abort(self, request, grpc_context):
         return await self._unary("Abort", request, grpc_context, pb.AbortResponse)

@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 from engine.prompts import fitting_prompt_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
+from engine.structured import GrammarCompiler
 from router.backend import Backend, Overloaded, Unavailable
 from router.metrics import FrontDoorMetrics
 
@@ -63,6 +64,11 @@ class ServingCore:
         self.in_flight = 0
         self.metrics = FrontDoorMetrics(backend.status)
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        info = self.backend.info
+        return GrammarCompiler(self.backend.tokenizer, info.vocab_size, info.eos_token_ids)
+
     async def ready(self) -> bool:
         return bool(await asyncio.to_thread(self.backend.ready))
 
@@ -98,6 +104,8 @@ class ServingCore:
         stream = None
         try:
             ids = await self._checked_prompt(prompt, params)
+            if params.structured_output is not None:  # compiled here, off every engine loop
+                await asyncio.to_thread(self.grammars.compile, params.structured_output)
             stream = self.backend.stream(request_id, ids, params)
             async for out in stream:
                 now = time.monotonic()

@@ -24,45 +24,55 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/splitserve/v1/splitserve.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa6\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x9e\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"X\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x1f\n\x17time_per_output_token_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\x8a\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa1\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x13\n\x0blayer_kinds\x18\x05 \x03(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xc7\x02\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x19\n\x11state_slots_total\x18\x07 \x01(\r\x12\x18\n\x10state_slots_free\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x15\n\rhandoff_bytes\x18\x0c \x01(\x04\x12\x15\n\rhandoff_count\x18\r \x01(\x04\x12\x18\n\x10handoff_failures\x18\x0e \x01(\x04\x12\x1b\n\x13handoff_seconds_sum\x18\x0f \x01(\x01\"\xa4\x01\n\x0cServerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\x12\n\nmax_queued\x18\x03 \x01(\r\x12,\n\x07workers\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\'\n\x05model\x18\x05 \x01(\x0b\x32\x18.splitserve.v1.ModelInfo*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xb8\x02\n\nSplitServe\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12I\n\tGetStatus\x12\x1f.splitserve.v1.GetStatusRequest\x1a\x1b.splitserve.v1.ServerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%protos/splitserve/v1/splitserve.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe2\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x17\n\nignore_eos\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\r \x01(\rH\n\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12:\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xac\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\"\n\x05tools\x18\x05 \x03(\x0b\x32\x13.splitserve.v1.Tool\x12.\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"X\n\x07Timings\x12\x1d\n\x15time_to_first_token_s\x18\x01 \x01(\x01\x12\x1f\n\x17time_per_output_token_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xb7\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x05 \x01(\x08\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12+\n\ntool_calls\x18\t \x03(\x0b\x32\x17.splitserve.v1.ToolCall\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xa1\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x13\n\x0blayer_kinds\x18\x05 \x03(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x15\n\rhas_tokenizer\x18\x07 \x01(\x08\"\x12\n\x10GetStatusRequest\"\xc7\x02\n\x0cWorkerStatus\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0c\n\x04node\x18\x03 \x01(\t\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x19\n\x11state_slots_total\x18\x07 \x01(\r\x12\x18\n\x10state_slots_free\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x0f\n\x07running\x18\n \x01(\r\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x15\n\rhandoff_bytes\x18\x0c \x01(\x04\x12\x15\n\rhandoff_count\x18\r \x01(\x04\x12\x18\n\x10handoff_failures\x18\x0e \x01(\x04\x12\x1b\n\x13handoff_seconds_sum\x18\x0f \x01(\x01\"\xa4\x01\n\x0cServerStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x02 \x01(\r\x12\x12\n\nmax_queued\x18\x03 \x01(\r\x12,\n\x07workers\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\'\n\x05model\x18\x05 \x01(\x0b\x32\x18.splitserve.v1.ModelInfo*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x03\x32\xb8\x02\n\nSplitServe\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12L\n\x0cGetModelInfo\x12\".splitserve.v1.GetModelInfoRequest\x1a\x18.splitserve.v1.ModelInfo\x12I\n\tGetStatus\x12\x1f.splitserve.v1.GetStatusRequest\x1a\x1b.splitserve.v1.ServerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.splitserve.v1.splitserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2172
-  _globals['_FINISHREASON']._serialized_end=2267
+  _globals['_FINISHREASON']._serialized_start=2791
+  _globals['_FINISHREASON']._serialized_end=2916
   _globals['_TOKENIDS']._serialized_start=56
   _globals['_TOKENIDS']._serialized_end=79
   _globals['_SAMPLINGPARAMS']._serialized_start=82
-  _globals['_SAMPLINGPARAMS']._serialized_end=632
-  _globals['_GENERATEREQUEST']._serialized_start=635
-  _globals['_GENERATEREQUEST']._serialized_end=793
-  _globals['_TOPLOGPROB']._serialized_start=795
-  _globals['_TOPLOGPROB']._serialized_end=842
-  _globals['_TOKENLOGPROB']._serialized_start=844
-  _globals['_TOKENLOGPROB']._serialized_end=933
-  _globals['_USAGE']._serialized_start=935
-  _globals['_USAGE']._serialized_end=1037
-  _globals['_TIMINGS']._serialized_start=1039
-  _globals['_TIMINGS']._serialized_end=1127
-  _globals['_GENERATERESPONSE']._serialized_start=1130
-  _globals['_GENERATERESPONSE']._serialized_end=1396
-  _globals['_ABORTREQUEST']._serialized_start=1398
-  _globals['_ABORTREQUEST']._serialized_end=1432
-  _globals['_ABORTRESPONSE']._serialized_start=1434
-  _globals['_ABORTRESPONSE']._serialized_end=1466
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1468
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1489
-  _globals['_MODELINFO']._serialized_start=1492
-  _globals['_MODELINFO']._serialized_end=1653
-  _globals['_GETSTATUSREQUEST']._serialized_start=1655
-  _globals['_GETSTATUSREQUEST']._serialized_end=1673
-  _globals['_WORKERSTATUS']._serialized_start=1676
-  _globals['_WORKERSTATUS']._serialized_end=2003
-  _globals['_SERVERSTATUS']._serialized_start=2006
-  _globals['_SERVERSTATUS']._serialized_end=2170
-  _globals['_SPLITSERVE']._serialized_start=2270
-  _globals['_SPLITSERVE']._serialized_end=2582
+  _globals['_SAMPLINGPARAMS']._serialized_end=692
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=695
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=848
+  _globals['_CHOICELIST']._serialized_start=850
+  _globals['_CHOICELIST']._serialized_end=879
+  _globals['_TOOL']._serialized_start=881
+  _globals['_TOOL']._serialized_end=947
+  _globals['_TOOLCHOICE']._serialized_start=949
+  _globals['_TOOLCHOICE']._serialized_end=1007
+  _globals['_TOOLCALL']._serialized_start=1009
+  _globals['_TOOLCALL']._serialized_end=1064
+  _globals['_GENERATEREQUEST']._serialized_start=1067
+  _globals['_GENERATEREQUEST']._serialized_end=1367
+  _globals['_TOPLOGPROB']._serialized_start=1369
+  _globals['_TOPLOGPROB']._serialized_end=1416
+  _globals['_TOKENLOGPROB']._serialized_start=1418
+  _globals['_TOKENLOGPROB']._serialized_end=1507
+  _globals['_USAGE']._serialized_start=1509
+  _globals['_USAGE']._serialized_end=1611
+  _globals['_TIMINGS']._serialized_start=1613
+  _globals['_TIMINGS']._serialized_end=1701
+  _globals['_GENERATERESPONSE']._serialized_start=1704
+  _globals['_GENERATERESPONSE']._serialized_end=2015
+  _globals['_ABORTREQUEST']._serialized_start=2017
+  _globals['_ABORTREQUEST']._serialized_end=2051
+  _globals['_ABORTRESPONSE']._serialized_start=2053
+  _globals['_ABORTRESPONSE']._serialized_end=2085
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2087
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2108
+  _globals['_MODELINFO']._serialized_start=2111
+  _globals['_MODELINFO']._serialized_end=2272
+  _globals['_GETSTATUSREQUEST']._serialized_start=2274
+  _globals['_GETSTATUSREQUEST']._serialized_end=2292
+  _globals['_WORKERSTATUS']._serialized_start=2295
+  _globals['_WORKERSTATUS']._serialized_end=2622
+  _globals['_SERVERSTATUS']._serialized_start=2625
+  _globals['_SERVERSTATUS']._serialized_end=2789
+  _globals['_SPLITSERVE']._serialized_start=2919
+  _globals['_SPLITSERVE']._serialized_end=3231
 # @@protoc_insertion_point(module_scope)
