@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: it runs torch.compile at import (~6 s a process)
 import torch
 
 from engine.sampling_params import InvalidRequest
@@ -178,7 +178,7 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[GrammarState | None
     vocab = logits.shape[1]
     bitmask = torch.zeros(len(rows), (vocab + 31) // 32, dtype=torch.int32)
     for j, i in enumerate(rows):
-        llguidance.torch.fill_next_token_bitmask(grammars[i].matcher, bitmask, j)
+        llguidance.numpy.fill_next_token_bitmask(grammars[i].matcher, bitmask.numpy(), j)
     bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
     allowed = bits.view(len(rows), -1)[:, :vocab].bool().to(logits.device)
     index = torch.tensor(rows, device=logits.device)
