@@ -12,7 +12,9 @@ import threading
 from kvtransfer.errors import ChannelClosedError
 
 _LENGTH = struct.Struct("<I")
-_MAX_FDS = 64
+# Linux's SCM_MAX_FD: the most descriptors one message may carry (a cache of many layers sends
+# one per tensor storage, plus the grant table's).
+MAX_FDS = 253
 
 
 class ControlSocket:
@@ -26,6 +28,8 @@ class ControlSocket:
         self._sock.settimeout(seconds)
 
     def send(self, kind: str, fds: list[int] = (), **fields) -> None:
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"{len(fds)} file descriptors in one message; at most {MAX_FDS} can travel")
         data = json.dumps({"kind": kind, **fields}).encode()
         frame = _LENGTH.pack(len(data)) + data
         with self._send_lock:
@@ -49,7 +53,7 @@ class ControlSocket:
                     fds, self._fds = self._fds, []
                     return json.loads(body), fds
             try:
-                data, ancillary, _flags, _addr = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(_MAX_FDS * 4))
+                data, ancillary, _flags, _addr = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
             except socket.timeout:
                 raise ChannelClosedError("control socket: peer did not answer in time") from None
             except OSError as error:

@@ -12,7 +12,7 @@ from kvtransfer.layout import BLOCK, CacheTensors
 from kvtransfer.messages import HandoffTarget
 from kvtransfer.transport import make_transport
 
-LAYOUT_KINDS = ("hybrid", "attention", "mamba", "novel")
+LAYOUT_KINDS = ("hybrid", "attention", "mamba", "novel", "deep")
 
 
 def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed: int, device: str = "cpu",
@@ -44,6 +44,11 @@ def make_cache(kind: str, block_size: int, num_blocks: int, num_slots: int, seed
                                           "recurrent": filled((num_slots, 3, 7, 5), torch.float32),
                                           "step": filled((num_slots, 1), torch.int32)})}
         attention = {1: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16))}
+    elif kind == "deep":  # 48 layers: 96 tensors, more storages than fit the old 64-descriptor message
+        attention = {i: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16)) for i in range(0, 48, 4)}
+        state = {i: ("mamba", {"conv": filled((num_slots, d_inner, 4), torch.bfloat16),
+                               "ssm": filled((num_slots, d_inner, 8), torch.float32)})
+                 for i in range(48) if i % 4}
     else:
         raise ValueError(f"unknown layout kind {kind!r}; one of {LAYOUT_KINDS}")
     return CacheTensors.hybrid(block_size, attention, state)

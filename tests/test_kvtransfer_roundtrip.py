@@ -36,6 +36,7 @@ def plan_requests(rng, layout, count, prefix, receiver, sender_taken, receiver_t
 @pytest.mark.parametrize("kind, block_size, pipelined", [
     ("hybrid", 1, True), ("hybrid", 5, False), ("hybrid", 16, True),
     ("attention", 4, True), ("attention", 16, False), ("mamba", 16, True), ("novel", 3, True),
+    ("deep", 4, True),
 ])
 def test_round_trip_is_bit_exact(transport, kind, block_size, pipelined):
     rng = random.Random(f"{transport}{kind}{block_size}")
