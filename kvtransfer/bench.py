@@ -1,7 +1,7 @@
 """`splitserve bench transfer`: hand-off throughput between two processes against memcpy.
 
-The payload is one request of a Jamba-like hybrid model (32 layers, attention every 8th,
-Mamba elsewhere) with as many prompt tokens as make up --size-mb. Its block ids on each side
+The payload is one request of a large hybrid model (32 layers, attention every 8th, a
+recurrent conv + SSM state elsewhere) with as many prompt tokens as make up --size-mb. Its block ids on each side
 come from the engine's own BlockManager after a churn of random requests (--block-ids
 allocator: what a serving worker hands out), or are drawn at random (--block-ids random:
 the worst case, one copy per block). The receiver lives in this process, the sender in a spawned one;
@@ -39,25 +39,39 @@ KV_HEADS, HEAD_DIM, D_CONV, D_STATE, FULL_D_INNER = 8, 128, 4, 16, 8192
 
 @dataclass(frozen=True)
 class Payload:
+    """One request's cache rows on a hybrid layout: attention at layers i % attention_period ==
+    attention_offset, a recurrent state of kind "recurrent" (conv [d_inner, D_CONV], ssm
+    [d_inner, D_STATE]) elsewhere. The transport only moves declared tensors: kind names are data."""
+
     block_size: int
     num_tokens: int
     d_inner: int
     spare: float = 1.5  # cache rows per request row, so random ids have room
+    num_layers: int = NUM_LAYERS
+    attention_period: int = ATTENTION_PERIOD
+    attention_offset: int = ATTENTION_OFFSET
+    kv_heads: int = KV_HEADS
+    head_dim: int = HEAD_DIM
+    kv_dtype: torch.dtype = torch.bfloat16
+    conv_dtype: torch.dtype = torch.bfloat16
 
     @property
     def num_blocks(self) -> int:
         return -(-self.num_tokens // self.block_size)
 
     @property
-    def attention_layers(self) -> list[int]:
-        return [i for i in range(NUM_LAYERS) if i % ATTENTION_PERIOD == ATTENTION_OFFSET]
+    def cache_blocks(self) -> int:
+        return int(self.num_blocks * self.spare) + 1
 
     @property
-    def mamba_layers(self) -> list[int]:
-        return [i for i in range(NUM_LAYERS) if i % ATTENTION_PERIOD != ATTENTION_OFFSET]
+    def attention_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i % self.attention_period == self.attention_offset]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if i % self.attention_period != self.attention_offset]
 
     def make_cache(self, seed: int, num_slots: int = 4) -> CacheTensors:
-        rows = int(self.num_blocks * self.spare) + 1
         generator = torch.Generator().manual_seed(seed)
 
         def filled(shape, dtype):  # random bytes: the copy must be exact whatever they encode
@@ -65,19 +79,19 @@ class Payload:
             t.view(torch.uint8).random_(0, 256, generator=generator)
             return t
 
-        kv = (rows, self.block_size, KV_HEADS, HEAD_DIM)
-        attention = {i: (filled(kv, torch.bfloat16), filled(kv, torch.bfloat16)) for i in self.attention_layers}
-        state = {i: ("mamba", {"conv": filled((num_slots, self.d_inner, D_CONV), torch.bfloat16),
-                               "ssm": filled((num_slots, self.d_inner, D_STATE), torch.float32)})
-                 for i in self.mamba_layers}
+        kv = (self.cache_blocks, self.block_size, self.kv_heads, self.head_dim)
+        attention = {i: (filled(kv, self.kv_dtype), filled(kv, self.kv_dtype)) for i in self.attention_layers}
+        state = {i: ("recurrent", {"conv": filled((num_slots, self.d_inner, D_CONV), self.conv_dtype),
+                                   "ssm": filled((num_slots, self.d_inner, D_STATE), torch.float32)})
+                 for i in self.recurrent_layers}
         return CacheTensors.hybrid(self.block_size, attention, state)
 
 
 def payload_for(size_mb: float, block_size: int = 16) -> Payload:
-    """A realistic request of about size_mb: Mamba state scaled down only for tiny payloads."""
+    """A realistic request of about size_mb: recurrent state scaled down only for tiny payloads."""
     target = int(size_mb * 2**20)
-    mamba_layers = NUM_LAYERS - NUM_LAYERS // ATTENTION_PERIOD
-    state_per_d_inner = mamba_layers * (D_CONV * 2 + D_STATE * 4)
+    recurrent_layers = NUM_LAYERS - NUM_LAYERS // ATTENTION_PERIOD
+    state_per_d_inner = recurrent_layers * (D_CONV * 2 + D_STATE * 4)
     d_inner = min(FULL_D_INNER, max(64, (target // 4 // state_per_d_inner) // 64 * 64))
     kv_per_token = (NUM_LAYERS // ATTENTION_PERIOD) * 2 * KV_HEADS * HEAD_DIM * 2
     tokens = max(1, (target - d_inner * state_per_d_inner) // kv_per_token)
@@ -219,7 +233,7 @@ class _Pair:
     def timed_handoff(self, compute=None) -> tuple[float, float]:
         """(seconds until landed, seconds the sender spent computing)."""
         self._count += 1
-        rows = int(self.payload.num_blocks * self.payload.spare) + 1
+        rows = self.payload.cache_blocks
         dst, src = (self.block_ids(rows, self.payload.num_blocks) for _ in range(2))
         target = HandoffTarget(f"bench-{self._count}", "bench-decode", tuple(dst), 1)
         self.receiver.expect(target)
@@ -256,7 +270,7 @@ def run(transport: str, size_mb: float, repeats: int, pipeline_check: bool, tune
         out = {
             "transport": transport, "size_mb": round(nbytes / 2**20, 2), "payload_bytes": nbytes,
             "num_tokens": payload.num_tokens, "block_size": payload.block_size,
-            "attention_layers": len(payload.attention_layers), "mamba_layers": len(payload.mamba_layers),
+            "attention_layers": len(payload.attention_layers), "recurrent_layers": len(payload.recurrent_layers),
             "repeats": repeats, "tuned_copy": tuned_copy and transport == "shm", "block_ids": block_ids,
             "transport_gbps": round(nbytes / _median(handoffs) / 1e9, 3),
             "memcpy_gbps": round(nbytes / _median(copies) / 1e9, 3),

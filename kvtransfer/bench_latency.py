@@ -1,8 +1,8 @@
 """`splitserve bench transfer --latency`: begin-to-landed of a small hand-off under busy engine loops.
 
-The payload is one 1024-token request of the benchmarks' 11M Jamba (hidden 256, 8 layers,
-attention at layers 2 and 6 with 4 KV heads of 32, Mamba elsewhere with d_inner 512,
-d_conv 4, d_state 16; float32): 2.3 MB. The receiver lives in this process, the sender in
+The payload is one 1024-token request of the benchmarks' 11M hybrid (bench/checkpoints.py:
+8 layers, attention at layers 2 and 6 with 4 KV heads of 32, a recurrent conv + SSM state
+elsewhere with d_inner 512, d_conv 4, d_state 16; float32): 2.3 MB. The receiver lives in this process, the sender in
 a spawned one, and each process's main thread runs an engine stand-in: steps of about
 --slice-ms, part pure Python (holds the GIL) and part torch matmul (releases it), with the
 workers' switch interval. The sender calls send() between two of its steps, as the prefill
@@ -26,30 +26,20 @@ import time
 
 import torch
 
+from kvtransfer.bench import Payload, churned_block_ids
 from kvtransfer.config import TransferConfig
 from kvtransfer.engine_endpoint import WORKER_SWITCH_INTERVAL_S
 from kvtransfer.layout import CacheTensors
 from kvtransfer.messages import HandoffTarget
 from kvtransfer.transport import make_transport
 
-LAYERS, ATTENTION_LAYERS, KV_HEADS, HEAD_DIM = 8, (2, 6), 4, 32
-D_INNER, D_CONV, D_STATE = 512, 4, 16
-BLOCK_SIZE, NUM_TOKENS, CACHE_BLOCKS, CACHE_SLOTS = 16, 1024, 256, 8
+CACHE_SLOTS = 8
+PAYLOAD = Payload(block_size=16, num_tokens=1024, d_inner=512, spare=4.0, num_layers=8, attention_period=4,
+                  attention_offset=2, kv_heads=4, head_dim=32, kv_dtype=torch.float32, conv_dtype=torch.float32)
 
 
 def payload_cache(seed: int) -> CacheTensors:
-    generator = torch.Generator().manual_seed(seed)
-
-    def filled(shape):
-        t = torch.empty(shape, dtype=torch.float32)
-        t.view(torch.uint8).random_(0, 256, generator=generator)
-        return t
-
-    kv = (CACHE_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    attention = {i: (filled(kv), filled(kv)) for i in ATTENTION_LAYERS}
-    state = {i: ("mamba", {"conv": filled((CACHE_SLOTS, D_INNER, D_CONV)), "ssm": filled((CACHE_SLOTS, D_INNER, D_STATE))})
-             for i in range(LAYERS) if i not in ATTENTION_LAYERS}
-    return CacheTensors.hybrid(BLOCK_SIZE, attention, state)
+    return PAYLOAD.make_cache(seed, num_slots=CACHE_SLOTS)
 
 
 class BusyLoop:
@@ -90,17 +80,14 @@ def _sender_main(transport: str, offer, conn, slice_s: float, gil_fraction: floa
                 break
             target, src_blocks = order
             begun[target.request_id] = time.monotonic()
-            sender.send(target, NUM_TOKENS, src_blocks, 0, first_token=7)
+            sender.send(target, PAYLOAD.num_tokens, src_blocks, 0, first_token=7)
         for result in sender.poll():
             conn.send((result.request_id, begun.pop(result.request_id), result.ok, result.error))
     sender.close()
 
 
 def _block_patterns(count: int, rng: random.Random) -> list[list[int]]:
-    from kvtransfer.bench import churned_block_ids
-
-    blocks = -(-NUM_TOKENS // BLOCK_SIZE)
-    return [churned_block_ids(CACHE_BLOCKS, blocks, rng) for _ in range(count)]
+    return [churned_block_ids(PAYLOAD.cache_blocks, PAYLOAD.num_blocks, rng) for _ in range(count)]
 
 
 def run(transport: str, handoffs: int, warmup: int, slice_s: float, gil_fraction: float) -> dict:
@@ -145,7 +132,7 @@ def run(transport: str, handoffs: int, warmup: int, slice_s: float, gil_fraction
         conn.send(None)
         process.join(timeout=30)
         receiver.close()
-    nbytes = cache.layout.handoff_bytes(NUM_TOKENS)
+    nbytes = cache.layout.handoff_bytes(PAYLOAD.num_tokens)
     return {"transport": transport, "payload_bytes": nbytes, "handoffs": handoffs, "slice_ms": slice_s * 1e3,
             "gil_fraction": gil_fraction, "landed_ms": _summary(landed), "seen_ms": _summary(seen)}
 
