@@ -17,11 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    # Before anything imports triton: it fixes its mode then (engine.kernels._triton).
-    os.environ["TRITON_INTERPRET"] = "1"
-
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton  # first: it sets Triton's mode
 from engine.kernels import _triton, uses_triton
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
@@ -30,19 +26,6 @@ from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_row
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 from engine.models.batch import ForwardBatch
 from engine.phase import Phase
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-NAN = float("nan")
-
-requires_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
-
-
-@pytest.fixture
-def kernel_mode():
-    if not _triton.mode_matches():
-        pytest.skip("triton was imported before this module set TRITON_INTERPRET=1; "
-                    "run `TRITON_INTERPRET=1 python -m pytest -m triton`")
-    torch.manual_seed(0)
 
 
 def _pool(rows, *shape, dtype=torch.float32):

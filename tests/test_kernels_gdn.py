@@ -10,46 +10,26 @@ ones, and a decode step against one token of the definition.
 
 from __future__ import annotations
 
-import math
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    # Before anything imports triton: it fixes its mode then (engine.kernels._triton).
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from engine.kernels import _triton, gdn_triton
+from tests.kernel_support import DEVICE, NAN, enter_kernel_mode, requires_triton, strided  # first: it sets Triton's mode
+from engine.kernels import gdn_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-NAN = float("nan")
-
-requires_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
 
 
 @pytest.fixture
 def kernel_mode(monkeypatch):
-    if not _triton.mode_matches():
-        pytest.skip("triton was imported before this module set TRITON_INTERPRET=1; "
-                    "run `TRITON_INTERPRET=1 python -m pytest -m triton`")
-    torch.manual_seed(0)
+    enter_kernel_mode()
     monkeypatch.setattr(gdn_triton, "_empty",
                         lambda *shape, device: torch.full(shape, NAN, dtype=torch.float32, device=device))
 
 
-def _strided(rows, *shape, dtype=torch.float32):
-    """A [rows, *shape] view into a wider buffer, like the engine's split of the conv output."""
-    width = math.prod(shape)
-    return torch.randn(rows, 2 * width + 3, device=DEVICE).to(dtype)[:, 3:3 + width].view(rows, *shape)
-
-
 def _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype=torch.float32, g_max=1.0):
-    q, k = _strided(length, k_heads, k_dim, dtype=dtype), _strided(length, k_heads, k_dim, dtype=dtype)
-    v = _strided(length, heads, v_dim, dtype=dtype)
+    q, k = strided(length, k_heads, k_dim, dtype=dtype), strided(length, k_heads, k_dim, dtype=dtype)
+    v = strided(length, heads, v_dim, dtype=dtype)
     g = -torch.rand(length, heads, device=DEVICE) * g_max  # log decay per step, <= 0 (float32)
     beta = torch.rand(length, heads, device=DEVICE)  # a sigmoid in the model
     h0 = torch.randn(heads, k_dim, v_dim, device=DEVICE)

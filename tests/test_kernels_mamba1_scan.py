@@ -9,43 +9,19 @@ outside the batch must come back bit for bit.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    # Before anything imports triton: it fixes its mode then (engine.kernels._triton).
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from engine.kernels import _triton
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # first: it sets Triton's mode
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
-
-DEVICE = "cuda" if ON_GPU else "cpu"
-NAN = float("nan")
-
-requires_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
-
-
-@pytest.fixture
-def kernel_mode():
-    if not _triton.mode_matches():
-        pytest.skip("triton was imported before this module set TRITON_INTERPRET=1; "
-                    "run `TRITON_INTERPRET=1 python -m pytest -m triton`")
-    torch.manual_seed(0)
-
-
-def _strided(rows, width, dtype=torch.float32):
-    """A [rows, width] view into a wider buffer, like the engine's split of x_proj's output."""
-    return torch.randn(rows, 2 * width + 3, device=DEVICE).to(dtype)[:, 3:3 + width]
 
 
 def _scan_inputs(lengths, d_inner, d_state, dtype=torch.float32, dt_max=0.5, a_max=3.0):
     """x, dt, A, B, C, cu_seqlens, h0 for one sequence per entry of `lengths`."""
     tokens = sum(lengths)
-    x = _strided(tokens, d_inner, dtype)
-    B, C = _strided(tokens, d_state, dtype), _strided(tokens, d_state, dtype)
+    x = strided(tokens, d_inner, dtype=dtype)
+    B, C = strided(tokens, d_state, dtype=dtype), strided(tokens, d_state, dtype=dtype)
     dt = torch.rand(tokens, d_inner, device=DEVICE) * dt_max  # final dt: float32, >= 0
     A = -torch.rand(d_inner, d_state, device=DEVICE) * a_max - 0.1
     cu_seqlens = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)

@@ -10,44 +10,19 @@ against whole ones, and a decode step against one token of the scan.
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-if not ON_GPU:
-    # Before anything imports triton: it fixes its mode then (engine.kernels._triton).
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from engine.kernels import _triton
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # first: it sets Triton's mode
 from engine.kernels.mamba2_update import (NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton,
                                           process_dt)
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton, ssd_scan_ref
 
-DEVICE = "cuda" if ON_GPU else "cpu"
-NAN = float("nan")
-
-requires_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
-
-
-@pytest.fixture
-def kernel_mode():
-    if not _triton.mode_matches():
-        pytest.skip("triton was imported before this module set TRITON_INTERPRET=1; "
-                    "run `TRITON_INTERPRET=1 python -m pytest -m triton`")
-    torch.manual_seed(0)
-
-
-def _strided(rows, *shape, dtype=torch.float32):
-    """A [rows, *shape] view into a wider buffer, like the engine's split of in_proj's output."""
-    width = math.prod(shape)
-    return torch.randn(rows, 2 * width + 3, device=DEVICE).to(dtype)[:, 3:3 + width].view(rows, *shape)
-
 
 def _scan_inputs(length, heads, head_dim, d_state, groups, dtype=torch.float32, dt_max=0.5, a_max=3.0):
-    x = _strided(length, heads, head_dim, dtype=dtype)
-    B, C = _strided(length, groups, d_state, dtype=dtype), _strided(length, groups, d_state, dtype=dtype)
+    x = strided(length, heads, head_dim, dtype=dtype)
+    B, C = strided(length, groups, d_state, dtype=dtype), strided(length, groups, d_state, dtype=dtype)
     dt = torch.rand(length, heads, device=DEVICE) * dt_max  # final dt: float32, >= 0
     A = -torch.rand(heads, device=DEVICE) * a_max - 0.1
     h0 = torch.randn(heads, head_dim, d_state, device=DEVICE)
@@ -68,8 +43,8 @@ def _scan_inputs(length, heads, head_dim, d_state, groups, dtype=torch.float32, 
 def test_mamba2_update_kernel(kernel_mode, heads, head_dim, d_state, groups, batch, extras, dt_limit, dtype):
     pool = torch.randn(7, heads, head_dim, d_state, device=DEVICE)
     slots = torch.randperm(7, device=DEVICE)[:batch]
-    x = _strided(batch, heads, head_dim, dtype=dtype)
-    B, C = _strided(batch, groups, d_state, dtype=dtype), _strided(batch, groups, d_state, dtype=dtype)
+    x = strided(batch, heads, head_dim, dtype=dtype)
+    B, C = strided(batch, groups, d_state, dtype=dtype), strided(batch, groups, d_state, dtype=dtype)
     dt = torch.randn(batch, heads, device=DEVICE).to(dtype)
     A = -torch.rand(heads, device=DEVICE) * 4
     kw = dict(dt_limit=dt_limit)
