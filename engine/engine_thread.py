@@ -18,6 +18,9 @@ from engine.output import RequestOutput
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.05
+HANDOFF_POLL_S = 0.0005
+
 
 class EngineThread:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None],
@@ -38,11 +41,16 @@ class EngineThread:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
+            # Nothing to run: wait for a call (IDLE_WAIT_S), or, while requests wait for their
+            # hand-off, at most HANDOFF_POLL_S before the next step polls for it: a busy loop
+            # here takes a core from the prefill worker computing that very state.
+            wait = None
+            if not self.engine.has_runnable():
+                wait = HANDOFF_POLL_S if self.engine.has_unfinished() else IDLE_WAIT_S
             try:
                 while True:
-                    fn, args, fut = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
-                    idle = False
+                    fn, args, fut = self._commands.get(timeout=wait) if wait else self._commands.get_nowait()
+                    wait = None
                     try:
                         fut.set_result(fn(self.engine, *args))
                     except BaseException as e:  # goes to the caller; never kills the loop

@@ -129,6 +129,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests) or bool(self._pending)
 
+    def has_runnable(self) -> bool:
+        """Whether a step can do anything: requests only waiting for their hand-off cannot."""
+        return bool(self._pending) or any(r.status is not RequestStatus.WAITING_FOR_STATE
+                                          for r in self.requests.values())
+
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:

@@ -78,6 +78,31 @@ def test_decode_without_landed_state_never_runs(model_factory):
     assert decode.slots.num_free_slots == decode.slots.num_slots
 
 
+def test_a_loop_waiting_for_hand_offs_does_not_spin(model_factory):
+    """While its requests wait for state, the decode loop polls every HANDOFF_POLL_S instead of
+    stepping flat out: a spinning loop takes a core from the prefill worker computing that state."""
+    import time
+
+    from engine.engine_thread import EngineThread
+
+    path, _ = model_factory("jamba")
+    decode = LLMEngine(EngineConfig(str(path), block_size=4, mode="decode"))
+    polls = []
+    loop = EngineThread(decode, lambda outputs: None, after_step=lambda engine: polls.append(1))
+    try:
+        loop.call(lambda engine: engine.reserve_for_handoff([5, 6, 7], PARAMS, "r")).result(timeout=10)
+        clock = time.pthread_getcpuclockid(loop._thread.ident)
+        cpu_before, wall_before, polls_before = time.clock_gettime(clock), time.monotonic(), len(polls)
+        time.sleep(1.0)
+        cpu = time.clock_gettime(clock) - cpu_before
+        wall = time.monotonic() - wall_before
+        assert len(polls) - polls_before > 50, "the loop must keep polling for the hand-off"
+        assert cpu < 0.5 * wall, f"the waiting loop used {cpu:.2f} s of CPU in {wall:.2f} s"
+        assert decode.requests["r"].status is RequestStatus.WAITING_FOR_STATE
+    finally:
+        loop.stop()
+
+
 def test_decode_refuses_a_slot_nobody_wrote(model_factory):
     """If a hand-off were marked landed without the state being written, the guard must fire."""
     path, _ = model_factory("jamba")
