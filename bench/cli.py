@@ -1,4 +1,4 @@
-"""`splitserve bench serve|offline|compare|plan|roofline` (`bench transfer` lives in kvtransfer.bench)."""
+"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix` (`bench transfer` lives in kvtransfer.bench)."""
 
 from __future__ import annotations
 
@@ -161,6 +161,22 @@ def cmd_structured(args) -> int:
     return 0
 
 
+def cmd_prefix(args) -> int:
+    from bench.prefix import format_rows, run_prefix, run_prefix_cluster
+
+    with _model_dir(args) as model:
+        if args.cluster:
+            rows = run_prefix_cluster(model, args.sessions, args.turns, args.message_len, args.answer_len,
+                                      args.local_prefill_tokens, args.seed)
+        else:
+            rows = run_prefix(model, args.sessions, args.turns, args.system_len, args.message_len,
+                              args.answer_len, args.waves, args.no_reuse_len, args.seed)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="serving benchmarks")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -209,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--max-tokens", type=int, default=96)
     structured.add_argument("--out", default=None, help="write the JSON rows here")
     structured.set_defaults(func=cmd_structured)
+
+    from bench.prefix import add_prefix_arguments
+
+    prefix = sub.add_parser("prefix", help="prefix caching on vs off: multi-turn, shared system prompt, no reuse")
+    _model_args(prefix)
+    add_prefix_arguments(prefix)
+    prefix.set_defaults(func=cmd_prefix)
     return parser
 
 

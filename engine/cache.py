@@ -8,6 +8,8 @@ StateSlotAllocator; this file only owns memory.
 Every tensor has one row more than the allocators know of: block `num_blocks` and slot
 `num_slots` are scratch, where the padded rows of a static decode batch (engine.cuda_graphs)
 read and write. No request is ever given them, and the hand-off tensors stop before them.
+State tensors then carry `num_checkpoints` rows for the prefix cache's checkpoints
+(engine.prefix_cache): copied from and into request slots, never read by a forward in place.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ class CacheSizes:
     num_slots: int
     bytes_per_block: int
     bytes_per_slot: int
+    num_checkpoints: int = 0
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.num_checkpoints * self.bytes_per_slot
 
 
 def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
@@ -47,22 +54,24 @@ def bytes_per_slot(spec: ModelSpec) -> int:
 
 
 def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: int,
-               max_model_len: int, memory_bytes: int, num_blocks: int | None) -> CacheSizes:
+               max_model_len: int, memory_bytes: int, num_blocks: int | None,
+               num_checkpoints: int = 0) -> CacheSizes:
     per_block = bytes_per_block(spec, dtype, block_size)
     per_slot = bytes_per_slot(spec)
+    num_checkpoints = num_checkpoints if spec.state_layers else 0
     if num_blocks is None:
         enough = num_slots * -(-max_model_len // block_size)
         if not spec.attention_layers:
             num_blocks = enough  # no attention: block tables are bookkeeping only, no memory behind them
         else:
-            budget = memory_bytes - per_slot * (num_slots + 1) - per_block  # + the scratch rows
+            budget = memory_bytes - per_slot * (num_slots + 1 + num_checkpoints) - per_block  # + scratch
             num_blocks = min(enough, budget // per_block)
             if num_blocks < -(-max_model_len // block_size):
                 raise ValueError(
                     f"cache_memory_bytes={memory_bytes} leaves room for {num_blocks} KV blocks, "
                     f"fewer than one max_model_len={max_model_len} sequence needs"
                 )
-    return CacheSizes(num_blocks, num_slots, per_block, per_slot)
+    return CacheSizes(num_blocks, num_slots, per_block, per_slot, num_checkpoints)
 
 
 class ModelCache:
@@ -71,6 +80,7 @@ class ModelCache:
         self.spec = spec
         self.sizes = sizes
         self.block_size = block_size
+        self.device = torch.device(device)
         self.scratch_block, self.scratch_slot = sizes.num_blocks, sizes.num_slots
         kv: list = [None] * len(spec.layers)
         state: list = [None] * len(spec.layers)
@@ -80,7 +90,8 @@ class ModelCache:
                 kv[i] = (torch.zeros(shape, dtype=dtype, device=device),
                          torch.zeros(shape, dtype=dtype, device=device))
             if layer.state:
-                state[i] = tuple(torch.zeros((sizes.num_slots + 1, *t.shape), dtype=t.torch_dtype, device=device)
+                rows = sizes.num_slots + 1 + sizes.num_checkpoints
+                state[i] = tuple(torch.zeros((rows, *t.shape), dtype=t.torch_dtype, device=device)
                                  for t in layer.state)
         self.layers = LayerCaches(kv, state)
 
@@ -89,6 +100,19 @@ class ModelCache:
             for tensor in entry or ():
                 if tensor.is_floating_point():
                     tensor[slot].fill_(float("nan"))
+
+    def checkpoint_row(self, checkpoint: int) -> int:
+        return self.sizes.num_slots + 1 + checkpoint
+
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole state rows (every recurrent layer's tensors), source -> destination."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for entry in self.layers.state:
+            for tensor in entry or ():
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def block_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors whose dim 0 is a block id, in layer order (what a KV hand-off moves)."""

@@ -35,6 +35,11 @@ class EngineConfig:
     # Hub ids (engine/hub.py): the branch, tag or commit to serve; after __post_init__ the
     # commit resolved, and `model` the snapshot folder. None for a local folder.
     revision: str | None = None
+    # Reuse the KV blocks and recurrent state of prefixes seen before (engine.prefix_cache).
+    enable_prefix_caching: bool = False
+    # Recurrent-state checkpoint rows the prefix cache may fill (None: max_num_seqs). Carved
+    # from cache_memory_bytes before the KV blocks; unused by models without recurrent layers.
+    prefix_checkpoints: int | None = None
 
     def __post_init__(self):
         self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
@@ -50,12 +55,22 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}: must be a positive integer or None, got {value!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager: must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        if self.prefix_checkpoints is not None and (isinstance(self.prefix_checkpoints, bool) or not
+                                                    isinstance(self.prefix_checkpoints, int) or self.prefix_checkpoints <= 0):
+            raise ValueError(f"prefix_checkpoints: must be a positive integer or None, got {self.prefix_checkpoints!r}")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+
+    @property
+    def num_prefix_checkpoints(self) -> int:
+        if not self.enable_prefix_caching:
+            return 0
+        return self.prefix_checkpoints if self.prefix_checkpoints is not None else self.max_num_seqs
 
     @property
     def torch_dtype(self) -> torch.dtype:

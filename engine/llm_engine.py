@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.cache import ModelCache, plan_cache
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, token_slice
 from engine.models import load_model
 from engine.output import OutputTracker, RequestOutput
+from engine.phase import Phase
+from engine.prefix_cache import PrefixCache, block_hashes
 from engine.prompts import check_prompt_length, prompt_token_ids
 from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
@@ -39,6 +41,7 @@ class Handoff:
     first_logprob: dict | None
     block_ids: list[int]
     slot: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
 @dataclass
@@ -64,11 +67,15 @@ class LLMEngine:
         self.eos_token_ids = list(self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
-                           self.max_model_len, config.cache_memory_bytes, config.num_kv_blocks)
+                           self.max_model_len, config.cache_memory_bytes, config.num_kv_blocks,
+                           config.num_prefix_checkpoints)
         self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
-        self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens)
+        self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
+            if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
+                                   prefix_cache=self.prefix_cache)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -141,24 +148,73 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return outputs
+        seqs = plan.seqs
         try:
-            logits = self.runner.execute(plan.seqs)
+            self._restore_checkpoints(plan.restores)
+            while seqs:  # one pass, or more when a prefill chunk stops at a save point
+                outputs += self._run_pass(seqs)
+                seqs = [later for later in (s.then() for s in seqs) if later is not None]
         except StateOwnershipError:
             if self.config.debug:
                 raise
-            return outputs + self._fail(plan.seqs, "internal error: state slot ownership")
+            return outputs + self._fail(seqs, "internal error: state slot ownership")
         except Exception as e:  # one bad batch must not take the engine down
             log.exception("forward failed")
-            return outputs + self._fail(plan.seqs, f"internal error: {e}")
-        done = [i for i, s in enumerate(plan.seqs)
-                if s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
-        for seq in plan.seqs:
-            seq.request.num_computed_tokens += seq.num_new_tokens
-        if done:
-            sampled = self.runner.sample(logits[done], [plan.seqs[i] for i in done])
-            for row, i in enumerate(done):
-                outputs.append(self._accept(plan.seqs[i], sampled.token_ids[row], sampled.logprobs[row]))
+            return outputs + self._fail(seqs, f"internal error: {e}")
         return outputs
+
+    def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
+        logits = self.runner.execute(seqs)
+        done = [i for i, s in enumerate(seqs)
+                if not s.num_later_tokens and s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
+        for seq in seqs:
+            seq.request.num_computed_tokens += seq.num_new_tokens
+        if self.prefix_cache is not None:
+            self._cache_prefixes(seqs)
+        outputs = []
+        if done:
+            sampled = self.runner.sample(logits[done], [seqs[i] for i in done])
+            for row, i in enumerate(done):
+                outputs.append(self._accept(seqs[i], sampled.token_ids[row], sampled.logprobs[row]))
+        return outputs
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def _restore_checkpoints(self, restores: list[tuple[int, int, str]]) -> None:
+        """A prefix hit's state, copied into the request's own slot (never read in place)."""
+        self.cache.copy_state([(self.cache.checkpoint_row(row), slot) for row, slot, _ in restores])
+        for _, _, request_id in restores:
+            self.slots.mark_written(request_id)
+
+    def _cache_prefixes(self, seqs: list[ScheduledSeq]) -> None:
+        """After a step: index newly full blocks; checkpoint the state at the prompt's last
+        block boundary and at the latest boundary a decode crossed."""
+        size, saves = self.config.block_size, []
+        for seq in seqs:
+            request = seq.request
+            computed = request.num_computed_tokens
+            full = computed // size
+            if full <= request.num_indexed_blocks:
+                continue
+            if len(request.block_hashes) < full:
+                request.block_hashes = block_hashes(token_slice(request, 0, full * size), size,
+                                                    request.block_hashes)
+            self.prefix_cache.insert(request.block_hashes[:full], self.blocks.table(request.request_id),
+                                     request.num_indexed_blocks)
+            request.num_indexed_blocks = full
+            if not self.prefix_cache.needs_state or computed % size:
+                continue
+            key = request.block_hashes[full - 1]
+            if computed in request.save_points or (seq.phase is Phase.DECODE and not self.prefix_cache.has_checkpoint(key)):
+                row = self.prefix_cache.take_checkpoint_row(key)
+                if row is None:
+                    continue
+                saves.append((seq.slot, self.cache.checkpoint_row(row)))
+                if seq.phase is Phase.DECODE:
+                    if request.rolling_checkpoint is not None:
+                        self.prefix_cache.drop_checkpoint(request.rolling_checkpoint)
+                    request.rolling_checkpoint = key
+        self.cache.copy_state(saves)
 
     def _accept(self, seq: ScheduledSeq, token_id: int, logprob) -> RequestOutput:
         request = seq.request
@@ -175,7 +231,8 @@ class LLMEngine:
             self.scheduler.running.remove(request)
             self._handoffs.append(Handoff(
                 request.request_id, request.num_computed_tokens, token_id, logprob,
-                list(self.blocks.table(request.request_id)), self.slots.slot_of[request.request_id]))
+                list(self.blocks.table(request.request_id)), self.slots.slot_of[request.request_id],
+                request.num_cached_tokens or 0))
         return out
 
     def _fail(self, seqs: list[ScheduledSeq], message: str) -> list[RequestOutput]:
@@ -249,11 +306,16 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         self.slots.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
 
     def stats(self) -> dict:
         return {
-            "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_free": self.blocks.num_free_blocks,
+            # cached blocks nothing else holds count as free: they are given back on demand
+            "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_free": self.blocks.num_available_blocks,
             "state_slots_total": self.slots.num_slots, "state_slots_free": self.slots.num_free_slots,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
+            "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

@@ -90,6 +90,6 @@ class OutputTracker:
         return RequestOutput(
             request.request_id, request.prompt_token_ids, list(request.output_token_ids), self.text,
             request.finished, request.finish_reason, new_tokens, new_text, self.logprobs,
-            error=request.error, arrival_time=request.arrival_time,
+            num_cached_tokens=request.num_cached_tokens or 0, error=request.error, arrival_time=request.arrival_time,
             first_token_time=request.first_token_time, finish_time=request.finish_time,
         )

@@ -63,6 +63,14 @@ class Request:
     finish_time: float | None = None
     # engine.structured.GrammarState when the output is constrained: fed every output token
     grammar: object | None = None
+    # Prefix caching (engine.prefix_cache): hashes of the full blocks of all_token_ids as far as
+    # computed so far, how many are indexed, the block boundaries this prefill stops at to
+    # checkpoint the state, and the tokens the first admission found cached.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_indexed_blocks: int = 0
+    save_points: list[int] = field(default_factory=list)
+    rolling_checkpoint: bytes | None = None  # the decode-boundary checkpoint this request saved last
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,9 +99,9 @@ class Request:
     def phase(self) -> Phase:
         return classify(self.num_computed_tokens, self.num_prefill_tokens, self.num_tokens)
 
-    def start_prefill(self) -> None:
-        """(Re)start from nothing: every token the request has must be computed again."""
-        self.num_computed_tokens = 0
+    def start_prefill(self, num_cached_tokens: int = 0) -> None:
+        """(Re)start from nothing, or from a cached prefix: every other token must be computed."""
+        self.num_computed_tokens = num_cached_tokens
         self.num_prefill_tokens = self.num_tokens
         self.status = RequestStatus.PREFILLING
 

@@ -5,6 +5,12 @@ prefills take their next chunk); then waiting requests, first come first served,
 budget, the state slots and the KV blocks allow. When blocks run out, the most recently
 arrived running request is preempted: its blocks and slot are dropped and it is recomputed
 from zero later (its phase is then FRESH_PREFILL again, never a read of the dropped slot).
+
+With a prefix cache, an admitted request starts from its longest cached prefix: the blocks are
+shared, the checkpoint is listed in `restores` for the engine to copy into the request's own
+slot before the step, and the rest runs as a CONTINUED_PREFILL. A prefill chunk that crosses a
+point of `request.save_points` (block boundaries whose state the engine checkpoints) runs in
+pieces, one pass of the step each (ScheduledSeq.num_later_tokens).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.phase import Phase
+from engine.prefix_cache import PrefixCache, block_hashes
 from engine.request import Request, RequestStatus
 from engine.state_slots import StateSlotAllocator
 
@@ -25,23 +32,47 @@ class ScheduledSeq:
     num_new_tokens: int
     slot: int
     block_table: list[int]
+    # Tokens this step runs after `num_new_tokens`, in further passes of the same step: a
+    # prefill chunk that crosses a save point stops there so the state can be checkpointed
+    # (engine.LLMEngine.step), then goes on without waiting for the next step.
+    num_later_tokens: int = 0
+
+    def then(self) -> ScheduledSeq | None:
+        """This sequence's next pass within the step, after the engine advanced its counters."""
+        if not self.num_later_tokens:
+            return None
+        piece = first_piece(self.request, self.num_later_tokens)
+        return ScheduledSeq(self.request, self.request.phase(), piece, self.slot, self.block_table,
+                            self.num_later_tokens - piece)
+
+
+def first_piece(request: Request, num_tokens: int) -> int:
+    """Of `num_tokens` tokens to run, how many come before the next save point."""
+    computed = request.num_computed_tokens
+    end = computed + num_tokens
+    for point in request.save_points:
+        if computed < point < end:
+            end = point
+    return end - computed
 
 
 @dataclass
 class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    restores: list[tuple[int, int, str]] = field(default_factory=list)  # (checkpoint row, slot, request id)
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(s.num_new_tokens + s.num_later_tokens for s in self.seqs)
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, slots: StateSlotAllocator, max_num_batched_tokens: int,
-                 prefill_only: bool = False):
+                 prefill_only: bool = False, prefix_cache: PrefixCache | None = None):
         self.blocks = blocks
         self.slots = slots
+        self.prefix_cache = prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_only = prefill_only
         self.waiting: deque[Request] = deque()
@@ -84,7 +115,7 @@ class Scheduler:
             if request.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, budget)
             total = request.num_computed_tokens + num_new
             while not self.blocks.can_allocate(request.request_id, total):
                 victim = self._preemption_victim(request)
@@ -100,21 +131,55 @@ class Scheduler:
             return out  # admitting new work in a step that had to preempt would thrash
         while self.waiting and budget > 0 and self.slots.num_free_slots > 0:
             request = self.waiting[0]
-            num_new = min(request.num_tokens, budget)
-            if not self.blocks.can_allocate(request.request_id, num_new):
+            hit = self._lookup(request)
+            hit_blocks = len(hit.blocks) if hit else 0
+            status = request.status
+            request.start_prefill(hit.num_tokens if hit else 0)
+            num_new = self._chunk(request, budget)
+            total = request.num_computed_tokens + num_new
+            reused_free = sum(b in self.blocks.evictable for b in hit.blocks) if hit else 0
+            if self.blocks.blocks_needed(total) - hit_blocks > self.blocks.num_available_blocks - reused_free:
+                request.status, request.num_computed_tokens = status, 0
                 break
             self.waiting.popleft()
-            request.start_prefill()
-            self.slots.allocate(request.request_id)
+            if hit:
+                self.prefix_cache.record(request.num_tokens, hit.num_tokens)
+            if hit_blocks:
+                self.blocks.share(request.request_id, hit.blocks)
+            slot = self.slots.allocate(request.request_id)
+            if hit and hit.checkpoint is not None:
+                out.restores.append((hit.checkpoint, slot, request.request_id))
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_computed_tokens
             self.running.append(request)
-            out.seqs.append(self._scheduled(request, num_new, num_new))
+            out.seqs.append(self._scheduled(request, num_new, total))
             budget -= num_new
         return out
 
+    def _lookup(self, request: Request):
+        if self.prefix_cache is None:
+            return None
+        request.block_hashes = block_hashes(request.all_token_ids, self.blocks.block_size, request.block_hashes)
+        hit = self.prefix_cache.lookup(request.block_hashes, request.num_tokens)
+        request.save_points = []
+        if self.prefix_cache.needs_state:
+            size = self.blocks.block_size
+            for point in (hit.num_matched_tokens, (request.num_tokens - 1) // size * size):
+                if point > hit.num_tokens and point not in request.save_points \
+                        and not self.prefix_cache.has_checkpoint(request.block_hashes[point // size - 1]):
+                    request.save_points.append(point)
+        return hit
+
+    @staticmethod
+    def _chunk(request: Request, budget: int) -> int:
+        """Tokens to run this step: the rest, within the budget."""
+        return min(request.num_tokens - request.num_computed_tokens, budget)
+
     def _scheduled(self, request: Request, num_new: int, total: int) -> ScheduledSeq:
         table = self.blocks.allocate(request.request_id, total)
-        return ScheduledSeq(request, request.phase(), num_new,
-                            self.slots.slot_of[request.request_id], table)
+        piece = first_piece(request, num_new)
+        return ScheduledSeq(request, request.phase(), piece, self.slots.slot_of[request.request_id],
+                            table, num_new - piece)
 
     def _preemption_victim(self, request: Request) -> Request:
         candidates = [r for r in self.running
@@ -126,7 +191,8 @@ class Scheduler:
         self.slots.free(request.request_id)
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_indexed_blocks = 0
+        request.save_points = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)

@@ -33,6 +33,7 @@ class PrefillOutcome:
     handoff_bytes: int = 0
     handoff_seconds: float = 0.0
     first_logprob: dict | None = None  # the wire carries the first token, not its logprobs
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     retryable: bool = False  # failed in the plumbing (hand-off), not because of the request
 
 
@@ -48,6 +49,7 @@ class PrefillWorker(EngineEndpoint):
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._first_logprobs: dict[str, dict | None] = {}
+        self._cached_tokens: dict[str, int] = {}
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
@@ -81,6 +83,7 @@ class PrefillWorker(EngineEndpoint):
             self._targets.pop(request_id, None)
             self._queued_tokens.pop(request_id, None)
             self._first_logprobs.pop(request_id, None)
+            self._cached_tokens.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.sender.pending():
@@ -115,6 +118,7 @@ class PrefillWorker(EngineEndpoint):
                 engine.finish_handoff(handoff.request_id, "aborted")
                 continue
             self._first_logprobs[handoff.request_id] = handoff.first_logprob
+            self._cached_tokens[handoff.request_id] = handoff.num_cached_tokens
             slot = handoff.slot if self.cache_tensors.num_slots else None
             try:
                 if self._stall_next > 0:
@@ -141,7 +145,7 @@ class PrefillWorker(EngineEndpoint):
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
             handoff_seconds=result.elapsed_s, first_logprob=self._first_logprobs.get(result.request_id),
-            retryable=not result.ok))
+            num_cached_tokens=self._cached_tokens.get(result.request_id, 0), retryable=not result.ok))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -80,7 +80,10 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
     engine_options = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs),
                                         ("num_kv_blocks", args.num_kv_blocks),
                                         ("max_model_len", args.max_model_len),
-                                        ("revision", args.revision)) if v is not None}
+                                        ("revision", args.revision),
+                                        ("prefix_checkpoints", args.prefix_checkpoints)) if v is not None}
+    if args.enable_prefix_caching:
+        engine_options["enable_prefix_caching"] = True
     launch_options = dict(prefill=args.prefill, decode=args.decode, transport=args.transport,
                           address=args.address, local_prefill_tokens=args.local_prefill_tokens,
                           max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
@@ -100,6 +103,7 @@ BENCHMARKS = {
     "transfer": "the KV/state hand-off alone against memcpy",
     "roofline": "model FLOP utilisation against this machine's GEMM rate, next to transformers",
     "structured": "throughput of JSON-schema-constrained vs free sampling, side by side",
+    "prefix": "prefix caching on vs off: multi-turn chat, shared system prompt, no reuse",
 }
 
 
@@ -136,7 +140,13 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-key", default=None)
     serve.add_argument("--max-queued", type=int, default=256, help="requests in flight before 429 / RESOURCE_EXHAUSTED")
     serve.add_argument("--local-prefill-tokens", type=int, default=0,
-                       help="prompts this short prefill on the decode worker (conditional disaggregation)")
+                       help="prompts with at most this many tokens not cached prefill on the decode "
+                            "worker (conditional disaggregation)")
+    serve.add_argument("--enable-prefix-caching", action="store_true",
+                       help="reuse the KV blocks and recurrent state of repeated prefixes; the router "
+                            "sends each request where its prefix likely is (docs/prefix-caching.md)")
+    serve.add_argument("--prefix-checkpoints", type=int, default=None,
+                       help="recurrent-state checkpoint rows per worker (default: --max-num-seqs)")
     serve.add_argument("--cpus-per-worker", type=float, default=1.0)
     serve.add_argument("--gpus-per-worker", type=float, default=0.0)
     serve.add_argument("--prefill-resource", default="auto",

@@ -24,6 +24,7 @@ from typing import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.output import RequestOutput
+from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -216,6 +217,8 @@ class Cluster:
                 failure = tracked.classify(event)
                 if failure is None:
                     out = await tracked.delivered(event)
+                    if out.finished and out.error is None:
+                        self._remember_answer(tracked)
                     emit(out)
                     if out.finished:
                         return
@@ -257,25 +260,40 @@ class Cluster:
     async def _start(self, tracked: Tracked) -> bool:
         """Place the attempt; True when it is split across a prefill and a decode worker."""
         wid, ids, params, resume = tracked.worker_id, tracked.prompt_ids, tracked.params, tracked.resume()
-        decode = self.workers.pick_decode()
+        hashes = self._block_hashes(ids + tracked.tokens)
+        decode, cached = self.workers.pick_decode(tracked.num_tokens, hashes, self.config.local_prefill_tokens)
         life = decode.incarnation
         self.workers.owner[wid] = (decode, life)
         try:
-            if tracked.num_tokens <= self.config.local_prefill_tokens:
+            if tracked.num_tokens - cached <= self.config.local_prefill_tokens:
                 await decode.handle.generate_local.remote(wid, ids, params, resume)
+                decode.prefixes.add(hashes)  # it prefills, so it checkpoints, this prompt itself
                 return False
             target = await decode.handle.reserve.remote(wid, ids, params, resume)
         except BaseException as e:
             self.workers.owner.pop(wid, None)
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
-        prefill = self.workers.pick_prefill(tracked.num_tokens)
+        prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
         if params.logprobs is not None:
             tracked.first_logprob = asyncio.get_running_loop().create_future()
-        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target, resume))
+        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target, resume, charge))
         return True
 
-    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume) -> None:
+    def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """The engine's block keys of `token_ids` when workers cache prefixes, else none."""
+        if not self.config.engine_options.get("enable_prefix_caching"):
+            return []
+        return block_hashes(token_ids, self.workers.model_facts["block_size"], [])
+
+    def _remember_answer(self, tracked: Tracked) -> None:
+        """A finished request's decode worker keeps its prompt + answer blocks and a checkpoint
+        at the answer's last block boundary: the next turn of the chat is cheapest there."""
+        owner = self.workers.owner.get(tracked.worker_id)
+        if owner is not None:
+            owner[0].prefixes.add(self._block_hashes(tracked.prompt_ids + tracked.tokens[:-1]))
+
+    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
         waiter, life = tracked.first_logprob, prefill.incarnation
         try:
             outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
@@ -284,10 +302,11 @@ class Cluster:
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
             self.workers.lost_if_dead(prefill, e, life)  # so the retry goes elsewhere at once
         finally:
-            prefill.queued_tokens -= tracked.num_tokens
+            prefill.queued_tokens -= charge
         if waiter is not None and not waiter.done():
             waiter.set_result(outcome.first_logprob if outcome is not None and outcome.handed_off else None)
         if outcome is not None and outcome.handed_off:
+            tracked.num_cached_tokens = outcome.num_cached_tokens
             return
         with contextlib.suppress(Exception):  # free the reservation
             await asyncio.wait_for(decode.handle.abort.remote(wid, error), 10)

@@ -86,6 +86,17 @@ class WorkerStatusCollector:
         preemptions = counter("splitserve_worker_preemptions", "Requests preempted (recomputed)")
         handoff_bytes = counter("splitserve_worker_handoff_bytes", "KV and state bytes handed off")
         handoff_failures = counter("splitserve_worker_handoff_failures", "Failed hand-offs")
+        cache_queried = counter("splitserve_worker_prefix_cache_queried_tokens",
+                                "Prompt tokens looked up in the prefix cache")
+        cache_hits = counter("splitserve_worker_prefix_cache_hit_tokens",
+                             "Prompt tokens the prefix cache supplied (hit rate: hits / queried)")
+        cache_blocks = gauge("splitserve_worker_prefix_cache_blocks", "KV blocks the prefix cache indexes")
+        checkpoints_used = gauge("splitserve_worker_prefix_cache_checkpoints_used",
+                                 "Recurrent-state checkpoints the prefix cache holds")
+        checkpoints_total = gauge("splitserve_worker_prefix_cache_checkpoints_total",
+                                  "Recurrent-state checkpoint rows (bounded, carved from the cache)")
+        checkpoint_bytes = gauge("splitserve_worker_prefix_cache_checkpoint_bytes",
+                                 "Bytes reserved for recurrent-state checkpoints")
         handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
                                               "Hand-off latency (count and sum)", labels=WORKER_LABELS)
         for w in workers:
@@ -100,10 +111,18 @@ class WorkerStatusCollector:
                 slots_used.add_metric(labels, w["state_slots_total"] - w.get("state_slots_free", 0))
                 slots_free.add_metric(labels, w.get("state_slots_free", 0))
             preemptions.add_metric(labels, w.get("preemptions", 0))
+            if "prefix_cache_queried_tokens" in w:
+                cache_queried.add_metric(labels, w["prefix_cache_queried_tokens"])
+                cache_hits.add_metric(labels, w.get("prefix_cache_hit_tokens", 0))
+                cache_blocks.add_metric(labels, w.get("prefix_cache_blocks", 0))
+                checkpoints_used.add_metric(labels, w.get("prefix_cache_checkpoints_used", 0))
+                checkpoints_total.add_metric(labels, w.get("prefix_cache_checkpoints_total", 0))
+                checkpoint_bytes.add_metric(labels, w.get("prefix_cache_checkpoint_bytes", 0))
             if "handoff_bytes" in w or "handoff_count" in w:
                 handoff_bytes.add_metric(labels, w.get("handoff_bytes", 0))
                 handoff_failures.add_metric(labels, w.get("handoff_failures", 0))
                 handoff_latency.add_metric(labels, count_value=w.get("handoff_count", 0),
                                            sum_value=w.get("handoff_seconds_sum", 0.0))
         yield from (alive, waiting, running, blocks_used, blocks_free, slots_used, slots_free,
-                    preemptions, handoff_bytes, handoff_failures, handoff_latency)
+                    preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
+                    cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes)

@@ -40,6 +40,7 @@ class Tracked:
     split: bool = False  # the current attempt prefills on a prefill worker
     first_logprob: asyncio.Future | None = None  # split attempts: the prefill worker's
     tokens_this_attempt: int = 0
+    num_cached_tokens: int | None = None  # split attempts: what the prefill worker found cached
     _logprob_base: int = 0
 
     @property
@@ -57,6 +58,7 @@ class Tracked:
         self.attempt += 1
         self.events = asyncio.Queue()
         self.split, self.first_logprob, self.tokens_this_attempt = False, None, 0
+        self.num_cached_tokens = None
         self._logprob_base = len(self.logprobs)
 
     def classify(self, event) -> Failure | None:
@@ -81,6 +83,8 @@ class Tracked:
             self.logprobs[self._logprob_base:] = own
             out.logprobs = list(self.logprobs)
         out.request_id = self.request_id
+        if self.num_cached_tokens is not None:
+            out.num_cached_tokens = self.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
         if out.error is None:
             self.tokens = list(out.token_ids)

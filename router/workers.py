@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from router.backend import Unavailable
 from router.placement import place_workers, remove_groups
+from router.prefix_routing import PrefixIndex
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.25
@@ -25,6 +26,7 @@ class WorkerRef:
     queued_tokens: int = 0  # prefill: prompt tokens sent and not yet handed off
     reserved_since_stats: int = 0  # decode: reservations the last stats do not show yet
     incarnation: str = ""  # the actor's current life; a new one after Ray restarts it
+    prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(1 << 16))  # what it likely caches
 
 
 class WorkerSet:
@@ -91,6 +93,8 @@ class WorkerSet:
         for worker, node in zip(everyone, nodes):
             worker.node_id = node
         self.model_facts = await self.decode[0].handle.facts.remote()
+        for worker in self.prefill + self.decode:  # roughly what each worker's cache can keep
+            worker.prefixes = PrefixIndex(self.model_facts["num_kv_blocks"])
         for p in self.prefill:
             for d in self.decode:
                 await self._connect(p, d)
@@ -189,6 +193,7 @@ class WorkerSet:
                 continue
             if worker.incarnation and stats["incarnation"] != worker.incarnation:
                 self._lost(worker, "restarted", worker.incarnation)
+                worker.prefixes.clear()  # a new life starts with an empty cache
                 await self._rejoin(worker)
             worker.incarnation = stats["incarnation"]
             worker.stats = stats
@@ -212,27 +217,46 @@ class WorkerSet:
 
     # ---- choosing ----
 
-    def pick_decode(self) -> WorkerRef:
+    def pick_decode(self, num_tokens: int, hashes: list[bytes] = (), local_limit: int = 0
+                    ) -> tuple[WorkerRef, int]:
+        """A decode worker with room, and how many of the request's tokens it likely has cached.
+        One that can prefill the request itself (at most `local_limit` tokens not cached, e.g.
+        the next turn of a chat it answered) goes before the others."""
         alive = [w for w in self.decode if w.alive]
         if not alive:
             raise Unavailable("no decode worker is alive")
+        size = self.model_facts.get("block_size", 1)
+
+        def cached(w: WorkerRef) -> int:
+            return min(w.prefixes.matched_blocks(hashes) * size, num_tokens - 1)
 
         def room(w: WorkerRef):
             s = w.stats
-            return (s.get("state_slots_free", 0) - w.reserved_since_stats > 0,
+            has_slot = s.get("state_slots_free", 0) - w.reserved_since_stats > 0
+            return (has_slot, has_slot and num_tokens - cached(w) <= local_limit,
                     s.get("kv_blocks_free", 0), -(s.get("running", 0) + w.reserved_since_stats))
 
         best = max(alive, key=room)
         best.reserved_since_stats += 1
-        return best
+        return best, cached(best)
 
-    def pick_prefill(self, num_tokens: int) -> WorkerRef:
+    def pick_prefill(self, num_tokens: int, hashes: list[bytes] = ()) -> tuple[WorkerRef, int]:
+        """The prefill worker with the least work ahead once this request is queued there: its
+        queued prompt tokens plus this prompt's part it likely has not cached (Dynamo's
+        KV-aware routing). Returns the worker and the tokens charged to it."""
         alive = [w for w in self.prefill if w.alive]
         if not alive:
             raise Unavailable("no prefill worker is alive")
-        best = min(alive, key=lambda w: w.queued_tokens)
-        best.queued_tokens += num_tokens  # counted from the choice on, so a burst spreads out
-        return best
+        size = self.model_facts.get("block_size", 1)
+
+        def uncached(w: WorkerRef) -> int:
+            return num_tokens - min(w.prefixes.matched_blocks(hashes) * size, num_tokens - 1)
+
+        best = min(alive, key=lambda w: (w.queued_tokens + uncached(w), w.queued_tokens))
+        charge = uncached(best)
+        best.queued_tokens += charge  # counted from the choice on, so a burst spreads out
+        best.prefixes.add(hashes)
+        return best, charge
 
     async def abort_everywhere(self, request_id: str) -> None:
         calls = [asyncio.wait_for(w.handle.abort.remote(request_id), 10)

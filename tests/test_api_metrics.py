@@ -81,7 +81,9 @@ def test_handoff_and_cluster_worker_metrics():
         {"id": "prefill-0", "kind": "prefill", "node": "n1", "alive": True, "kv_blocks_total": 10,
          "kv_blocks_free": 7, "state_slots_total": 4, "state_slots_free": 3, "waiting": 2,
          "running": 1, "preemptions": 5, "handoff_bytes": 4096, "handoff_count": 3,
-         "handoff_failures": 1, "handoff_seconds_sum": 0.25},
+         "handoff_failures": 1, "handoff_seconds_sum": 0.25, "prefix_cache_queried_tokens": 900,
+         "prefix_cache_hit_tokens": 600, "prefix_cache_blocks": 40, "prefix_cache_checkpoints_used": 3,
+         "prefix_cache_checkpoints_total": 8, "prefix_cache_checkpoint_bytes": 65536},
         {"id": "decode-0", "kind": "decode", "node": "n2", "alive": False}], "retries": 7}
     text = FrontDoorMetrics(lambda: status).render().decode()
     samples = {(s.name, frozenset(s.labels.items())): s.value
@@ -97,6 +99,11 @@ def test_handoff_and_cluster_worker_metrics():
     assert value(samples, "splitserve_worker_handoff_seconds_sum", **p) == 0.25
     assert value(samples, "splitserve_worker_alive", worker="decode-0", kind="decode", node="n2") == 0
     assert value(samples, "splitserve_request_retries_total") == 7
+    hits = value(samples, "splitserve_worker_prefix_cache_hit_tokens_total", **p)
+    assert hits / value(samples, "splitserve_worker_prefix_cache_queried_tokens_total", **p) == 600 / 900
+    assert value(samples, "splitserve_worker_prefix_cache_checkpoints_used", **p) == 3
+    assert value(samples, "splitserve_worker_prefix_cache_checkpoint_bytes", **p) == 65536
+    assert value(samples, "splitserve_worker_prefix_cache_blocks", **p) == 40
 
 
 def test_a_failing_status_still_scrapes():

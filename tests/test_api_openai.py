@@ -89,6 +89,19 @@ def test_chat_default_template_when_checkpoint_has_none(text_model_path):
     assert "messages" in DEFAULT_CHAT_TEMPLATE
 
 
+def test_a_repeated_chat_reports_cached_prompt_tokens(client, idle_backend):
+    """The cluster backend caches prefixes: the same conversation again is served from the
+    checkpoint at its prompt's last block boundary, and usage says how many tokens that saved."""
+    messages = [{"role": "system", "content": "You answer in Python. " * 3},
+                {"role": "user", "content": "def fibonacci(n):"}]
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, **GREEDY)
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, **GREEDY)
+    prompt = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt - 1) // 8 * 8 > 0  # block_size 8
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
 def test_streamed_chat_adds_up_and_reports_usage(client, idle_backend):
     messages = [{"role": "user", "content": "def f(x):"}]
     whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, **GREEDY)

@@ -42,7 +42,7 @@ def make_backend(model_path, ray_nodes=None):
     from router.cluster import launch
 
     cluster = launch(model_path, prefill=1, decode=1, address=ray_nodes[0].address,
-                     num_kv_blocks=160, max_num_seqs=8, block_size=8)
+                     num_kv_blocks=160, max_num_seqs=8, block_size=8, enable_prefix_caching=True)
     cluster.info.model_name = MODEL_NAME
     return cluster
 

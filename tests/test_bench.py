@@ -212,7 +212,7 @@ def test_cli_parses_every_benchmark(tmp_path):
     from bench.plots import plot_latency_cdfs
     from router.cli import build_parser as splitserve_parser
 
-    for what in ("serve", "offline", "compare", "plan", "transfer"):
+    for what in ("serve", "offline", "compare", "plan", "transfer", "structured", "prefix"):
         args, _ = splitserve_parser().parse_known_args(["bench", what])
         assert args.what == what
     args = build_parser().parse_args(["offline", "--tiny", "jamba", "--workload", "sharegpt",
@@ -258,3 +258,17 @@ def test_offline_runner_on_a_mamba2_family(tmp_path):
         result = run_benchmark(target, requests, RunConfig("mamba2", max_concurrency=2, progress=False))
     assert result["metrics"]["completed"] == 4 and result["metrics"]["failed"] == 0
     assert result["metrics"]["total_output_tokens"] == sum(r.output_len for r in requests)
+
+
+def test_prefix_bench_runs_both_engines_alike(tmp_path):
+    from bench.checkpoints import build_checkpoint
+    from bench.prefix import format_rows, run_prefix
+
+    build_checkpoint("jamba", tmp_path)
+    rows = run_prefix(str(tmp_path), sessions=2, turns=3, system_len=24, message_len=8, answer_len=4,
+                      waves=3, no_reuse_len=16, engine_options={"block_size": 4})
+    by = {(r["workload"], r["cache"]): r for r in rows}
+    for workload in ("multi-turn", "shared-system"):
+        assert by[(workload, "on")]["prompt_tokens_computed"] < by[(workload, "off")]["prompt_tokens_computed"]
+    assert by[("no-reuse", "on")]["prompt_tokens_computed"] == by[("no-reuse", "off")]["prompt_tokens_computed"]
+    assert "TTFT p50 off/on" in format_rows(rows)

@@ -1,4 +1,6 @@
-"""The disaggregated cluster on a 3-node Ray cluster (ray.cluster_utils) on this machine."""
+"""The disaggregated cluster on a 3-node Ray cluster (ray.cluster_utils) on this machine.
+
+Its workers cache prefixes, so every test here also checks that caching changes no output."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ def cluster(ray_nodes, model_factory):
     path, hf = model_factory("jamba")
     handle = launch(path, prefill=2, decode=2, address=ray_nodes[0].address,
                     prefill_resource=PREFILL_RES, decode_resource=DECODE_RES,
-                    block_size=4, num_kv_blocks=400, max_num_seqs=32, transfer_timeout_s=15.0)
+                    block_size=4, num_kv_blocks=400, max_num_seqs=32, transfer_timeout_s=15.0,
+                    enable_prefix_caching=True)
     yield handle, path, hf, ray_nodes
     handle.shutdown()
 
@@ -225,3 +228,42 @@ def test_stalled_handoff_is_retried_and_workers_keep_serving(cluster):
         judge_greedy(hf, prompt, healthy.token_ids)
     failures = sum(w.get("handoff_failures", 0) for w in handle.status()["workers"])
     assert failures >= 1
+
+
+def worker_stats(handle, key):
+    time.sleep(0.6)  # let the router's stats refresh
+    return {w["id"]: w.get(key, 0) for w in handle.status()["workers"]}
+
+
+def test_prefix_caching_finds_the_worker_that_holds_the_prefix(cluster):
+    """A shared system prompt goes to one prefill worker, which checkpoints where the second
+    request leaves it and serves the rest from there; the next turn of a chat prefills on the
+    decode worker that answered the previous one, from its checkpoint, with no hand-off."""
+    handle, path, hf, _ = cluster
+    rng = random.Random(40)
+    system = [rng.randrange(3, 300) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 300) for _ in range(5 + i)] for i in range(5)]
+    hits_before = worker_stats(handle, "prefix_cache_hit_tokens")
+    outs = [handle.generate([p], GREEDY)[0] for p in prompts]
+    local = LLM(path, block_size=4).generate(prompts, GREEDY)
+    for prompt, out, ref in zip(prompts, outs, local):
+        assert out.error is None, out.error
+        judge_greedy(hf, prompt, out.token_ids)
+        assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+    assert [o.num_cached_tokens for o in outs[2:]] == [40, 40, 40]
+    gained = {w: n - hits_before[w] for w, n in worker_stats(handle, "prefix_cache_hit_tokens").items()}
+    assert sorted(gained[w] for w in ("prefill-0", "prefill-1")) == [0, 120]
+
+    turn1 = [rng.randrange(3, 300) for _ in range(30)]
+    first = handle.generate([turn1], GREEDY)[0]
+    turn2 = turn1 + first.token_ids + [rng.randrange(3, 300) for _ in range(2)]
+    handoffs_before = sum(worker_stats(handle, "handoff_count").values())
+    handle.config.local_prefill_tokens = 8
+    try:
+        second = handle.generate([turn2], GREEDY)[0]
+    finally:
+        handle.config.local_prefill_tokens = 0
+    judge_greedy(hf, turn2, second.token_ids)
+    assert second.num_cached_tokens == 36  # 39 tokens computed by turn 1: its last boundary
+    assert sum(worker_stats(handle, "handoff_count").values()) == handoffs_before
+    wait_idle(handle)

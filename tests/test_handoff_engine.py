@@ -28,10 +28,11 @@ def copy_state(src: LLMEngine, dst: LLMEngine, handoff, reservation) -> None:
         d[reservation.slot] = s[handoff.slot]
 
 
-def run_disaggregated(path, prompts, params, block_size=4, budget=16):
-    prefill = LLMEngine(EngineConfig(str(path), block_size=block_size, mode="prefill",
-                                     max_num_batched_tokens=budget))
-    decode = LLMEngine(EngineConfig(str(path), block_size=block_size, mode="decode"))
+def run_disaggregated(path, prompts, params, block_size=4, budget=16, engines=None, caching=False):
+    prefill, decode = engines or (
+        LLMEngine(EngineConfig(str(path), block_size=block_size, mode="prefill", max_num_batched_tokens=budget,
+                               enable_prefix_caching=caching)),
+        LLMEngine(EngineConfig(str(path), block_size=block_size, mode="decode", enable_prefix_caching=caching)))
     reservations = {}
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
@@ -49,7 +50,7 @@ def run_disaggregated(path, prompts, params, block_size=4, budget=16):
                 final[out.request_id] = out
     for engine in (prefill, decode):
         engine.check_integrity()
-        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        assert engine.blocks.num_available_blocks == engine.blocks.num_blocks  # free, or cached only
         assert engine.slots.num_free_slots == engine.slots.num_slots
     return [final[f"r{i}"] for i in range(len(prompts))]
 
@@ -64,6 +65,25 @@ def test_disaggregated_equals_colocated_and_transformers(family_model):
         assert len(d.token_ids) == PARAMS.max_tokens
         judge_greedy(hf, prompt, d.token_ids)
         assert_same_tokens(hf, prompt, d.token_ids, c.token_ids)
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "llama"])
+def test_prefix_caching_on_both_sides_of_the_split(model_factory, name):
+    """The prefill engine hits its cache the second time round, and the decode engine receives
+    state for prefixes it has cached itself (from the first round's hand-offs and answers):
+    the same tokens, nothing double-freed, nothing leaked."""
+    path, hf = model_factory(name)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (9, 17, 24)]
+    engines = tuple(LLMEngine(EngineConfig(str(path), block_size=4, mode=mode, max_num_batched_tokens=16,
+                                           enable_prefix_caching=True)) for mode in ("prefill", "decode"))
+    first = run_disaggregated(path, prompts, PARAMS, engines=engines)
+    second = run_disaggregated(path, prompts, PARAMS, engines=engines)
+    assert engines[0].prefix_cache.hit_tokens >= 8 + 16 + 20  # each prompt's last boundary short of its end
+    for prompt, a, b in zip(prompts, first, second):
+        judge_greedy(hf, prompt, b.token_ids)
+        assert a.token_ids == b.token_ids
+    assert engines[1].prefix_cache.num_cached_blocks > 0
 
 
 def test_decode_without_landed_state_never_runs(model_factory):
