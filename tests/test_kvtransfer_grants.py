@@ -124,10 +124,13 @@ def test_sender_death_after_claim_fails_the_request_and_frees_the_row():
     try:
         receiver.expect(HandoffTarget("dead", "D", tuple(DST_BLOCKS), 3))
         row = receiver._incoming["dead"].row
-        here, there = mp.get_context("fork").Pipe()
-        child = mp.get_context("fork").Process(target=_claim_then_die, args=(receiver.accept("P"), there))
+        # spawn, not fork: a child forked from this many-threaded process (torch, numba's
+        # workqueue) can abort before it runs a line of the test (seen once in CI).
+        here, there = mp.get_context("spawn").Pipe()
+        child = mp.get_context("spawn").Process(target=_claim_then_die, args=(receiver.accept("P"), there))
         child.start()
-        assert here.recv() == "claimed"
+        there.close()  # the child's end: if the child dies early, recv() ends instead of hanging
+        assert here.poll(60) and here.recv() == "claimed"
         assert receiver._table.rows[row, CLAIM] == receiver._incoming["dead"].gen
         here.send("die")
         child.join(10)
