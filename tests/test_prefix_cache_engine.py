@@ -114,3 +114,29 @@ def test_checkpoints_are_carved_out_of_the_cache_budget(model_factory):
     for bad in (dict(prefix_checkpoints=0), dict(prefix_checkpoints=True), dict(enable_prefix_caching="yes")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             LLM(path, **bad)
+
+
+def test_a_preempted_request_resumes_from_its_own_cached_prefix(family_model):
+    """Preempted mid-decode (as the scheduler does when blocks run out), a request is recomputed
+    from the checkpoint its own decode left at its last block boundary, not from zero."""
+    from engine.scheduler import SchedulerOutput
+
+    family, path, hf = family_model
+    prompt = tokens(random.Random(29), 14, hf.config.vocab_size)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    engine = LLM(path, block_size=BLOCK, enable_prefix_caching=True).engine
+    request_id = engine.add_request(prompt, params)
+    for _ in range(5):  # the prefill, then 4 decodes: 18 tokens computed, a checkpoint at 16
+        engine.step()
+    request = engine.requests[request_id]
+    assert request.num_computed_tokens == 18
+    engine.scheduler._preempt(request, SchedulerOutput())
+    engine.step()  # re-admitted: 19 tokens, 16 of them from the cache
+    assert engine.prefix_cache.hit_tokens == 16 and request.num_computed_tokens == 19
+    final = None
+    while final is None:
+        final = next((o for o in engine.step() if o.finished), None)
+    plain = LLM(path, block_size=BLOCK).generate([prompt], params)[0]
+    assert_same_tokens(hf, prompt, final.token_ids, plain.token_ids)
+    judge_greedy(hf, prompt, final.token_ids)
+    engine.check_integrity()
