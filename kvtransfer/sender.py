@@ -77,6 +77,14 @@ class HandoffSender(Endpoint):
         with self._lock:
             return peer in self._channels
 
+    def disconnect(self, peer: str) -> None:
+        """Close the channel to receiver `peer` (removed from the cluster); unknown peers are a no-op."""
+        with self._lock:
+            channel = self._channels.pop(peer, None)
+            self.channel_errors.pop(peer, None)
+        if channel is not None:
+            channel.close()
+
     def begin(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float | None = None,
               *, first_token: int | None = None) -> OutgoingHandoff:
         """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked done.

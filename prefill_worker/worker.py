@@ -60,6 +60,11 @@ class PrefillWorker(EngineEndpoint):
         self._peers.add(peer)
         self.sender.connect(peer, offer)
 
+    def disconnect(self, peer: str) -> None:
+        """Decode worker `peer` left the cluster: no channel to it, none to repair."""
+        self._peers.discard(peer)
+        self.sender.disconnect(peer)
+
     def disconnected_peers(self) -> list[str]:
         """Decode workers whose channel broke (e.g. a hand-off died mid-stream): reconnect them."""
         return sorted(p for p in self._peers if not self.sender.connected(p))

@@ -92,6 +92,11 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
                           decode_resource=None if args.decode_resource == "none" else args.decode_resource,
                           pack_pairs=args.pack_pairs, max_retries=args.max_retries,
                           transfer_timeout_s=args.transfer_timeout, **engine_options)
+    if args.autoscale:
+        from router.autoscaler import AutoscaleConfig
+
+        launch_options["autoscale"] = AutoscaleConfig.parse(args.autoscale, slo_ttft_s=args.slo_ttft_ms / 1000,
+                                                            slo_tpot_s=args.slo_tpot_ms / 1000)
     return launch_options, door_config
 
 
@@ -160,6 +165,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="times a request runs again after its worker died or its hand-off broke")
     serve.add_argument("--transfer-timeout", type=float, default=30.0,
                        help="seconds from reservation until an unfinished hand-off is failed (and retried)")
+    serve.add_argument("--autoscale", default=None, metavar="prefill=MIN:MAX,decode=MIN:MAX",
+                       help="change the pool sizes from live load and the SLOs below (router/autoscaler.py)")
+    serve.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--autoscale: time-to-first-token SLO")
+    serve.add_argument("--slo-tpot-ms", type=float, default=100.0, help="--autoscale: time-per-output-token SLO")
     serve.add_argument("--block-size", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)

@@ -130,6 +130,17 @@ class SplitServeClient(_ClientBase):
         return self.stub.GetStatus(pb.GetStatusRequest(), timeout=self._timeout(timeout),
                                    metadata=self.metadata)
 
+    def scale(self, prefill: int | None = None, decode: int | None = None, drain_timeout_s: float | None = None,
+              timeout: float | None = None) -> pb.ScaleResponse:
+        """Admin: grow or shrink the worker pools; returns once done (drains can take a while)."""
+        request = pb.ScaleRequest(prefill=prefill, decode=decode, drain_timeout_s=drain_timeout_s)
+        return self.stub.Scale(request, timeout=self._timeout(timeout), metadata=self.metadata)
+
+    def restart_workers(self, drain_timeout_s: float | None = None, timeout: float | None = None) -> pb.ScaleResponse:
+        """Admin: replace every worker one at a time, failing no request."""
+        return self.stub.RestartWorkers(pb.RestartWorkersRequest(drain_timeout_s=drain_timeout_s),
+                                        timeout=self._timeout(timeout), metadata=self.metadata)
+
     def health(self, service: str = "", timeout: float | None = None) -> bool:
         """service "": the server is up; "splitserve.v1.SplitServe": it can serve now."""
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),

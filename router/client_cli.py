@@ -1,4 +1,4 @@
-"""`splitserve generate` and `splitserve status`: the gRPC client from the command line."""
+"""`splitserve generate`, `status`, `scale` and `restart-workers`: the gRPC client from the command line."""
 
 from __future__ import annotations
 
@@ -123,6 +123,21 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    import grpc
+
+    try:
+        with _client(args) as client:
+            if args.command == "restart-workers":
+                counts = client.restart_workers(args.drain_timeout)
+            else:
+                counts = client.scale(args.prefill, args.decode, args.drain_timeout)
+    except grpc.RpcError as e:
+        return _rpc_error(e)
+    print(f"prefill workers: {counts.prefill}, decode workers: {counts.decode}")
+    return 0
+
+
 def add_client_commands(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="generate through a running server (gRPC)")
     gen.add_argument("prompt", help="the prompt text (or token ids with --token-ids)")
@@ -141,3 +156,13 @@ def add_client_commands(subparsers) -> None:
     status = subparsers.add_parser("status", help="workers, nodes, cache usage, queue depths (gRPC)")
     _connection_args(status)
     status.set_defaults(func=cmd_status)
+
+    scale = subparsers.add_parser("scale", help="grow or shrink the worker pools of a running server (gRPC)")
+    scale.add_argument("--prefill", type=int, default=None, help="prefill workers wanted (default: unchanged)")
+    scale.add_argument("--decode", type=int, default=None, help="decode workers wanted (default: unchanged)")
+    restart = subparsers.add_parser("restart-workers", help="replace every worker, one at a time (gRPC)")
+    for parser in (scale, restart):
+        parser.add_argument("--drain-timeout", type=float, default=None,
+                            help="seconds a removed worker may finish its streams before they are handed over (default 30)")
+        _connection_args(parser)
+        parser.set_defaults(func=cmd_scale)

@@ -29,7 +29,9 @@ from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
 from router.backend import ModelInfo, Overloaded, Unavailable
+from router.autoscaler import AutoscaleConfig
 from router.placement import PlacementConfig
+from router.scaling import ElasticPools
 from router.tracking import Failure, Tracked
 from router.workers import STATS_INTERVAL_S, WorkerSet
 
@@ -52,6 +54,7 @@ class ClusterConfig:
     retry_wait_s: float = 60.0  # how long a retry waits for a live worker (Ray restarts dead ones)
     max_restarts: int = -1  # Ray restarts of a dead worker actor; -1: always
     ray_init_options: dict = field(default_factory=dict)
+    autoscale: AutoscaleConfig | None = None  # None: the pools change only when told (scale())
     model_path: str = field(init=False, default="")  # the folder `model` names on this node
 
     def __post_init__(self):
@@ -75,7 +78,7 @@ class ClusterConfig:
             raise ValueError("max_retries and retry_wait_s must be >= 0, max_restarts >= -1")
 
 
-class Cluster:
+class Cluster(ElasticPools):
     def __init__(self, config: ClusterConfig):
         self.config = config
         path = Path(config.model_path)
@@ -97,6 +100,7 @@ class Cluster:
         except BaseException:
             self.shutdown()
             raise
+        self.start_autoscaler(config.autoscale)
         facts = self.workers.model_facts
         name = config.model if "revision" in config.engine_options else path.name  # a Hub id names itself
         self.info = ModelInfo(name, str(path), facts["model_type"], facts["vocab_size"],
@@ -151,7 +155,10 @@ class Cluster:
             self._run(self.workers.refresh_stats(), timeout=10)
         except Exception:
             log.warning("stats refresh failed; showing the last known", exc_info=True)
-        return {**self.workers.status(), "in_flight": len(self._requests), "retries": self.retries}
+        status = {**self.workers.status(), "in_flight": len(self._requests), "retries": self.retries}
+        if self.autoscaler is not None:
+            status["autoscaler"] = self.autoscaler.status()
+        return status
 
     # ---- the Python handle ----
 
@@ -173,6 +180,7 @@ class Cluster:
 
 
     def shutdown(self) -> None:
+        self.stop_autoscaler()
         try:
             self._run(self.workers.stop(), timeout=60)
         except Exception:
@@ -210,6 +218,7 @@ class Cluster:
 
     async def _follow(self, tracked: Tracked, emit) -> None:
         """Run attempts until the request finishes; the caller sees one stream."""
+        first_seen = None  # on this router's clock, for the autoscaler
         while True:
             await self._launch(tracked)
             while True:
@@ -217,8 +226,11 @@ class Cluster:
                 failure = tracked.classify(event)
                 if failure is None:
                     out = await tracked.delivered(event)
+                    if first_seen is None and out.token_ids:
+                        first_seen = time.monotonic()
                     if out.finished and out.error is None:
                         self._remember_answer(tracked)
+                        self.record_latency(tracked.arrival_time, first_seen, len(out.token_ids))
                     emit(out)
                     if out.finished:
                         return

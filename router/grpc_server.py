@@ -225,6 +225,26 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
                                max_queued=self.core.max_queued, model=model_info_proto(self.core),
                                workers=[worker_proto(w) for w in status.get("workers", [])])
 
+    async def Scale(self, request, context):
+        await _refuse_undecodable(request, context)
+        given = lambda name, default=None: getattr(request, name) if request.HasField(name) else default  # noqa: E731
+        return await self._resize(context, "scale", given("prefill"), given("decode"),
+                                  drain_timeout_s=given("drain_timeout_s", 30.0))
+
+    async def RestartWorkers(self, request, context):
+        await _refuse_undecodable(request, context)
+        timeout = request.drain_timeout_s if request.HasField("drain_timeout_s") else 30.0
+        return await self._resize(context, "restart_workers", drain_timeout_s=timeout)
+
+    async def _resize(self, context, method: str, *args, **kwargs):
+        try:
+            counts = await self.core.resize(method, *args, **kwargs)
+        except NotImplementedError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ScaleResponse(prefill=counts["prefill"], decode=counts["decode"])
+
 
 async def _refuse_undecodable(request, context) -> None:
     if isinstance(request, Undecodable):

@@ -74,6 +74,13 @@ class WorkerStatusCollector:
                                           "Request attempts run again after a worker died or a hand-off broke")
             retries.add_metric([], status["retries"])
             yield retries
+        if "autoscaler" in status:
+            decisions = CounterMetricFamily("splitserve_autoscaler_decisions",
+                                            "Pool size changes the autoscaler made, by kind, direction and reason",
+                                            labels=["kind", "direction", "reason"])
+            for d in status["autoscaler"]["decisions"]:
+                decisions.add_metric([d["kind"], d["direction"], d["reason"]], d["count"])
+            yield decisions
         gauge = lambda name, doc: GaugeMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
         counter = lambda name, doc: CounterMetricFamily(name, doc, labels=WORKER_LABELS)  # noqa: E731
         alive = gauge("splitserve_worker_alive", "1 while the worker answers")

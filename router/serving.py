@@ -75,6 +75,13 @@ class ServingCore:
     async def status(self) -> dict:
         return await asyncio.to_thread(self.backend.status)
 
+    async def resize(self, method: str, *args, **kwargs) -> dict:
+        """Elastic pools (router/scaling.py): `scale` or `restart_workers` on the backend."""
+        if not hasattr(self.backend, method):
+            raise NotImplementedError(f"{method}: this server's backend ({type(self.backend).__name__}) "
+                                      "has no worker pools to change")
+        return await asyncio.to_thread(getattr(self.backend, method), *args, **kwargs)
+
     async def metrics_text(self) -> bytes:
         return await asyncio.to_thread(self.metrics.render)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -27,6 +29,9 @@ class WorkerRef:
     reserved_since_stats: int = 0  # decode: reservations the last stats do not show yet
     incarnation: str = ""  # the actor's current life; a new one after Ray restarts it
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(1 << 16))  # what it likely caches
+    draining: bool = False  # being removed: gets no new work (router/scaling.py)
+    group: object = None  # its placement group (shared with its pair when packed)
+    poll_task: object = None  # decode: the task reading its outputs
 
 
 class WorkerSet:
@@ -43,15 +48,13 @@ class WorkerSet:
         self._tasks: list[asyncio.Task] = []
         self._started_ray = False
         self.transport = config.transport
+        self._indices = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._route = None
 
     # ---- lifecycle ----
 
     async def start(self, route) -> None:
         import ray
-
-        from decode_worker.worker import DecodeWorker
-        from kvtransfer.shm import SHM_SENDER_ENV
-        from prefill_worker.worker import PrefillWorker
 
         config, placement = self.config, self.config.placement
         if not ray.is_initialized():
@@ -64,43 +67,73 @@ class WorkerSet:
             # "local": a fresh Ray of our own even if another one runs on this machine.
             ray.init(address=config.address or "local", **options)
             self._started_ray = True
-        self._groups, p_slots, d_slots = await asyncio.to_thread(
-            place_workers, placement, config.prefill, config.decode)
+        self._route = route
+        await self.grow(config.prefill, config.decode, placement.pack_pairs)
+        self._tasks.append(asyncio.ensure_future(self._watch()))
+
+    async def grow(self, num_prefill: int, num_decode: int, pack_pairs: bool = False) -> list[WorkerRef]:
+        """Start workers and pair each with every live worker of the other kind before it gets
+        work; at start, or on a running cluster (router/scaling.py)."""
+        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        def spawn(cls, kind, index, slot, env):
+        from decode_worker.worker import DecodeWorker
+        from kvtransfer.shm import SHM_SENDER_ENV
+        from prefill_worker.worker import PrefillWorker
+
+        config = self.config
+        placement = dataclasses.replace(config.placement, pack_pairs=pack_pairs)
+        groups, p_slots, d_slots = await asyncio.to_thread(place_workers, placement, num_prefill, num_decode)
+        self._groups += groups
+
+        def spawn(cls, kind, slot, env):
             group, bundle = slot
-            name = f"{kind}-{index}"
+            name = f"{kind}-{next(self._indices[kind])}"
             handle = ray.remote(cls).options(
                 name=None, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
                 max_concurrency=1000, max_restarts=config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
             ).remote(name, config.model, config.engine_options, self.transport, config.transfer_timeout_s)
-            return WorkerRef(name, kind, handle)
+            return WorkerRef(name, kind, handle, group=group)
 
+        nodes = set().union(*(_group_nodes(g) for g in groups))
         if self.transport == "auto":
-            nodes = set().union(*(_group_nodes(g) for g in self._groups))
             self.transport = "shm" if len(nodes) == 1 else "gloo"
+        elif self.transport == "shm" and self.prefill and nodes - {w.node_id for w in self.prefill + self.decode}:
+            remove_groups(groups)
+            self._groups = [g for g in self._groups if g not in groups]
+            raise RuntimeError("the shm transport needs every worker on one node, and Ray placed new "
+                               "ones elsewhere; serve with --transport gloo to grow across nodes")
         env = SHM_SENDER_ENV if self.transport == "shm" else None
-        self.prefill = [spawn(PrefillWorker, "prefill", i, s, env) for i, s in enumerate(p_slots)]
-        self.decode = [spawn(DecodeWorker, "decode", i, s, None) for i, s in enumerate(d_slots)]
-        everyone = self.prefill + self.decode
-        layouts = await asyncio.gather(*(w.handle.layout.remote() for w in everyone))
-        for worker, layout in zip(everyone, layouts):
+        new_prefill = [spawn(PrefillWorker, "prefill", s, env) for s in p_slots]
+        new_decode = [spawn(DecodeWorker, "decode", s, None) for s in d_slots]
+        new = new_prefill + new_decode
+        known = [w for w in self.prefill + self.decode if w.alive]
+        layouts = await asyncio.gather(*(w.handle.layout.remote() for w in known[:1] + new))
+        for worker, layout in zip(new, layouts[len(known[:1]):]):
             if layout != layouts[0]:
-                raise RuntimeError(f"worker {worker.name} has a different cache layout than {everyone[0].name}")
-        nodes = await asyncio.gather(*(w.handle.node_id.remote() for w in everyone))
-        for worker, node in zip(everyone, nodes):
+                raise RuntimeError(f"worker {worker.name} has a different cache layout than "
+                                   f"{(known[:1] + new)[0].name}")
+        nodes = await asyncio.gather(*(w.handle.node_id.remote() for w in new))
+        for worker, node in zip(new, nodes):
             worker.node_id = node
-        self.model_facts = await self.decode[0].handle.facts.remote()
-        for worker in self.prefill + self.decode:  # roughly what each worker's cache can keep
+        if not self.model_facts:
+            self.model_facts = await new_decode[0].handle.facts.remote()
+        for worker in new:  # roughly what each worker's cache can keep
             worker.prefixes = PrefixIndex(self.model_facts["num_kv_blocks"])
-        for p in self.prefill:
-            for d in self.decode:
-                await self._connect(p, d)
+        live_prefill = [w for w in self.prefill if w.alive and not w.draining] + new_prefill
+        live_decode = [w for w in self.decode if w.alive and not w.draining] + new_decode
+        for p in live_prefill:
+            for d in live_decode:
+                if p in new_prefill or d in new_decode:
+                    await self._connect(p, d)
+        self.prefill += new_prefill
+        self.decode += new_decode
         await self.refresh_stats()
-        self._tasks = [asyncio.ensure_future(self._poll(d, route)) for d in self.decode]
-        self._tasks.append(asyncio.ensure_future(self._watch()))
+        for d in new_decode:
+            d.poll_task = asyncio.ensure_future(self._poll(d, self._route))
+            self._tasks.append(d.poll_task)
+        return new
 
     async def stop(self) -> None:
         import ray
@@ -222,7 +255,7 @@ class WorkerSet:
         """A decode worker with room, and how many of the request's tokens it likely has cached.
         One that can prefill the request itself (at most `local_limit` tokens not cached, e.g.
         the next turn of a chat it answered) goes before the others."""
-        alive = [w for w in self.decode if w.alive]
+        alive = [w for w in self.decode if w.alive and not w.draining]
         if not alive:
             raise Unavailable("no decode worker is alive")
         size = self.model_facts.get("block_size", 1)
@@ -244,7 +277,7 @@ class WorkerSet:
         """The prefill worker with the least work ahead once this request is queued there: its
         queued prompt tokens plus this prompt's part it likely has not cached (Dynamo's
         KV-aware routing). Returns the worker and the tokens charged to it."""
-        alive = [w for w in self.prefill if w.alive]
+        alive = [w for w in self.prefill if w.alive and not w.draining]
         if not alive:
             raise Unavailable("no prefill worker is alive")
         size = self.model_facts.get("block_size", 1)

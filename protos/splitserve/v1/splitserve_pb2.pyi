@@ -224,6 +224,30 @@ class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ScaleRequest(_message.Message):
+    __slots__ = ("prefill", "decode", "drain_timeout_s")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    drain_timeout_s: float
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class RestartWorkersRequest(_message.Message):
+    __slots__ = ("drain_timeout_s",)
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    drain_timeout_s: float
+    def __init__(self, drain_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ScaleResponse(_message.Message):
+    __slots__ = ("prefill", "decode")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    prefill: int
+    decode: int
+    def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
+
 class WorkerStatus(_message.Message):
     __slots__ = ("id", "kind", "node", "alive", "kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free", "waiting", "running", "preemptions", "handoff_bytes", "handoff_count", "handoff_failures", "handoff_seconds_sum")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,16 @@ class SplitServeStub:
                 request_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.GetStatusRequest.SerializeToString,
                 response_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ServerStatus.FromString,
                 _registered_method=True)
+        self.Scale = channel.unary_unary(
+                '/splitserve.v1.SplitServe/Scale',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.FromString,
+                _registered_method=True)
+        self.RestartWorkers = channel.unary_unary(
+                '/splitserve.v1.SplitServe/RestartWorkers',
+                request_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.RestartWorkersRequest.SerializeToString,
+                response_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.FromString,
+                _registered_method=True)
 
 
 class SplitServeServicer:
@@ -102,6 +112,25 @@ class SplitServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Scale(self, request, context):
+        """Admin: grow or shrink the prefill and decode pools on the running cluster. New workers are
+        paired with every worker of the other kind before they get work; removed ones drain
+        (no new work; streams finish, or are handed over at the deadline with nothing lost).
+        Answers with the counts once every change is done. Errors: INVALID_ARGUMENT (a count
+        below 1), FAILED_PRECONDITION (the backend has no worker pools), UNAUTHENTICATED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestartWorkers(self, request, context):
+        """Admin: replace every worker, one at a time, the same way (e.g. to pick up a new model
+        revision); no request fails.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +153,16 @@ def add_SplitServeServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.GetStatusRequest.FromString,
                     response_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ServerStatus.SerializeToString,
+            ),
+            'Scale': grpc.unary_unary_rpc_method_handler(
+                    servicer.Scale,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.SerializeToString,
+            ),
+            'RestartWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestartWorkers,
+                    request_deserializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.RestartWorkersRequest.FromString,
+                    response_serializer=protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -239,6 +278,60 @@ class SplitServe:
             '/splitserve.v1.SplitServe/GetStatus',
             protos_dot_splitserve_dot_v1_dot_splitserve__pb2.GetStatusRequest.SerializeToString,
             protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ServerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Scale(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.SplitServe/Scale',
+            protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestartWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.SplitServe/RestartWorkers',
+            protos_dot_splitserve_dot_v1_dot_splitserve__pb2.RestartWorkersRequest.SerializeToString,
+            protos_dot_splitserve_dot_v1_dot_splitserve__pb2.ScaleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,88 @@
+"""The autoscaler's policy on synthetic readings: pressure, idleness, hysteresis, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.autoscaler import AutoscaleConfig, Autoscaler, Signals
+
+CONFIG = dict(slo_ttft_s=1.0, slo_tpot_s=0.1, up_intervals=2, down_intervals=3, cooldown_intervals=2)
+
+
+def run(scaler, readings):
+    return [[(d.kind, d.delta, d.reason) for d in scaler.decide(s)] for s in readings]
+
+
+def test_spec_parsing_and_validation():
+    config = AutoscaleConfig.parse("prefill=1:4,decode=2:8", slo_ttft_s=0.5)
+    assert (config.prefill, config.decode, config.slo_ttft_s) == ((1, 4), (2, 8), 0.5)
+    assert AutoscaleConfig.parse("decode=1:3").prefill == (1, 4)
+    for bad in ("prefill=4:1", "gpu=1:2", "decode=1", "prefill=0:2"):
+        with pytest.raises(ValueError):
+            AutoscaleConfig.parse(bad)
+
+
+def test_slo_pressure_grows_the_limiting_kind_after_two_readings_then_cools_down():
+    scaler = Autoscaler(AutoscaleConfig(prefill=(1, 3), decode=(1, 3), **CONFIG))
+    slow_ttft = Signals(1, 1, ttft_p90_s=2.5, tpot_p90_s=0.02, decode_slot_occupancy=0.5)
+    steps = run(scaler, [slow_ttft] * 3)
+    assert steps == [[], [("prefill", 1, "ttft_slo")], []]  # one reading is not enough; then cooldown
+    grown = Signals(2, 1, ttft_p90_s=2.5, tpot_p90_s=0.02, decode_slot_occupancy=0.5)
+    assert run(scaler, [grown] * 3) == [[], [("prefill", 1, "ttft_slo")], []]  # readings in cooldown count
+    at_max = Signals(3, 1, ttft_p90_s=2.5, tpot_p90_s=0.02, decode_slot_occupancy=0.5)
+    assert run(scaler, [at_max] * 4) == [[], [], [], []]
+    assert scaler.decisions[("prefill", "up", "ttft_slo")] == 2
+
+
+def test_decode_grows_on_tpot_or_occupancy_and_shrinks_only_when_the_rest_has_room():
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 4), **CONFIG))
+    full = Signals(1, 2, decode_block_occupancy=0.95)
+    assert run(scaler, [full, full]) == [[], [("decode", 1, "decode_occupancy")]]
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 4), **CONFIG))
+    assert run(scaler, [Signals(1, 2, tpot_p90_s=0.3)] * 2)[-1] == [("decode", 1, "tpot_slo")]
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 4), **CONFIG))
+    busy_enough = Signals(1, 2, decode_slot_occupancy=0.2)  # 0.4 on one worker: above low_occupancy 0.3
+    assert run(scaler, [busy_enough] * 5) == [[]] * 5
+    quiet = Signals(1, 2, decode_slot_occupancy=0.1)
+    assert run(scaler, [quiet] * 3) == [[], [], [("decode", -1, "idle")]]
+
+
+def test_alternating_readings_never_flap():
+    scaler = Autoscaler(AutoscaleConfig(prefill=(1, 4), **CONFIG))
+    pressured = Signals(2, 1, ttft_p90_s=3.0)
+    idle = Signals(2, 1, ttft_p90_s=0.1)
+    assert run(scaler, [pressured, idle] * 6) == [[]] * 12
+
+
+def test_a_pool_outside_its_bounds_is_brought_back():
+    scaler = Autoscaler(AutoscaleConfig(prefill=(2, 4), decode=(1, 2), **CONFIG))
+    assert run(scaler, [Signals(1, 3)]) == [[("prefill", 1, "bounds"), ("decode", -1, "bounds")]]
+    status = scaler.status()
+    assert {"kind": "prefill", "direction": "up", "reason": "bounds", "count": 1} in status["decisions"]
+
+
+def test_decisions_are_exported_as_a_metric():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.metrics import FrontDoorMetrics
+
+    scaler = Autoscaler(AutoscaleConfig(prefill=(2, 4), **CONFIG))
+    scaler.decide(Signals(1, 1))
+    text = FrontDoorMetrics(lambda: {"workers": [], "autoscaler": scaler.status()}).render().decode()
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    key = ("splitserve_autoscaler_decisions_total",
+           frozenset({"kind": "prefill", "direction": "up", "reason": "bounds"}.items()))
+    assert samples[key] == 1
+
+
+def test_serve_flags_build_the_autoscaler_config():
+    from router.cli import build_parser, serve_options
+
+    args = build_parser().parse_args(["serve", "--autoscale", "prefill=1:2,decode=1:6", "--slo-ttft-ms", "500",
+                                      "--slo-tpot-ms", "40"])
+    config = serve_options(args)[0]["autoscale"]
+    assert (config.prefill, config.decode, config.slo_ttft_s, config.slo_tpot_s) == ((1, 2), (1, 6), 0.5, 0.04)
+    assert "autoscale" not in serve_options(build_parser().parse_args(["serve"]))[0]
+    with pytest.raises(ValueError, match="KIND=MIN:MAX"):
+        serve_options(build_parser().parse_args(["serve", "--autoscale", "decode:1-6"]))

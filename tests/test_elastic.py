@@ -1,0 +1,192 @@
+"""Elastic pools on the session's Ray test cluster: workers added and removed under load, a
+drain whose deadline forces a hand-over, and a rolling restart, with every stream whole."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.oracle import assert_same_tokens, judge_greedy
+
+ray = pytest.importorskip("ray")
+
+from tests.conftest import DECODE_RES, PREFILL_RES
+from tests.test_cluster import wait_idle
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def elastic(ray_nodes, model_factory):
+    from router.cluster import launch
+
+    path, hf = model_factory("jamba")
+    handle = launch(path, prefill=1, decode=1, address=ray_nodes[0].address, prefill_resource=PREFILL_RES,
+                    decode_resource=DECODE_RES, block_size=4, num_kv_blocks=300, max_num_seqs=16,
+                    transfer_timeout_s=15.0)
+    yield handle, path, hf
+    handle.shutdown()
+
+
+def names(handle) -> set[str]:
+    return {w["id"] for w in handle.status()["workers"]}
+
+
+class Load:
+    """Requests sent one batch after another from a thread until stopped; all kept."""
+
+    def __init__(self, handle, vocab: int, seed: int):
+        self.handle, self.rng = handle, random.Random(seed)
+        self.vocab, self.results = vocab, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+
+    def _run(self):
+        while not self._stop.is_set():
+            prompts = [[self.rng.randrange(3, self.vocab) for _ in range(self.rng.randint(1, 30))] for _ in range(4)]
+            self.results += zip(prompts, self.handle.generate(prompts, GREEDY))
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+    def check(self, hf, path):
+        assert self.results, "no request ran"
+        prompts = [p for p, _ in self.results]
+        local = LLM(path, block_size=4).generate(prompts, GREEDY)
+        for (prompt, out), ref in zip(self.results, local):
+            assert out.error is None and out.finish_reason == "length", out.error
+            assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+
+
+def test_scale_each_kind_up_and_down_under_load(elastic):
+    handle, path, hf = elastic
+    before = names(handle)
+    with Load(handle, 300, 1) as load:
+        time.sleep(1.0)
+        assert handle.scale(prefill=2, decode=3) == {"prefill": 2, "decode": 3}
+        grown = names(handle)
+        time.sleep(2.0)
+        assert handle.scale(prefill=1, decode=1) == {"prefill": 1, "decode": 1}
+    load.check(hf, path)
+    assert len(grown) == 5 and before < grown
+    assert names(handle) == before  # the newest went first
+    with pytest.raises(ValueError, match="at least one"):
+        handle.scale(decode=0)
+    wait_idle(handle)
+
+
+def test_a_drain_deadline_hands_streams_over_without_a_gap(elastic):
+    from router import scaling
+
+    handle, path, hf = elastic
+    handle.scale(decode=2)
+    prompt = [7, 8, 9, 10]
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    result, retries = [], handle.retries
+    runner = threading.Thread(target=lambda: result.extend(handle.generate([prompt], params)))
+    runner.start()
+    deadline = time.monotonic() + 30
+    while not handle.workers.owner:
+        assert time.monotonic() < deadline, "the request was never placed"
+        time.sleep(0.01)
+    (holder, _), = handle.workers.owner.values()
+    time.sleep(0.5)  # some tokens out already
+    handle._run(scaling.drain(handle.workers, holder, handle._hand_over, timeout_s=0.2))
+    runner.join(timeout=120)
+    (out,) = result
+    assert out.error is None and len(out.token_ids) == 300
+    assert handle.retries - retries == 1  # handed over once, resumed from what was delivered
+    judge_greedy(hf, prompt, out.token_ids)
+    assert holder.name not in names(handle) and len(handle.workers.decode) == 1
+    wait_idle(handle)
+
+
+def test_a_rolling_restart_fails_no_request(elastic):
+    handle, path, hf = elastic
+    before = names(handle)
+    with Load(handle, 300, 3) as load:
+        time.sleep(1.0)
+        assert handle.restart_workers(drain_timeout_s=10) == {"prefill": 1, "decode": 1}
+        time.sleep(1.0)
+    load.check(hf, path)
+    assert not names(handle) & before  # every worker replaced
+    wait_idle(handle)
+
+
+def test_scale_over_grpc_and_the_command_line_behind_the_token(elastic, capsys):
+    import grpc
+
+    from router.cli import main
+    from router.client import SplitServeClient
+    from tests.test_api_support import serving
+
+    handle, _, _ = elastic
+    with serving(handle, auth_token="admin-secret") as door:
+        address = f"127.0.0.1:{door.grpc_port}"
+        with SplitServeClient(address, auth_token="wrong") as intruder:
+            with pytest.raises(grpc.RpcError) as refused:
+                intruder.scale(decode=2)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with SplitServeClient(address, auth_token="admin-secret") as admin:
+            with pytest.raises(grpc.RpcError) as bad:
+                admin.scale(prefill=0)
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one" in bad.value.details()
+            counts = admin.scale(decode=2)
+            assert (counts.prefill, counts.decode) == (1, 2)
+        assert main(["scale", "--server", address, "--auth-token", "admin-secret", "--decode", "1",
+                     "--drain-timeout", "5"]) == 0
+        assert "prefill workers: 1, decode workers: 1" in capsys.readouterr().out
+    assert len(handle.workers.decode) == 1
+    wait_idle(handle)
+
+
+def test_a_backend_without_pools_refuses_to_scale():
+    import asyncio
+
+    from router.serving import ServingCore
+
+    class NoPools:
+        def status(self):
+            return {}
+
+    with pytest.raises(NotImplementedError, match="no worker pools"):
+        asyncio.run(ServingCore(NoPools(), 1).resize("scale", decode=2))
+
+
+def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic):
+    from router import scaling
+    from router.autoscaler import AutoscaleConfig
+
+    handle, path, hf = elastic
+    # A TPOT SLO no step meets: any load is decode pressure; once it stops, decode is idle.
+    config = AutoscaleConfig(prefill=(1, 1), decode=(1, 2), slo_ttft_s=60.0, slo_tpot_s=0.001, interval_s=0.4,
+                             up_intervals=2, down_intervals=3, cooldown_intervals=1)
+    handle.start_autoscaler(config)
+
+    def wait_for_decode(count):
+        deadline = time.monotonic() + 90
+        while len(scaling.serving(handle.workers, "decode")) != count:
+            assert time.monotonic() < deadline, handle.status().get("autoscaler")
+            time.sleep(0.1)
+
+    try:
+        with Load(handle, 300, 5) as load:
+            wait_for_decode(2)
+            time.sleep(1.0)
+        wait_for_decode(1)
+        decisions = {(d["kind"], d["direction"], d["reason"]) for d in handle.status()["autoscaler"]["decisions"]}
+    finally:
+        handle.stop_autoscaler()
+        handle.autoscaler = None
+    load.check(hf, path)
+    assert decisions == {("decode", "up", "tpot_slo"), ("decode", "down", "idle")}
+    wait_idle(handle)
