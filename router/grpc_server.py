@@ -20,6 +20,7 @@ from engine.structured import StructuredOutput
 from protos.splitserve.v1 import splitserve_pb2 as pb
 from protos.splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from router.auth import GrpcTokenInterceptor, TokenCheck
+from router.placement import PlacementError
 from router.backend import Overloaded, Unavailable
 from router.chat_template import checkpoint_template
 from router.serving import Delta, GenerationFailed, ServingCore
@@ -243,6 +244,13 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except PlacementError as e:  # nothing was started; the cluster serves on as it was
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            log.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(e).__name__}: {e}")
         return pb.ScaleResponse(prefill=counts["prefill"], decode=counts["decode"])
 
 

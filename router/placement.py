@@ -14,6 +14,10 @@ PREFILL_RESOURCE = "splitserve_prefill"
 DECODE_RESOURCE = "splitserve_decode"
 
 
+class PlacementError(RuntimeError):
+    """Ray could not place the workers asked for (no node offers the resources, within the wait)."""
+
+
 @dataclass
 class PlacementConfig:
     cpus_per_worker: float = 1.0
@@ -70,7 +74,7 @@ def place_workers(config: PlacementConfig, num_prefill: int, num_decode: int):
             ray.get(group.ready(), timeout=config.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_groups(groups)
-            raise RuntimeError(
+            raise PlacementError(
                 f"Ray could not place bundles {group.bundle_specs} within {config.ready_timeout_s}s: "
                 "no node offers those resources (check --resources of `ray start`)"
             ) from None

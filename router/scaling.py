@@ -10,8 +10,8 @@ deadline is handed over through the retry path (router/tracking.py): the request
 elsewhere from the tokens the caller already has, so the caller sees one stream with no token
 twice and none missing. Then the actor stops and its placement group goes.
 
-A rolling restart drains one worker at a time after starting its replacement (with new
-engine options, if given: they must keep the cache layout, which every pair checks).
+A rolling restart replaces one worker at a time (with new engine options, if given: they must
+keep the cache layout, which every pair checks).
 The autoscaler (router/autoscaler.py) drives the same `scale` from live signals.
 """
 
@@ -134,12 +134,19 @@ async def scale(workers: WorkerSet, hand_over, prefill: int | None = None, decod
 
 async def restart_workers(workers: WorkerSet, hand_over, engine_options: dict | None = None,
                           drain_timeout_s: float = 30.0) -> dict:
-    """Replace every worker, one at a time: start its successor, then drain it."""
+    """Replace every worker, one at a time. The last of its kind gets its successor first (the
+    kind never goes without a worker, at the cost of room for one more); one of several is
+    drained first (no spare room needed; the others carry the load meanwhile)."""
     if engine_options is not None:
         workers.config.engine_options = {**workers.config.engine_options, **engine_options}
     for old in list(serving(workers, "prefill")) + list(serving(workers, "decode")):
-        await workers.grow(int(old.kind == "prefill"), int(old.kind == "decode"))
-        await drain(workers, old, hand_over, drain_timeout_s)
+        successor = (int(old.kind == "prefill"), int(old.kind == "decode"))
+        if len(serving(workers, old.kind)) > 1:
+            await drain(workers, old, hand_over, drain_timeout_s)
+            await workers.grow(*successor)
+        else:
+            await workers.grow(*successor)
+            await drain(workers, old, hand_over, drain_timeout_s)
     return counts(workers)
 
 

@@ -61,6 +61,8 @@ class WorkerSet:
             options = dict(config.ray_init_options)
             if config.address is None:
                 workers = config.prefill + config.decode
+                if config.autoscale is not None:  # room on our own Ray for the most it may start
+                    workers = max(workers, config.autoscale.prefill[1] + config.autoscale.decode[1])
                 options.setdefault("num_cpus", max(os.cpu_count() or 1,
                                                    int(workers * placement.cpus_per_worker + 0.999)))
                 options.setdefault("include_dashboard", False)

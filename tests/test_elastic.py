@@ -142,6 +142,14 @@ def test_scale_over_grpc_and_the_command_line_behind_the_token(elastic, capsys):
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at least one" in bad.value.details()
             counts = admin.scale(decode=2)
             assert (counts.prefill, counts.decode) == (1, 2)
+            handle.config.placement.ready_timeout_s = 2.0  # the test cluster's decode node has 6 slots
+            try:
+                with pytest.raises(grpc.RpcError) as full:
+                    admin.scale(decode=9)
+            finally:
+                handle.config.placement.ready_timeout_s = 120.0
+            assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "could not place" in full.value.details()
+            assert len(handle.workers.decode) == 2  # nothing started, nothing lost
         assert main(["scale", "--server", address, "--auth-token", "admin-secret", "--decode", "1",
                      "--drain-timeout", "5"]) == 0
         assert "prefill workers: 1, decode workers: 1" in capsys.readouterr().out
@@ -189,4 +197,32 @@ def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic):
         handle.autoscaler = None
     load.check(hf, path)
     assert decisions == {("decode", "up", "tpot_slo"), ("decode", "down", "idle")}
+    wait_idle(handle)
+
+
+def test_a_rolling_restart_of_several_workers_needs_no_spare_room(elastic):
+    """With two decode workers, each is drained before its successor starts, so the restart
+    never needs room for a third; with one prefill worker, its successor comes first."""
+    from router import scaling
+
+    handle, path, hf = elastic
+    handle.scale(decode=2)
+    grow, seen = handle.workers.grow, []
+
+    async def counting_grow(num_prefill, num_decode, *args):
+        seen.append((len(scaling.serving(handle.workers, "prefill")) + num_prefill,
+                     len(scaling.serving(handle.workers, "decode")) + num_decode))
+        return await grow(num_prefill, num_decode, *args)
+
+    handle.workers.grow = counting_grow
+    try:
+        with Load(handle, 300, 7) as load:
+            before = names(handle)
+            assert handle.restart_workers(drain_timeout_s=10) == {"prefill": 1, "decode": 2}
+    finally:
+        handle.workers.grow = grow
+    load.check(hf, path)
+    assert seen == [(2, 2), (1, 2), (1, 2)]  # prefill surges to 2; decode never goes above 2
+    assert not names(handle) & before
+    handle.scale(decode=1)
     wait_idle(handle)
