@@ -6,7 +6,7 @@ of the prefix, and that exists only where it was saved: checkpoints, one state-s
 rows each, in a bounded pool of their own beside the request slots (engine.cache).
 
 Where checkpoints are saved (each at a block boundary, so the KV of the same prefix is whole;
-the scheduler ends a prefill chunk at each point, the engine copies the state after the step):
+a prefill chunk runs in passes that end at each point; the engine copies the state after it):
 - the last boundary of every prompt short of its end (an identical prompt hits it);
 - where a prompt leaves a cached chain that has no checkpoint there (Marconi's speculative
   insertion): a branch point, such as the end of a shared system prompt, is likely to be hit

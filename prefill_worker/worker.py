@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
@@ -48,8 +48,7 @@ class PrefillWorker(EngineEndpoint):
         self._peers: set[str] = set()
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
-        self._first_logprobs: dict[str, dict | None] = {}
-        self._cached_tokens: dict[str, int] = {}
+        self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
@@ -87,8 +86,7 @@ class PrefillWorker(EngineEndpoint):
             self._waiters.pop(request_id, None)
             self._targets.pop(request_id, None)
             self._queued_tokens.pop(request_id, None)
-            self._first_logprobs.pop(request_id, None)
-            self._cached_tokens.pop(request_id, None)
+            self._shipped.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.sender.pending():
@@ -122,8 +120,7 @@ class PrefillWorker(EngineEndpoint):
             if target is None:  # aborted meanwhile
                 engine.finish_handoff(handoff.request_id, "aborted")
                 continue
-            self._first_logprobs[handoff.request_id] = handoff.first_logprob
-            self._cached_tokens[handoff.request_id] = handoff.num_cached_tokens
+            self._shipped[handoff.request_id] = handoff
             slot = handoff.slot if self.cache_tensors.num_slots else None
             try:
                 if self._stall_next > 0:
@@ -146,11 +143,12 @@ class PrefillWorker(EngineEndpoint):
             self.handoffs["bytes"] += self.cache_tensors.layout.handoff_bytes(result.num_tokens)
         else:
             self.handoffs["failures"] += 1
+        shipped = self._shipped.get(result.request_id)
         self._resolve(result.request_id, PrefillOutcome(
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
-            handoff_seconds=result.elapsed_s, first_logprob=self._first_logprobs.get(result.request_id),
-            num_cached_tokens=self._cached_tokens.get(result.request_id, 0), retryable=not result.ok))
+            handoff_seconds=result.elapsed_s, first_logprob=shipped.first_logprob if shipped else None,
+            num_cached_tokens=shipped.num_cached_tokens if shipped else 0, retryable=not result.ok))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
