@@ -1,4 +1,4 @@
-"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix` (`bench transfer` lives in kvtransfer.bench)."""
+"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix|elastic` (`bench transfer` lives in kvtransfer.bench)."""
 
 from __future__ import annotations
 
@@ -177,6 +177,29 @@ def cmd_prefix(args) -> int:
     return 0
 
 
+def cmd_elastic(args) -> int:
+    from bench.elastic import format_report, plot_worker_counts, run_elastic
+    from bench.metrics import dump_json
+
+    profile = None
+    if args.profile:
+        from router.autoscaler import CapacityModel
+
+        profile = CapacityModel.from_file(args.profile).profile
+    with _model_dir(args) as model:
+        report = run_elastic(model, args.num_prompts, args.input_len, args.output_len, args.rate, _slo(args),
+                             args.attainment, args.max_workers, (args.max_prefill, args.max_decode),
+                             args.threads_per_worker, args.startup_s, args.interval_s, args.cluster, profile,
+                             args.seed)
+    print(format_report(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        print("plot:", plot_worker_counts(report, out / "elastic_workers.png"))
+        dump_json(report, out / "elastic.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve bench", description="serving benchmarks")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -232,6 +255,29 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(prefix)
     add_prefix_arguments(prefix)
     prefix.set_defaults(func=cmd_prefix)
+
+    elastic = sub.add_parser("elastic", help="autoscaler vs the best fixed split when decode-heavy traffic "
+                                             "turns prefill-heavy half-way")
+    _model_args(elastic)
+    elastic.add_argument("--num-prompts", type=int, default=200, help="requests in each half")
+    elastic.add_argument("--input-len", type=int, default=1024, help="prefill-heavy prompts; decode-heavy get 1/8")
+    elastic.add_argument("--output-len", type=int, default=256, help="decode-heavy answers; prefill-heavy get 1/8")
+    elastic.add_argument("--rate", type=float, default=2.0, help="request rate (req/s), both halves")
+    elastic.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    elastic.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    elastic.add_argument("--slo-e2el-ms", type=float, default=None)
+    elastic.add_argument("--attainment", type=float, default=0.9, help="target the fixed split is planned for")
+    elastic.add_argument("--max-workers", type=int, default=4, help="P + D budget of the fixed split")
+    elastic.add_argument("--max-prefill", type=int, default=4, help="autoscaler bound")
+    elastic.add_argument("--max-decode", type=int, default=4, help="autoscaler bound")
+    elastic.add_argument("--threads-per-worker", type=int, default=1)
+    elastic.add_argument("--startup-s", type=float, default=5.0, help="simulated: seconds a new worker takes to start")
+    elastic.add_argument("--interval-s", type=float, default=2.0, help="autoscaler reading interval")
+    elastic.add_argument("--profile", default=None, help="a `bench plan --out` report: skip profiling")
+    elastic.add_argument("--cluster", action="store_true", help="real local Ray clusters instead of the simulation")
+    elastic.add_argument("--seed", type=int, default=0)
+    elastic.add_argument("--out", default=None, help="directory for elastic.json and elastic_workers.png")
+    elastic.set_defaults(func=cmd_elastic)
     return parser
 
 

@@ -7,14 +7,23 @@ keeps it from flapping: a kind grows only after `up_intervals` pressured reading
 shrinks after `down_intervals` idle ones, and is left alone for `cooldown_intervals` after a
 change; shrinking also needs the load to fit the smaller pool with room to spare. Every
 decision is logged and counted (splitserve_autoscaler_decisions_total{kind, direction, reason}).
-The policy below has no Ray in it; router/cluster.py runs it against the real pools.
+
+Given the planner's performance model of one worker (`CapacityModel`, from `bench plan --out`),
+it also sizes its steps: how many prefill workers the prompt tokens arriving per second need,
+how many decode workers the running sequences need at the largest batch whose step time meets
+the TPOT SLO. A kind below that grows to it in one step (reason "capacity" when no SLO is
+breached yet), and a kind shrinks only when the model says one worker fewer is enough.
+The policy below has no Ray in it; router/scaling.py runs it against the real pools.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 KINDS = ("prefill", "decode")
@@ -33,6 +42,7 @@ class AutoscaleConfig:
     prefill_queue_tokens: int = 8192  # queued prompt tokens per prefill worker that count as pressure
     high_occupancy: float = 0.85  # decode slots or blocks
     low_occupancy: float = 0.3  # what the remaining workers may reach after a shrink
+    capacity: CapacityModel | None = None  # the planner's model of one worker; None: steps of one
 
     def __post_init__(self):
         for kind in KINDS:
@@ -58,6 +68,59 @@ class AutoscaleConfig:
 
 
 @dataclass
+class CapacityModel:
+    """What one worker can do, from the planner's fitted profile (bench.planner.WorkerProfile:
+    `prefill_step_s(prompt_lens)`, `decode_step_s(batch)`, `max_num_batched_tokens`,
+    `max_num_seqs`). Prefill workers are sized to run at `prefill_utilization` at most (a
+    queue at higher load makes TTFT grow without bound); decode workers to batches whose step
+    time is within `tpot_headroom` of the TPOT SLO."""
+
+    profile: object
+    prefill_utilization: float = 0.7
+    tpot_headroom: float = 0.8
+
+    def __post_init__(self):
+        if not 0 < self.prefill_utilization <= 1 or not 0 < self.tpot_headroom <= 1:
+            raise ValueError("capacity model: prefill_utilization and tpot_headroom must be in (0, 1]")
+
+    @classmethod
+    def from_file(cls, path: str | Path, **options) -> CapacityModel:
+        """A `bench plan --out` report (its "profile") or a bare profile JSON."""
+        from bench.planner import WorkerProfile
+
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(WorkerProfile(**data.get("profile", data)), **options)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"capacity profile {path}: {e}") from e
+
+    def prefill_tokens_per_s(self, mean_prompt_len: float) -> float:
+        """Prompt tokens one worker computes per second, steps packed with prompts of this length."""
+        budget = self.profile.max_num_batched_tokens
+        length = max(1, min(budget, round(mean_prompt_len)))
+        per_step = max(1, budget // length)
+        return per_step * length / self.profile.prefill_step_s([length] * per_step)
+
+    def prefill_workers(self, prompt_tokens_per_s: float, mean_prompt_len: float) -> int:
+        if prompt_tokens_per_s <= 0:
+            return 1
+        capacity = self.prefill_tokens_per_s(mean_prompt_len) * self.prefill_utilization
+        return max(1, math.ceil(prompt_tokens_per_s / capacity))
+
+    def decode_batch(self, slo_tpot_s: float) -> int:
+        """The largest batch whose step meets the TPOT SLO with headroom (at least 1)."""
+        limit = slo_tpot_s * self.tpot_headroom
+        best = 1
+        for batch in range(1, self.profile.max_num_seqs + 1):
+            if self.profile.decode_step_s(batch) <= limit:
+                best = batch
+        return best
+
+    def decode_workers(self, running: int, slo_tpot_s: float) -> int:
+        return max(1, math.ceil(running / self.decode_batch(slo_tpot_s)))
+
+
+@dataclass
 class Signals:
     prefill_workers: int
     decode_workers: int
@@ -66,13 +129,16 @@ class Signals:
     tpot_p90_s: float | None = None
     decode_slot_occupancy: float = 0.0
     decode_block_occupancy: float = 0.0
+    prompt_tokens_per_s: float = 0.0  # arrived since the last reading (the capacity model's input)
+    mean_prompt_len: float = 0.0
+    decode_running: int = 0  # sequences decoding or waiting on decode workers
 
 
 @dataclass
 class Decision:
     kind: str
-    delta: int  # +1 or -1
-    reason: str  # a metric label: ttft_slo, prefill_queue, tpot_slo, decode_occupancy, idle, bounds
+    delta: int  # workers to add (> 0) or remove (-1)
+    reason: str  # a metric label: ttft_slo, prefill_queue, tpot_slo, decode_occupancy, capacity, idle, bounds
     detail: str = ""  # the numbers, for the log
 
 
@@ -91,13 +157,20 @@ class Autoscaler:
             workers = s.prefill_workers if kind == "prefill" else s.decode_workers
             low, high = getattr(self.config, kind)
             pressure, idle = self._read(kind, s, workers)
+            needed = self._needed(kind, s)
+            if needed is not None:
+                if pressure is None and needed > workers:
+                    pressure = ("capacity", f"the capacity model needs {needed} {kind} workers for the load")
+                if idle is not None and needed >= workers:
+                    idle = None  # the model says the smaller pool would not keep up
             self._pressured[kind] = self._pressured[kind] + 1 if pressure else 0
             self._idle[kind] = self._idle[kind] + 1 if idle and not pressure else 0
             if self._cooldown[kind] > 0:
                 self._cooldown[kind] -= 1
                 continue
             if pressure and self._pressured[kind] >= self.config.up_intervals and workers < high:
-                out.append(Decision(kind, +1, *pressure))
+                step = max(1, min(high, needed) - workers) if needed is not None else 1
+                out.append(Decision(kind, step, *pressure))
             elif idle and self._idle[kind] >= self.config.down_intervals and workers > low:
                 out.append(Decision(kind, -1, *idle))
             elif workers < low or workers > high:
@@ -106,10 +179,19 @@ class Autoscaler:
             self._pressured[d.kind] = self._idle[d.kind] = 0
             self._cooldown[d.kind] = self.config.cooldown_intervals
             self.decisions[(d.kind, "up" if d.delta > 0 else "down", d.reason)] += 1
-            log.info("autoscaler: %s %s (%s): %s", "grow" if d.delta > 0 else "shrink", d.kind, d.reason, d.detail)
+            log.info("autoscaler: %s %s by %d (%s): %s", "grow" if d.delta > 0 else "shrink", d.kind,
+                     abs(d.delta), d.reason, d.detail)
         if out:
             self.last = out
         return out
+
+    def _needed(self, kind: str, s: Signals) -> int | None:
+        model = self.config.capacity
+        if model is None:
+            return None
+        if kind == "prefill":
+            return model.prefill_workers(s.prompt_tokens_per_s, s.mean_prompt_len)
+        return model.decode_workers(s.decode_running, self.config.slo_tpot_s)
 
     def _read(self, kind: str, s: Signals, workers: int) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
         """((reason, detail) if the kind is pressured, (reason, detail) if it is idle)."""

@@ -93,10 +93,11 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
                           pack_pairs=args.pack_pairs, max_retries=args.max_retries,
                           transfer_timeout_s=args.transfer_timeout, **engine_options)
     if args.autoscale:
-        from router.autoscaler import AutoscaleConfig
+        from router.autoscaler import AutoscaleConfig, CapacityModel
 
+        capacity = CapacityModel.from_file(args.autoscale_profile) if args.autoscale_profile else None
         launch_options["autoscale"] = AutoscaleConfig.parse(args.autoscale, slo_ttft_s=args.slo_ttft_ms / 1000,
-                                                            slo_tpot_s=args.slo_tpot_ms / 1000)
+                                                            slo_tpot_s=args.slo_tpot_ms / 1000, capacity=capacity)
     return launch_options, door_config
 
 
@@ -109,6 +110,7 @@ BENCHMARKS = {
     "roofline": "model FLOP utilisation against this machine's GEMM rate, next to transformers",
     "structured": "throughput of JSON-schema-constrained vs free sampling, side by side",
     "prefix": "prefix caching on vs off: multi-turn chat, shared system prompt, no reuse",
+    "elastic": "autoscaler vs the best fixed P:D split on traffic that shifts from decode- to prefill-heavy",
 }
 
 
@@ -169,6 +171,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="change the pool sizes from live load and the SLOs below (router/autoscaler.py)")
     serve.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="--autoscale: time-to-first-token SLO")
     serve.add_argument("--slo-tpot-ms", type=float, default=100.0, help="--autoscale: time-per-output-token SLO")
+    serve.add_argument("--autoscale-profile", default=None, metavar="JSON",
+                       help="--autoscale: size steps with this worker profile (`splitserve bench plan --out`)")
     serve.add_argument("--block-size", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)

@@ -201,6 +201,7 @@ class Cluster(ElasticPools):
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
             tracked = Tracked(request_id, ids, params)
             self._requests[request_id] = tracked
+            self.record_arrival(len(ids))
             try:
                 await self._follow(tracked, emit)
             except asyncio.CancelledError:  # the caller went away: stop the attempt everywhere

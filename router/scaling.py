@@ -69,11 +69,17 @@ class ElasticPools:
             return
         self.autoscaler = Autoscaler(config)
         self._latencies: list[tuple[float, float | None]] = []
+        self._arrived: list[int] = []  # prompt lengths since the last reading
+        self._last_reading = time.monotonic()
         self._autoscale_task = asyncio.run_coroutine_threadsafe(self._autoscale(), self._loop)
 
     def stop_autoscaler(self) -> None:
         if self._autoscale_task is not None:
             self._autoscale_task.cancel()
+
+    def record_arrival(self, prompt_len: int) -> None:
+        if self.autoscaler is not None:
+            self._arrived.append(prompt_len)
 
     def record_latency(self, arrival: float, first_token: float | None, num_tokens: int) -> None:
         """A request finished (router clock): its TTFT and TPOT feed the next reading."""
@@ -97,6 +103,9 @@ class ElasticPools:
 
     def signals(self) -> Signals:
         latencies, self._latencies = self._latencies, []
+        arrived, self._arrived = self._arrived, []
+        now, since = time.monotonic(), self._last_reading
+        self._last_reading = now
         prefill, decode = serving(self.workers, "prefill"), serving(self.workers, "decode")
 
         def p90(values):
@@ -110,7 +119,10 @@ class ElasticPools:
         return Signals(len(prefill), len(decode), sum(w.queued_tokens for w in prefill),
                        p90(t for t, _ in latencies), p90(t for _, t in latencies),
                        occupancy("state_slots_total", "state_slots_free"),
-                       occupancy("kv_blocks_total", "kv_blocks_free"))
+                       occupancy("kv_blocks_total", "kv_blocks_free"),
+                       prompt_tokens_per_s=sum(arrived) / max(now - since, 1e-3),
+                       mean_prompt_len=sum(arrived) / len(arrived) if arrived else 0.0,
+                       decode_running=len(self.workers.owner))  # decode slots are held from reservation
 
 
 async def scale(workers: WorkerSet, hand_over, prefill: int | None = None, decode: int | None = None,

@@ -86,3 +86,69 @@ def test_serve_flags_build_the_autoscaler_config():
     assert "autoscale" not in serve_options(build_parser().parse_args(["serve"]))[0]
     with pytest.raises(ValueError, match="KIND=MIN:MAX"):
         serve_options(build_parser().parse_args(["serve", "--autoscale", "decode:1-6"]))
+
+
+def _profile():
+    from bench.planner import WorkerProfile
+
+    # prefill step 10 ms + 0.1 ms/token; decode step 10 ms + 1 ms/sequence
+    return WorkerProfile(0.01, 1e-4, 0.0, 0.01, 0.001, max_num_batched_tokens=2048, max_num_seqs=64)
+
+
+def test_the_capacity_model_sizes_each_pool_from_the_profile():
+    from router.autoscaler import CapacityModel
+
+    model = CapacityModel(_profile(), prefill_utilization=0.7, tpot_headroom=0.8)
+    per_worker = 2048 / (0.01 + 2048 * 1e-4)  # four 512-token prompts per 2048-token step
+    assert model.prefill_tokens_per_s(512) == pytest.approx(per_worker)
+    assert model.prefill_workers(0.69 * per_worker, 512) == 1
+    assert model.prefill_workers(0.71 * per_worker, 512) == 2
+    assert model.prefill_workers(2.1 * per_worker * 0.7, 512) == 3
+    assert model.prefill_workers(0, 0) == 1
+    assert model.decode_batch(0.05) == 30  # 10 ms + 30 x 1 ms = 40 ms = 0.8 x 50 ms
+    assert model.decode_batch(0.001) == 1  # no batch meets it: one sequence per step is the least
+    assert [model.decode_workers(n, 0.05) for n in (0, 30, 31, 70)] == [1, 1, 2, 3]
+    with pytest.raises(ValueError):
+        CapacityModel(_profile(), prefill_utilization=0)
+
+
+def test_with_a_capacity_model_steps_are_sized_and_shrinks_need_its_consent():
+    from router.autoscaler import CapacityModel
+
+    config = dict(CONFIG, slo_tpot_s=0.05, capacity=CapacityModel(_profile()))
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 8), **config))
+    breach = Signals(1, 1, tpot_p90_s=0.3, decode_running=70)  # 70 sequences need 3 decode workers
+    assert run(scaler, [breach] * 2) == [[], [("decode", 2, "tpot_slo")]]
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 2), **config))
+    assert run(scaler, [breach] * 2)[-1] == [("decode", 1, "tpot_slo")]  # clipped to the pool's max
+    # No SLO breached yet, but the load already needs more workers than there are.
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 8), **config))
+    assert run(scaler, [Signals(1, 1, decode_running=70)] * 2)[-1] == [("decode", 2, "capacity")]
+    # Occupancy says idle, the model says 3 workers are needed: no shrink; with 10 sequences, shrink.
+    scaler = Autoscaler(AutoscaleConfig(decode=(1, 8), **config))
+    assert run(scaler, [Signals(1, 3, decode_slot_occupancy=0.05, decode_running=70)] * 4) == [[]] * 4
+    assert run(scaler, [Signals(1, 3, decode_slot_occupancy=0.05, decode_running=10)] * 3)[-1] == \
+        [("decode", -1, "idle")]
+    # Prefill: prompt tokens arriving at 2x what one worker takes at 70% load.
+    per_worker = CapacityModel(_profile()).prefill_tokens_per_s(512) * 0.7
+    scaler = Autoscaler(AutoscaleConfig(prefill=(1, 4), **config))
+    busy = Signals(1, 1, prompt_tokens_per_s=2 * per_worker, mean_prompt_len=512)
+    assert run(scaler, [busy] * 2)[-1] == [("prefill", 1, "capacity")]
+
+
+def test_the_capacity_profile_comes_from_a_plan_report(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from router.autoscaler import CapacityModel
+    from router.cli import build_parser, serve_options
+
+    report = tmp_path / "plan.json"
+    report.write_text(json.dumps({"profile": asdict(_profile()), "plan": {}}))
+    assert CapacityModel.from_file(report).profile == _profile()
+    args = build_parser().parse_args(["serve", "--autoscale", "decode=1:4", "--autoscale-profile", str(report)])
+    assert serve_options(args)[0]["autoscale"].capacity.profile == _profile()
+    (tmp_path / "bad.json").write_text(json.dumps({"profile": {"prefill_base_s": -1}}))
+    for bad in (tmp_path / "bad.json", tmp_path / "missing.json"):
+        with pytest.raises(ValueError, match="capacity profile"):
+            CapacityModel.from_file(bad)

@@ -212,7 +212,7 @@ def test_cli_parses_every_benchmark(tmp_path):
     from bench.plots import plot_latency_cdfs
     from router.cli import build_parser as splitserve_parser
 
-    for what in ("serve", "offline", "compare", "plan", "transfer", "structured", "prefix"):
+    for what in ("serve", "offline", "compare", "plan", "transfer", "structured", "prefix", "elastic"):
         args, _ = splitserve_parser().parse_known_args(["bench", what])
         assert args.what == what
     args = build_parser().parse_args(["offline", "--tiny", "jamba", "--workload", "sharegpt",
