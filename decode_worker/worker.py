@@ -60,6 +60,9 @@ class DecodeWorker(EngineEndpoint):
         await asyncio.wrap_future(self.thread.call(
             lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
 
+    def keep_reserved(self, request_id: str) -> bool:
+        return self.receiver.keep_waiting(request_id)
+
     async def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self.receiver.pending():
             # Rows may still be written: the receiver reports (and _take_handoffs frees) once they are not.

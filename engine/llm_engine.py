@@ -81,6 +81,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
+        self.num_steps = 0  # steps that ran something: proof of progress for the router
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
 
@@ -148,6 +149,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return outputs
+        self.num_steps += 1
         seqs = plan.seqs
         try:
             self._restore_checkpoints(plan.restores)
@@ -315,7 +317,7 @@ class LLMEngine:
             "kv_blocks_total": self.blocks.num_blocks, "kv_blocks_free": self.blocks.num_available_blocks,
             "state_slots_total": self.slots.num_slots, "state_slots_free": self.slots.num_free_slots,
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-            "preemptions": self.scheduler.num_preemptions,
+            "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

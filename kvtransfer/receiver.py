@@ -71,6 +71,16 @@ class HandoffReceiver(Endpoint):
             self._reserve(incoming)
             self._incoming[target.request_id] = incoming
 
+    def keep_waiting(self, request_id: str) -> bool:
+        """Restart the timeout of a reservation whose hand-off has not begun (the router's word
+        that the sender is alive and still has the request queued); False if it is not waiting."""
+        with self._lock:
+            incoming = self._incoming.get(request_id)
+            if incoming is None or incoming.state != WAITING:
+                return False
+            incoming.deadline = max(incoming.deadline, time.monotonic() + incoming.timeout_s)
+            return True
+
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
         self._fail(request_id, HandoffAbortedError(f"request {request_id}: {reason} (receiver {self.name})"))
 

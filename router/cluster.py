@@ -309,7 +309,8 @@ class Cluster(ElasticPools):
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
         waiter, life = tracked.first_logprob, prefill.incarnation
         try:
-            outcome = await prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
+            call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
+            outcome = await self._while_prefill_queued(call, prefill, decode, wid)
             error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True
@@ -327,6 +328,23 @@ class Cluster(ElasticPools):
             self._deliver(wid, outcome.output)  # finished at its first token on the prefill worker
         else:
             self._deliver(wid, Failure(error or "prefill failed", retryable))
+
+    async def _while_prefill_queued(self, call, prefill, decode, wid: str):
+        """Await the prefill call. The decode worker's reservation waits transfer_timeout_s for
+        its hand-off; while the prefill worker is making progress (its step count moves) but has
+        not begun this hand-off, a long prefill queue is not a stalled hand-off, so the router
+        restarts that wait. A stuck prefill worker or a hand-off that began times out as before."""
+        task = asyncio.ensure_future(call)
+        period = self.config.transfer_timeout_s / 3
+        steps = prefill.stats.get("steps")
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=period)
+            if done:
+                return task.result()
+            now = prefill.stats.get("steps")
+            if now is not None and now != steps:
+                steps = now
+                decode.handle.keep_reserved.remote(wid)  # fire and forget: the next period retries
 
     def _deliver(self, worker_id: str, event) -> None:
         tracked = self._attempts.get(worker_id)

@@ -124,6 +124,29 @@ def test_receiver_timeout_with_nothing_sent_fails_that_request_alone(pair):
     assert receiver.pending() == [] and sender.pending() == []
 
 
+def test_a_waiting_reservation_kept_alive_outlives_its_timeout_then_expires(pair):
+    """The router renews a reservation whose hand-off has not begun while the prefill worker
+    works through its queue; renewals stop, the timeout applies again. A hand-off that has
+    begun is not renewable."""
+    _, prefill, decode, sender, receiver = pair
+    start(prefill, decode, receiver, "queued", receiver_timeout=0.3)
+    began = time.monotonic()
+    while time.monotonic() - began < 0.9:  # three timeouts long
+        assert receiver.keep_waiting("queued")
+        time.sleep(0.05)
+    assert "queued" not in decode.results and receiver.pending() == ["queued"]
+    wait_until(lambda: "queued" in decode.results)
+    assert "timed out after 0.3s while waiting" in decode.results["queued"].error
+    assert not receiver.keep_waiting("queued") and not receiver.keep_waiting("never-reserved")
+    prefill.on_done(decode.results["queued"])
+    target, src_blocks, src_slot = start(prefill, decode, receiver, "landing", receiver_timeout=0.5)
+    sender.begin(target, 10, src_blocks, src_slot, timeout_s=0.4).layer_done(1)  # then it stalls
+    wait_until(lambda: not receiver.keep_waiting("landing"))  # refused once the sender announced it
+    wait_until(lambda: "landing" in decode.results and "landing" in prefill.results)
+    assert not decode.results["landing"].ok and "timed out" in prefill.results["landing"].error
+    assert prefill.all_free() and decode.all_free()
+
+
 def test_stalled_prefill_times_out_on_both_sides(pair):
     _, prefill, decode, sender, receiver = pair
     target, src_blocks, src_slot = start(prefill, decode, receiver, "stalled", receiver_timeout=0.5)

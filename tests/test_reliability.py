@@ -85,6 +85,41 @@ def test_a_failure_reported_for_an_earlier_life_is_ignored():
     assert not decode.alive and lost == ["new"]
 
 
+def test_a_reservation_is_renewed_only_while_the_prefill_worker_makes_progress():
+    """A request queued behind a long prefill queue keeps its decode reservation (the router
+    renews it each third of the transfer timeout while the prefill worker's step count moves);
+    a prefill worker that stops stepping gets no renewals, so the timeout catches it."""
+    from router.cluster import Cluster
+
+    renewed = []
+    prefill = SimpleNamespace(stats={"steps": 0})
+    decode = SimpleNamespace(handle=SimpleNamespace(
+        keep_reserved=SimpleNamespace(remote=lambda wid: renewed.append((time.monotonic(), wid)))))
+    router = SimpleNamespace(config=SimpleNamespace(transfer_timeout_s=0.3))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        call = loop.create_future()
+        loop.call_later(1.2, call.set_result, "outcome")
+
+        async def steps():  # progress for 0.6 s, then stuck
+            for _ in range(12):
+                await asyncio.sleep(0.05)
+                prefill.stats["steps"] += 1
+
+        begun = time.monotonic()
+        ticker = asyncio.ensure_future(steps())
+        outcome = await Cluster._while_prefill_queued(router, call, prefill, decode, "w1")
+        await ticker
+        return begun, outcome
+
+    begun, outcome = asyncio.run(main())
+    assert outcome == "outcome"
+    times = [t - begun for t, wid in renewed if wid == "w1"]
+    assert len(times) == len(renewed) >= 4  # every 0.1 s while the steps moved
+    assert max(times) < 0.8  # none once they stopped
+
+
 def arm_crash(workers, request_id, after=0) -> dict:
     """Every worker of a kind dies at its (after+1)-th crash point for `request_id` (only the
     first attempt has that id); returns their incarnations, to tell which one died."""
