@@ -132,9 +132,7 @@ class Zamba2LM(HybridLM):
                 h = layer(h, embeddings, batch, caches, index)
             else:
                 h = layer(h, batch, caches, index)
-        h = self.final_norm(h.index_select(0, batch.logits_indices))
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        return (h.to(weight.dtype) @ weight.t()).float()
+        return self.lm_logits(self.final_norm(h.index_select(0, batch.logits_indices)))
 
 
 def _mixer(cfg: ConfigReader, hidden: int) -> Mamba2Mixer:

@@ -162,7 +162,11 @@ class HybridLM(nn.Module):
         h = self.embed_tokens(batch)
         for index, layer in enumerate(self.layers):
             h = layer(h, batch, caches, index)
-        h = self.final_norm(h.index_select(0, batch.logits_indices))
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        logits = (h.to(weight.dtype) @ weight.t()).float()
+        logits = self.lm_logits(self.final_norm(h.index_select(0, batch.logits_indices)))
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a
+        tensor-parallel model gathers its vocab shards here: engine.tp)."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        return (h.to(weight.dtype) @ weight.t()).float()

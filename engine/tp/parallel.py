@@ -1,0 +1,148 @@
+"""Tensor-parallel building blocks: row-parallel linears, reductions, a vocab-parallel
+embedding, a gated RMS norm whose groups may span ranks, and in-place slicing helpers.
+
+Column-parallel linears need no module of their own: a linear keeps the rows (output features)
+of its shard, in place (`keep_rows`), and its forward is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import GatedRMSNorm
+from engine.tp.group import TPGroup
+
+
+def index(positions, device) -> torch.Tensor:
+    return torch.as_tensor(list(positions), dtype=torch.long, device=device)
+
+
+def take(t: torch.Tensor, dim: int, positions) -> nn.Parameter:
+    """A new parameter holding `t`'s entries at `positions` along `dim` (a copy: the un-sharded
+    tensor can be freed)."""
+    return nn.Parameter(t.detach().index_select(dim, index(positions, t.device)).clone(),
+                        requires_grad=False)
+
+
+def set_param(module: nn.Module, name: str, t: torch.Tensor, dim: int, positions) -> None:
+    setattr(module, name, take(t, dim, positions))
+
+
+def keep_rows(linear: nn.Linear, rows) -> None:
+    """Column parallelism in place: keep output features `rows` of a linear (and its bias). The
+    caller has checked the linear's forward is F.linear plus per-row work (engine.tp.layers)."""
+    rows = list(rows)
+    with torch.no_grad():
+        set_param(linear, "weight", linear.weight, 0, rows)
+        if linear.bias is not None:
+            set_param(linear, "bias", linear.bias, 0, rows)
+    linear.out_features = len(rows)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x_shard @ W[:, cols]^T, the rank's partial sum of the un-sharded linear, with the bias
+    added by rank 0 only (so the sum over ranks adds it once). reduce=True: all-reduced here;
+    False: the caller reduces (several partial sums added first, then one all-reduce)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: TPGroup, reduce: bool):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None and group.rank == 0 else None
+        self.group, self.reduce = group, reduce
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @classmethod
+    def of(cls, linear: nn.Module, cols, group: TPGroup, reduce: bool, what: str) -> RowParallelLinear:
+        if type(linear) is not nn.Linear:  # a subclass may do more than F.linear: refuse
+            raise ValueError(f"tensor parallelism: {what} is a {type(linear).__name__}, not an nn.Linear")
+        with torch.no_grad():
+            weight = take(linear.weight, 1, cols).data
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, bias, group, reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.group.all_reduce(y) if self.reduce else y
+
+
+class Reduced(nn.Module):
+    """Wraps a module whose output is this rank's partial sum: all-reduces it."""
+
+    def __init__(self, inner: nn.Module, group: TPGroup):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.inner(x))
+
+
+def vocab_shard(full: torch.Tensor, group: TPGroup) -> tuple[nn.Parameter, int, int]:
+    """This rank's rows [start, stop) of a [vocab, hidden] table, zero-padded to
+    ceil(vocab / size) rows: every rank the same shape, so logits all-gather in equal parts."""
+    vocab = full.shape[0]
+    rows = -(-vocab // group.size)
+    start = min(vocab, group.rank * rows)
+    stop = min(vocab, start + rows)
+    shard = full.detach().new_zeros(rows, full.shape[1])
+    shard[: stop - start] = full.detach()[start:stop]
+    return nn.Parameter(shard, requires_grad=False), start, stop
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's vocab rows (`vocab_shard`); tokens outside them look up zeros, and the
+    all-reduce adds the one rank's row that holds each token."""
+
+    def __init__(self, full: torch.Tensor, group: TPGroup):
+        super().__init__()
+        self.weight, self.start, self.stop = vocab_shard(full, group)
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.stop)
+        local = torch.where(mine, ids - self.start, 0)
+        h = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.group.all_reduce(h)
+
+
+class ShardedGatedRMSNorm(nn.Module):
+    """GatedRMSNorm over channels [c0, c1) of a norm whose groups of `group_size` channels may
+    span ranks: each rank sums its channels' squares per (global) group, the sums are
+    all-reduced, and each channel is normalised by its group's mean square."""
+
+    def __init__(self, norm: GatedRMSNorm, channels: tuple[int, int], group: TPGroup):
+        super().__init__()
+        c0, c1 = channels
+        self.weight = take(norm.weight, 0, range(c0, c1))
+        self.group_size, self.eps, self.norm_before_gate = norm.group_size, norm.eps, norm.norm_before_gate
+        self.num_groups = norm.weight.shape[0] // norm.group_size
+        self.register_buffer("group_of", torch.arange(c0, c1, device=norm.weight.device) // norm.group_size,
+                             persistent=False)
+        self.group = group
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype, shape = y.dtype, y.shape
+        y = y.float().reshape(-1, shape[-1])
+        if not self.norm_before_gate:
+            y = y * F.silu(z.float().reshape(-1, shape[-1]))
+        sums = y.new_zeros(y.shape[0], self.num_groups).index_add_(1, self.group_of, y.pow(2))
+        sums = self.group.all_reduce(sums)
+        y = y * torch.rsqrt(sums / self.group_size + self.eps).index_select(1, self.group_of)
+        y = self.weight * y.to(dtype).reshape(shape)
+        if self.norm_before_gate:
+            y = y * F.silu(z.to(y.dtype))
+        return y
+
+
+def sliced_gated_norm(norm: GatedRMSNorm, channels: tuple[int, int], group: TPGroup) -> nn.Module:
+    """The norm for channels [c0, c1): the same GatedRMSNorm on the slice when they are whole
+    groups (no communication), else a ShardedGatedRMSNorm."""
+    if type(norm) is not GatedRMSNorm:
+        raise ValueError(f"tensor parallelism: Mamba2 norm is a {type(norm).__name__}, not a GatedRMSNorm")
+    c0, c1 = channels
+    if c0 % norm.group_size == 0 and (c1 - c0) % norm.group_size == 0:
+        out = GatedRMSNorm(c1 - c0, norm.group_size, norm.eps, norm.norm_before_gate)
+        out.weight = take(norm.weight, 0, range(c0, c1))
+        return out
+    return ShardedGatedRMSNorm(norm, channels, group)
