@@ -40,6 +40,9 @@ class EngineConfig:
     # Recurrent-state checkpoint rows the prefix cache may fill (None: max_num_seqs). Carved
     # from cache_memory_bytes before the KV blocks; unused by models without recurrent layers.
     prefix_checkpoints: int | None = None
+    # Ranks the model is sharded over (engine.tp): this process is rank 0 and starts the others
+    # as processes of this machine, joined by a gloo group. CPU and the colocated engine only, for now.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
@@ -61,6 +64,15 @@ class EngineConfig:
         if self.prefix_checkpoints is not None and (isinstance(self.prefix_checkpoints, bool) or not
                                                     isinstance(self.prefix_checkpoints, int) or self.prefix_checkpoints <= 0):
             raise ValueError(f"prefix_checkpoints: must be a positive integer or None, got {self.prefix_checkpoints!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
+        if tp > 1 and self.device != "cpu":
+            raise ValueError(f"tensor_parallel_size {tp} on {self.device}: only CPU ranks (gloo) are built "
+                             "so far; NCCL ranks are not")
+        if tp > 1 and self.mode != "colocated":
+            raise ValueError(f"tensor_parallel_size {tp} with mode {self.mode!r}: hand-offs between "
+                             "tensor-parallel workers are not built yet; only the colocated engine shards")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

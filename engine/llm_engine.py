@@ -57,6 +57,18 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model, config.torch_dtype, config.device)
+        self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
+        if config.tensor_parallel_size > 1:
+            from engine.tp.ranks import TPLeader
+            from engine.tp.shard import shard_model
+
+            self.tp = TPLeader(config.model, config.dtype, config.device, config.block_size,
+                               config.tensor_parallel_size)
+            try:
+                self.model = shard_model(self.model, self.tp.group)
+            except BaseException:
+                self.tp.close()
+                raise
         self.spec = self.model.spec
         limit = self.spec.max_position or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
@@ -70,6 +82,8 @@ class LLMEngine:
                            self.max_model_len, config.cache_memory_bytes, config.num_kv_blocks,
                            config.num_prefix_checkpoints)
         self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
+        if self.tp is not None:
+            self.tp.send("cache", sizes, self.max_model_len)
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
@@ -77,13 +91,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefix_cache=self.prefix_cache)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
-                                  config.enforce_eager, self.max_model_len)
+                                  config.enforce_eager, self.max_model_len, tp=self.tp)
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
         self.num_steps = 0  # steps that ran something: proof of progress for the router
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the engine is collected)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -184,7 +203,7 @@ class LLMEngine:
 
     def _restore_checkpoints(self, restores: list[tuple[int, int, str]]) -> None:
         """A prefix hit's state, copied into the request's own slot (never read in place)."""
-        self.cache.copy_state([(self.cache.checkpoint_row(row), slot) for row, slot, _ in restores])
+        self.runner.copy_state([(self.cache.checkpoint_row(row), slot) for row, slot, _ in restores])
         for _, _, request_id in restores:
             self.slots.mark_written(request_id)
 
@@ -216,7 +235,7 @@ class LLMEngine:
                     if request.rolling_checkpoint is not None:
                         self.prefix_cache.drop_checkpoint(request.rolling_checkpoint)
                     request.rolling_checkpoint = key
-        self.cache.copy_state(saves)
+        self.runner.copy_state(saves)
 
     def _accept(self, seq: ScheduledSeq, token_id: int, logprob) -> RequestOutput:
         request = seq.request

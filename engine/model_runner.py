@@ -104,8 +104,9 @@ def host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTable
 class ModelRunner:
     def __init__(self, model: HybridLM, cache: ModelCache, slots: StateSlotAllocator,
                  device: torch.device | str, debug: bool, enforce_eager: bool = True,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tp=None):
         self.model = model
+        self.tp = tp  # engine.tp.ranks.TPLeader: the other ranks repeat every forward and cache copy
         self.cache = cache
         self.slots = slots
         self.device = torch.device(device)
@@ -116,7 +117,7 @@ class ModelRunner:
         if max_model_len is not None:
             width = min(width, -(-max_model_len // self.cache.block_size))
         self.block_tables = SlotBlockTables(self.cache.sizes.num_slots, width)
-        if self.device.type == "cuda" and not enforce_eager:
+        if self.device.type == "cuda" and not enforce_eager and tp is None:
             self.use_static_decode(capture=True)
 
     def use_static_decode(self, capture: bool) -> None:
@@ -170,7 +171,10 @@ class ModelRunner:
             else:
                 logits = self.model(self.device_batch(host), self.cache.layers)
         else:
-            logits = self.model(self.build_batch(seqs), self.cache.layers)
+            host = host_batch(seqs, self.cache.block_size, self.block_tables)
+            if self.tp is not None:
+                self.tp.send("forward", host)
+            logits = self.model(self.device_batch(host), self.cache.layers)
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
         return logits
@@ -183,6 +187,14 @@ class ModelRunner:
                             [r.output_token_ids for r in requests],
                             [r.grammar for r in requests])  # structured outputs (engine/structured.py)
 
+    def copy_state(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy recurrent-state rows (src, dst) on every rank."""
+        if self.tp is not None and pairs:
+            self.tp.send("copy_state", pairs)
+        self.cache.copy_state(pairs)
+
     def on_slot_freed(self, slot: int) -> None:
         if self.debug:
+            if self.tp is not None:
+                self.tp.send("poison", slot)
             self.cache.poison_slot(slot)

@@ -1,0 +1,148 @@
+"""The ranks of one tensor-parallel engine.
+
+Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower processes that
+hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
+order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), ("stop",).
+Their forwards meet rank 0's at every collective of the sharded layers (a gloo group of their
+own, so several engines can live in one process), and their caches only ever change by these
+commands, so rank r's cache is always rank 0's cache, sharded.
+
+Commands go over a pipe per follower: a follower whose engine died sees the pipe close and
+exits, instead of waiting in a collective that will never come. Commands are pickled by hand
+(plain pickle copies tensor bytes; multiprocessing's pickler would move every step's tensors
+into new shared-memory files).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import pickle
+import weakref
+
+import torch
+
+from engine.tp.group import TPGroup
+
+log = logging.getLogger(__name__)
+COLLECTIVE_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 300.0
+
+
+class GlooGroup(TPGroup):
+    """A gloo process group built on a TCPStore, outside torch.distributed's default world."""
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        import torch.distributed as dist
+
+        self.rank, self.size, self._store = rank, size, store
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size,
+                                         datetime.timedelta(seconds=timeout_s))
+
+    @staticmethod
+    def open_store(size: int):
+        """Rank 0's store on a free local port: (store, port)."""
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+                              wait_for_workers=False)
+        return store, store.port
+
+    @classmethod
+    def join(cls, port: int, rank: int, size: int) -> GlooGroup:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        return cls(store, rank, size)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        self._pg.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._pg.allgather([parts], [t]).wait()
+        return torch.cat(parts, dim=dim)
+
+
+class TPLeader:
+    """Rank 0's end: starts the followers of an engine and sends them its commands."""
+
+    def __init__(self, model: str, dtype: str, device: str, block_size: int, size: int):
+        store, port = GlooGroup.open_store(size)
+        ctx = mp.get_context("spawn")
+        self._pipes, self._procs = [], []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=follower_main, name=f"splitserve-tp-rank{rank}", daemon=True,
+                               args=(model, dtype, device, block_size, rank, size, port, theirs,
+                                     torch.get_num_threads()))
+            proc.start()
+            theirs.close()
+            self._pipes.append(ours)
+            self._procs.append(proc)
+        self.group = GlooGroup(store, 0, size)  # returns once every follower has joined
+        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs)
+
+    def send(self, *command) -> None:
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, (pipe, proc) in enumerate(zip(self._pipes, self._procs), start=1):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode})")
+            pipe.send_bytes(data)
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _stop(pipes, procs) -> None:
+    for pipe in pipes:
+        try:
+            pipe.send_bytes(pickle.dumps(("stop",)))
+        except OSError:
+            pass
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def follower_main(model_path: str, dtype: str, device: str, block_size: int, rank: int, size: int,
+                  port: int, pipe, threads: int) -> None:
+    """A follower: build the shard, then obey rank 0 until it says stop or goes away."""
+    from engine.cache import ModelCache
+    from engine.model_runner import ModelRunner
+    from engine.models import load_model
+    from engine.state_slots import StateSlotAllocator
+    from engine.tp.shard import shard_model
+
+    torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    group = GlooGroup.join(port, rank, size)
+    model = shard_model(load_model(model_path, torch_dtype, device), group)
+    runner = cache = None
+    with torch.inference_mode():
+        while True:
+            try:
+                command = pickle.loads(pipe.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                return
+            kind = command[0]
+            if kind == "stop":
+                return
+            if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
+                sizes, max_model_len = command[1:]
+                cache = ModelCache(model.spec, sizes, block_size, torch_dtype, device)
+                runner = ModelRunner(model, cache, StateSlotAllocator(sizes.num_slots), device,
+                                     debug=False, enforce_eager=True, max_model_len=max_model_len)
+            elif kind == "forward":
+                model(runner.device_batch(command[1]), cache.layers)
+            elif kind == "copy_state":
+                cache.copy_state(command[1])
+            elif kind == "poison":
+                cache.poison_slot(command[1])
+            else:
+                raise RuntimeError(f"tensor-parallel rank {rank}: unknown command {kind!r}")
