@@ -13,10 +13,11 @@ import threading
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, Reservation
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
 
@@ -25,7 +26,9 @@ class DecodeWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0):
         engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
-        super().__init__(name, engine, transfer_timeout_s)
+        self.staging = HandoffStaging(engine) if engine.tp is not None else None
+        self._reservations: dict[str, Reservation] = {}  # tensor-parallel: where staging rows go
+        super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
         self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config)
@@ -47,10 +50,19 @@ class DecodeWorker(EngineEndpoint):
                       resume: Resume | None = None) -> HandoffTarget:
         # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
         await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
-        reservation = await asyncio.wrap_future(self.thread.call(
-            lambda engine: engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)))
-        target = HandoffTarget(request_id, self.name, tuple(reservation.block_ids),
-                               reservation.slot if self.cache_tensors.num_slots else None)
+        def reserve(engine: LLMEngine) -> tuple[list[int], int]:
+            reservation = engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)
+            if self.staging is None:
+                return reservation.block_ids, reservation.slot
+            staged = self.staging.take(request_id, len(reservation.block_ids))
+            if staged is None:  # the router waits for room, as for a full cache
+                engine.cancel_reservation(request_id)
+                raise MemoryError("tensor-parallel hand-off staging rows are all in use")
+            self._reservations[request_id] = reservation
+            return staged.blocks, staged.slot
+
+        blocks, slot = await asyncio.wrap_future(self.thread.call(reserve))
+        target = HandoffTarget(request_id, self.name, tuple(blocks), slot if self.cache_tensors.num_slots else None)
         self.receiver.expect(target)
         return target
 
@@ -91,12 +103,18 @@ class DecodeWorker(EngineEndpoint):
         outputs = []
         for result in self.receiver.poll():
             request = engine.requests.get(result.request_id)
-            if request is None or request.status is not RequestStatus.WAITING_FOR_STATE:
-                continue
-            if result.ok:
-                outputs.append(engine.accept_handoff(result.request_id, result.first_token))
-            else:
-                engine.abort(result.request_id, f"state hand-off failed: {result.error}")
+            reservation = self._reservations.pop(result.request_id, None)
+            if request is not None and request.status is RequestStatus.WAITING_FOR_STATE:
+                if result.ok:
+                    if reservation is not None:  # tensor-parallel: staging rows -> every rank's rows
+                        self.staging.scatter(self.staging.held[result.request_id],
+                                             engine.blocks.blocks_needed(result.num_tokens),
+                                             reservation.block_ids, reservation.slot)
+                    outputs.append(engine.accept_handoff(result.request_id, result.first_token))
+                else:
+                    engine.abort(result.request_id, f"state hand-off failed: {result.error}")
+            if self.staging is not None:
+                self.staging.give_back(result.request_id)
         if outputs:
             self._deliver(outputs)
 

@@ -41,7 +41,7 @@ class EngineConfig:
     # from cache_memory_bytes before the KV blocks; unused by models without recurrent layers.
     prefix_checkpoints: int | None = None
     # Ranks the model is sharded over (engine.tp): this process is rank 0 and starts the others
-    # as processes of this machine, joined by a gloo group. CPU and the colocated engine only, for now.
+    # as processes of this machine, joined by a gloo group. CPU only, for now.
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
@@ -70,9 +70,6 @@ class EngineConfig:
         if tp > 1 and self.device != "cpu":
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: only CPU ranks (gloo) are built "
                              "so far; NCCL ranks are not")
-        if tp > 1 and self.mode != "colocated":
-            raise ValueError(f"tensor_parallel_size {tp} with mode {self.mode!r}: hand-offs between "
-                             "tensor-parallel workers are not built yet; only the colocated engine shards")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -294,6 +294,13 @@ class LLMEngine:
             request.finish(RequestStatus.FINISHED_ERROR, error)
         self._retire(request, emit=False)
 
+    def cancel_reservation(self, request_id: str) -> None:
+        """Decode side: undo a reservation nobody was told of yet (no output is emitted)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.finish(RequestStatus.FINISHED_ABORTED)
+            self._retire(request, emit=False)
+
     def reserve_for_handoff(self, prompt_token_ids: list[int], params: SamplingParams,
                             request_id: str, resume: Resume | None = None) -> Reservation:
         """Decode side: hold blocks for the prompt's KV and a state slot before the prefill runs."""

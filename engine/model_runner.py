@@ -170,10 +170,11 @@ class ModelRunner:
                 logits = self.static.run(host)
             else:
                 logits = self.model(self.device_batch(host), self.cache.layers)
-        else:
+        elif self.tp is None:
+            logits = self.model(self.build_batch(seqs), self.cache.layers)
+        else:  # the other ranks build the same batch from the same host tensors
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
-            if self.tp is not None:
-                self.tp.send("forward", host)
+            self.tp.send("forward", host)
             logits = self.model(self.device_batch(host), self.cache.layers)
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)

@@ -18,7 +18,7 @@ WORKER_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineEndpoint:
-    def __init__(self, name: str, engine, transfer_timeout_s: float):
+    def __init__(self, name: str, engine, transfer_timeout_s: float, handoff_cache=None):
         self.name = name
         # Changes when Ray restarts the actor: the router then reconnects it and knows that
         # whatever the previous incarnation held is gone.
@@ -29,7 +29,9 @@ class EngineEndpoint:
         # a 2 MB hand-off take 14-23 ms; at 0.5 ms it took 5-10 ms (docs/kvtransfer.md).
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
         self.engine = engine
-        cache = engine.cache
+        # What the wire reads and writes: the engine's cache, or a tensor-parallel worker's
+        # un-sharded staging rows (engine.tp.staging).
+        cache = handoff_cache if handoff_cache is not None else engine.cache
         self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors())
         self.transfer_config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=node_ip())
 

@@ -18,6 +18,7 @@ from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
 
@@ -41,7 +42,8 @@ class PrefillWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0):
         engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options))
-        super().__init__(name, engine, transfer_timeout_s)
+        self.staging = HandoffStaging(engine) if engine.tp is not None else None
+        super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         self.sender = make_transport(transport).sender(name, self.cache_tensors, self.transfer_config,
                                                        on_done=self._handoff_done)
         self._targets: dict[str, HandoffTarget] = {}
@@ -49,6 +51,7 @@ class PrefillWorker(EngineEndpoint):
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
+        self._deferred: list[Handoff] = []  # tensor-parallel: waiting for staging rows
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
@@ -115,28 +118,44 @@ class PrefillWorker(EngineEndpoint):
 
     def _ship(self, engine: LLMEngine) -> None:
         self._crash_point(engine.requests)
-        for handoff in engine.take_handoffs():
+        ready, self._deferred = self._deferred + engine.take_handoffs(), []
+        for handoff in ready:
             target = self._targets.get(handoff.request_id)
-            if target is None:  # aborted meanwhile
+            if target is None or handoff.request_id not in engine.requests:  # aborted meanwhile
                 engine.finish_handoff(handoff.request_id, "aborted")
                 continue
+            blocks, slot = handoff.block_ids, handoff.slot
+            if self.staging is not None:  # the wire carries the un-sharded rows, gathered on rank 0
+                staged = self.staging.take(handoff.request_id, len(blocks))
+                if staged is None:
+                    self._deferred.append(handoff)
+                    continue
+                self.staging.gather(staged, blocks, slot)
+                blocks, slot = staged.blocks, staged.slot
             self._shipped[handoff.request_id] = handoff
-            slot = handoff.slot if self.cache_tensors.num_slots else None
+            slot = slot if self.cache_tensors.num_slots else None
             try:
                 if self._stall_next > 0:
                     self._stall_next -= 1
-                    self.sender.begin(target, handoff.num_tokens, handoff.block_ids, slot)
+                    self.sender.begin(target, handoff.num_tokens, blocks, slot)
                     continue
-                self.sender.send(target, handoff.num_tokens, handoff.block_ids, slot,
-                                 handoff.first_token)
+                self.sender.send(target, handoff.num_tokens, blocks, slot, handoff.first_token)
             except Exception as e:
                 engine.finish_handoff(handoff.request_id, str(e))
+                if self.staging is not None:
+                    self.staging.give_back(handoff.request_id)
                 self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e),
                                                                  retryable=True))
 
     def _handoff_done(self, result: HandoffResult) -> None:
         # The transport no longer touches the rows: free them on the engine thread.
-        self.thread.call(lambda engine: engine.finish_handoff(result.request_id, result.error))
+        def finish(engine: LLMEngine) -> None:
+            engine.finish_handoff(result.request_id, result.error)
+            if self.staging is not None:
+                self.staging.give_back(result.request_id)
+                self._ship(engine)  # a deferred hand-off may fit in the rows just freed
+
+        self.thread.call(finish)
         self.handoffs["count"] += 1
         self.handoffs["seconds"] += result.elapsed_s
         if result.ok:

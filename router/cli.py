@@ -84,7 +84,8 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
                                         ("prefix_checkpoints", args.prefix_checkpoints)) if v is not None}
     if args.enable_prefix_caching:
         engine_options["enable_prefix_caching"] = True
-    launch_options = dict(prefill=args.prefill, decode=args.decode, transport=args.transport,
+    launch_options = dict(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
+                          decode_tp=args.decode_tp, transport=args.transport,
                           address=args.address, local_prefill_tokens=args.local_prefill_tokens,
                           max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
                           gpus_per_worker=args.gpus_per_worker,
@@ -136,6 +137,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--revision", default=None, help="Hub id only: branch, tag or commit (default: main)")
     serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
     serve.add_argument("--decode", type=int, default=1, help="decode workers")
+    serve.add_argument("--prefill-tp", type=int, default=1,
+                       help="tensor-parallel ranks per prefill worker (CPU ranks; docs/tensor-parallel.md)")
+    serve.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode worker")
     serve.add_argument("--transport", default="auto", choices=["auto", "shm", "gloo", "nccl"],
                        help="hand-off transport (auto: shm on one node, gloo across nodes)")
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or host:port)")

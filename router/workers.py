@@ -95,7 +95,7 @@ class WorkerSet:
                 name=None, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
                 max_concurrency=1000, max_restarts=config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env} if env else None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-            ).remote(name, config.model, config.engine_options, self.transport, config.transfer_timeout_s)
+            ).remote(name, config.model, engine_options(config, kind), self.transport, config.transfer_timeout_s)
             return WorkerRef(name, kind, handle, group=group)
 
         nodes = set().union(*(_group_nodes(g) for g in groups))
@@ -309,3 +309,9 @@ def _group_nodes(group) -> set[str]:
     from ray.util.placement_group import placement_group_table
 
     return set(placement_group_table(group).get("bundles_to_node_id", {}).values())
+
+
+def engine_options(config, kind: str) -> dict:
+    """A worker's engine options: the cluster's, with its kind's tensor-parallel size."""
+    tp = config.prefill_tp if kind == "prefill" else config.decode_tp
+    return {**config.engine_options, "tensor_parallel_size": tp} if tp > 1 else config.engine_options

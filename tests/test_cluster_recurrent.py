@@ -43,14 +43,20 @@ def test_family_through_the_cluster_matches_transformers(ray_nodes, model_factor
         rng = random.Random(family)
         # 1-token, block-boundary and multi-chunk prompts; budget 13 splits the longer ones.
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 5, 8, 9, 17, 30, 3)]
-        outs = cluster.generate(prompts, GREEDY)
-        for prompt, out in zip(prompts, outs):
-            assert out.error is None, out.error
-            judge_greedy(hf, prompt, out.token_ids)
-        workers = cluster.status()["workers"]
-        assert sum(w.get("handoff_count", 0) for w in workers) == len(prompts)  # all split
+        every_one_split_and_judged(cluster, hf, prompts)
     finally:
         cluster.shutdown()
+
+
+def every_one_split_and_judged(cluster, hf, prompts) -> None:
+    """Each prompt handed off once, without failures; each output transformers' greedy tokens."""
+    outs = cluster.generate(prompts, GREEDY)
+    for prompt, out in zip(prompts, outs):
+        assert out.error is None, out.error
+        judge_greedy(hf, prompt, out.token_ids)
+    workers = cluster.status()["workers"]
+    assert sum(w.get("handoff_count", 0) for w in workers) == len(prompts)  # all split
+    assert sum(w.get("handoff_failures", 0) for w in workers) == 0
 
 
 def test_api_and_a_retry_on_a_mamba2_family(ray_nodes, model_factory, tmp_path):

@@ -57,7 +57,6 @@ def test_prefix_cache_checkpoints_are_restored_on_every_rank(model_factory):
 def test_tensor_parallel_options_are_checked(model_factory):
     path, _ = model_factory("llama")
     for bad, match in ((dict(tensor_parallel_size=0), "tensor_parallel_size"),
-                       (dict(tensor_parallel_size=2, mode="prefill"), "hand-offs between tensor-parallel"),
                        (dict(tensor_parallel_size=2, device="cuda:0"), "cuda|CUDA")):
         with pytest.raises(ValueError, match=match):
             LLM(path, **bad)

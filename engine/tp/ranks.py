@@ -2,7 +2,8 @@
 
 Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower processes that
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
-order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), ("stop",).
+order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
+("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",).
 Their forwards meet rank 0's at every collective of the sharded layers (a gloo group of their
 own, so several engines can live in one process), and their caches only ever change by these
 commands, so rank r's cache is always rank 0's cache, sharded.
@@ -67,6 +68,14 @@ class GlooGroup(TPGroup):
         self._pg.allgather([parts], [t]).wait()
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` on every rank (the others pass a tensor of its shape and dtype)."""
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        self._pg.broadcast([t], dist.BroadcastOptions()).wait()
+        return t
+
 
 class TPLeader:
     """Rank 0's end: starts the followers of an engine and sends them its commands."""
@@ -118,12 +127,13 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     from engine.models import load_model
     from engine.state_slots import StateSlotAllocator
     from engine.tp.shard import shard_model
+    from engine.tp.staging import gather_rows, scatter_rows, shard_indices
 
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     group = GlooGroup.join(port, rank, size)
     model = shard_model(load_model(model_path, torch_dtype, device), group)
-    runner = cache = None
+    runner = cache = index = None
     with torch.inference_mode():
         while True:
             try:
@@ -144,5 +154,10 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
                 cache.copy_state(command[1])
             elif kind == "poison":
                 cache.poison_slot(command[1])
+            elif kind == "gather":
+                gather_rows(group, cache, *command[1:])
+            elif kind == "scatter":
+                index = index or shard_indices(model.full_spec, size)
+                scatter_rows(group, cache, index, None, *command[1:])
             else:
                 raise RuntimeError(f"tensor-parallel rank {rank}: unknown command {kind!r}")

@@ -1,0 +1,131 @@
+"""Hand-offs of a tensor-parallel worker, through rank 0, in the un-sharded layout.
+
+The wire carries every request in the un-sharded layout, so prefill and decode workers of any
+TP sizes (1->2, 2->1, 2->2) pass the same layout handshake over every transport, and the bytes
+on the wire are one un-sharded copy of the request. Rank 0 keeps a small staging cache in that
+layout, room for `requests` hand-offs at a time:
+- prefill side, when a prompt is done: every rank selects its rows of the request, an
+  all_gather brings them to rank 0, which writes them into staging rows at the indices the shard
+  map (engine.tp.plan) gives each rank; the transport sends the staging rows;
+- decode side: a reservation's hand-off target is staging rows; once they have landed, rank 0
+  broadcasts them and every rank copies the indices it owns into the request's own rows.
+Only rank 0 reads or writes staging; every rank runs the same gather/scatter, in the order rank 0
+issues them (engine.tp.ranks), on its engine thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache
+from engine.tp.plan import model_shards
+
+STAGING_REQUESTS = 4
+
+
+@dataclass
+class Staged:
+    blocks: list[int]
+    slot: int | None
+
+
+def shard_indices(full_spec, size: int) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """Per hand-off tensor name, per rank: (axis of a selected-rows tensor, un-sharded indices).
+    KV rows are [n, block_size, heads, head_dim] (heads: axis 2); state rows [n, *shape] (axis 1)."""
+    shards = model_shards(full_spec, size)
+    out: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for i, layer in enumerate(full_spec.layers):
+        if layer.kv is not None:
+            for name in (f"layer{i}.k", f"layer{i}.v"):
+                out[name] = [(2, torch.tensor(shards[r][i].kv.indices())) for r in range(size)]
+        for j, tensor in enumerate(layer.state):
+            out[f"layer{i}.{tensor.name}"] = [(1, torch.tensor(shards[r][i].state[j].indices()))
+                                              for r in range(size)]
+    return out
+
+
+def local_rows(cache: ModelCache, blocks: list[int], slot: int | None) -> list[torch.Tensor]:
+    """This rank's rows of one request, in hand-off tensor order."""
+    block_index = torch.tensor(blocks, dtype=torch.long)
+    return [t.index_select(0, block_index) if role == BLOCK_ROLE else t[slot:slot + 1]
+            for _, _, _, role, t in cache.handoff_tensors()]
+
+
+def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], slot: int | None) -> None:
+    block_index = torch.tensor(blocks, dtype=torch.long)
+    for (_, _, _, role, t), r in zip(cache.handoff_tensors(), rows):
+        if role == BLOCK_ROLE:
+            t.index_copy_(0, block_index, r.to(t.dtype))
+        else:
+            t[slot:slot + 1] = r
+
+
+def gather_rows(group, cache: ModelCache, blocks: list[int], slot: int | None) -> list[torch.Tensor]:
+    """Every rank: its rows, all-gathered (stacked by rank on a new dim 0)."""
+    return [group.all_gather(r.unsqueeze(0), 0) for r in local_rows(cache, blocks, slot)]
+
+
+def scatter_rows(group, cache: ModelCache, index, full: list[torch.Tensor] | None, shapes,
+                 blocks: list[int], slot: int | None) -> None:
+    """Every rank: receive rank 0's un-sharded rows (`full` on rank 0, else None and `shapes`)
+    and keep this rank's indices of them in its own rows."""
+    mine = []
+    for i, (name, _, _, _, t) in enumerate(cache.handoff_tensors()):
+        rows = full[i] if full is not None else torch.empty(shapes[i], dtype=t.dtype)
+        rows = group.broadcast(rows)
+        axis, idx = index[name][group.rank]
+        mine.append(rows.index_select(axis, idx))
+    write_local(cache, mine, blocks, slot)
+
+
+class HandoffStaging:
+    """Rank 0's staging cache and its bookkeeping (engine thread only)."""
+
+    def __init__(self, engine, requests: int = STAGING_REQUESTS):
+        config, spec = engine.config, engine.model.full_spec
+        self.engine, self.group = engine, engine.tp.group
+        self.index = shard_indices(spec, self.group.size)
+        blocks_each = -(-engine.max_model_len // config.block_size) if spec.attention_layers else 0
+        slots = requests if spec.state_layers else 0
+        self.cache = ModelCache(spec, CacheSizes(requests * blocks_each, slots, 0, 0), config.block_size,
+                                config.torch_dtype, config.device)
+        self.free_blocks = list(range(requests * blocks_each))
+        self.free_slots = list(range(slots))
+        self.held: dict[str, Staged] = {}
+
+    def take(self, request_id: str, num_blocks: int) -> Staged | None:
+        """Staging rows for a request, or None when they are all in use."""
+        if not self.cache.spec.attention_layers:
+            num_blocks = 0  # block tables are bookkeeping only: nothing to move
+        need_slot = bool(self.free_slots) or not self.cache.spec.state_layers
+        if len(self.free_blocks) < num_blocks or not need_slot:
+            return None
+        blocks = [self.free_blocks.pop() for _ in range(num_blocks)]
+        slot = self.free_slots.pop() if self.cache.spec.state_layers else None
+        self.held[request_id] = Staged(blocks, slot)
+        return self.held[request_id]
+
+    def give_back(self, request_id: str) -> None:
+        staged = self.held.pop(request_id, None)
+        if staged is not None:
+            self.free_blocks += staged.blocks
+            if staged.slot is not None:
+                self.free_slots.append(staged.slot)
+
+    def gather(self, staged: Staged, blocks: list[int], slot: int | None) -> None:
+        """Prefill side: the request's rows from every rank into its staging rows."""
+        self.engine.tp.send("gather", blocks, slot)
+        parts = gather_rows(self.group, self.engine.cache, blocks, slot)
+        full = local_rows(self.cache, staged.blocks, staged.slot)  # shaped like the request's rows
+        for (name, *_), stacked, rows in zip(self.cache.handoff_tensors(), parts, full):
+            for rank, (axis, idx) in enumerate(self.index[name]):
+                rows.index_copy_(axis, idx, stacked[rank])
+        write_local(self.cache, full, staged.blocks, staged.slot)
+
+    def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:
+        """Decode side: landed staging rows into the request's own rows on every rank."""
+        full = local_rows(self.cache, staged.blocks[:num_blocks], staged.slot)
+        self.engine.tp.send("scatter", [r.shape for r in full], blocks[:num_blocks], slot)
+        scatter_rows(self.group, self.engine.cache, self.index, full, None, blocks[:num_blocks], slot)

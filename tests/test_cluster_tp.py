@@ -1,0 +1,56 @@
+"""Tensor-parallel workers on the session's Ray test cluster: prefill and decode workers of
+different TP sizes (2->1, 1->2, 2->2) hand requests off over shm and gloo, every token judged by
+transformers. The engine side of each size pair for three families: tests/test_tp_handoff.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from tests.test_cluster_recurrent import PLACEMENTS, every_one_split_and_judged
+
+
+@pytest.mark.parametrize(("family", "prefill_tp", "decode_tp", "transport"), [
+    ("jamba", 2, 1, "shm"), ("granitemoehybrid", 1, 2, "gloo"), ("llama", 2, 2, "gloo")])
+def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory, family, prefill_tp,
+                                                         decode_tp, transport):
+    from router.cluster import launch
+
+    path, hf = model_factory(family)
+    cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
+                     prefill_tp=prefill_tp, decode_tp=decode_tp, block_size=4, num_kv_blocks=120,
+                     max_num_seqs=8, max_num_batched_tokens=13, transfer_timeout_s=30.0, **PLACEMENTS[transport])
+    try:
+        assert cluster.workers.transport == transport
+        rng = random.Random(family)
+        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9, 17, 30, 3, 12, 25)]
+        every_one_split_and_judged(cluster, hf, prompts)
+    finally:
+        cluster.shutdown()
+
+
+def test_a_gpu_tp_worker_is_refused_with_a_named_error(model_factory):
+    from router.cluster import ClusterConfig
+    from router.placement import PlacementConfig
+
+    path, _ = model_factory("llama")
+    with pytest.raises(ValueError, match="decode_tp=2: tensor-parallel workers have CPU"):
+        ClusterConfig(str(path), decode_tp=2, placement=PlacementConfig(gpus_per_worker=1))
+    with pytest.raises(ValueError, match="prefill_tp: must be a positive integer"):
+        ClusterConfig(str(path), prefill_tp=0)
+
+
+def test_serve_flags_size_each_kind():
+    from router.cli import build_parser, serve_options
+
+    options = serve_options(build_parser().parse_args(["serve", "--prefill-tp", "2", "--decode-tp", "1"]))[0]
+    assert (options["prefill_tp"], options["decode_tp"]) == (2, 1)
+    from router.workers import engine_options
+
+    config = type("C", (), {"prefill_tp": 2, "decode_tp": 1, "engine_options": {"block_size": 8}})
+    assert engine_options(config, "prefill") == {"block_size": 8, "tensor_parallel_size": 2}
+    assert engine_options(config, "decode") == {"block_size": 8}
