@@ -29,6 +29,8 @@ class EngineEndpoint:
         # a 2 MB hand-off take 14-23 ms; at 0.5 ms it took 5-10 ms (docs/kvtransfer.md).
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
         self.engine = engine
+        if getattr(engine, "tp", None) is not None:
+            engine.tp.on_rank_lost = self._rank_lost
         # What the wire reads and writes: the engine's cache, or a tensor-parallel worker's
         # un-sharded staging rows (engine.tp.staging).
         cache = handoff_cache if handoff_cache is not None else engine.cache
@@ -37,6 +39,16 @@ class EngineEndpoint:
 
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
+
+    def _rank_lost(self, rank: int, exit_code) -> None:
+        """A tensor-parallel rank died: the whole worker goes, as in a crash; Ray restarts it
+        with all its ranks, and the router resumes its requests from the tokens delivered."""
+        log.error("%s: tensor-parallel rank %d died (exit code %s); exiting", self.name, rank, exit_code)
+        os._exit(18)
+
+    def tp_rank_pids(self) -> list[int]:
+        """Processes of the other tensor-parallel ranks (drills and tests kill them)."""
+        return self.engine.tp.pids if getattr(self.engine, "tp", None) is not None else []
 
     def inject_crash(self, request_id: str, after: int = 0) -> None:
         """Fault injection for tests and drills: the process dies, as in a crash, at the

@@ -54,3 +54,46 @@ def test_serve_flags_size_each_kind():
     config = type("C", (), {"prefill_tp": 2, "decode_tp": 1, "engine_options": {"block_size": 8}})
     assert engine_options(config, "prefill") == {"block_size": 8, "tensor_parallel_size": 2}
     assert engine_options(config, "decode") == {"block_size": 8}
+
+
+def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, model_factory):
+    """A decode worker's second rank is killed mid-stream: the worker exits with it (rank 0 would
+    otherwise wait in a collective), Ray restarts it with both ranks, and the router resumes the
+    request from the tokens already delivered: one stream, no token twice, none missing."""
+    import asyncio
+    import os
+    import signal
+
+    from engine import SamplingParams
+    from router.cluster import launch
+    from tests.oracle import judge_greedy
+
+    path, hf = model_factory("jamba")
+    cluster = launch(path, prefill=1, decode=1, transport="gloo", address=ray_nodes[0].address,
+                     decode_tp=2, block_size=4, num_kv_blocks=200, max_num_seqs=8, transfer_timeout_s=30.0,
+                     **PLACEMENTS["gloo"])
+    try:
+        decode = cluster.workers.decode[0]
+        (follower,) = ray.get(decode.handle.tp_rank_pids.remote())
+        params = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+        prompt = [5, 17, 60, 2, 99, 41]
+
+        async def stream_and_kill():
+            seen = []
+            async for out in cluster.stream("rank-dies", prompt, params):
+                seen.append(out)
+                if len(seen) == 3:
+                    os.kill(follower, signal.SIGKILL)
+            return seen
+
+        retries = cluster.retries
+        seen = cluster._run(stream_and_kill(), timeout=180)
+        final = seen[-1]
+        assert final.error is None and final.finish_reason == "length", final
+        tokens = [t for out in seen for t in out.new_token_ids]
+        assert tokens == final.token_ids and len(tokens) == params.max_tokens
+        judge_greedy(hf, prompt, final.token_ids)
+        assert cluster.retries == retries + 1
+        assert ray.get(decode.handle.tp_rank_pids.remote()) != [follower]  # a new second rank
+    finally:
+        cluster.shutdown()

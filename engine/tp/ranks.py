@@ -20,6 +20,7 @@ import datetime
 import logging
 import multiprocessing as mp
 import pickle
+import threading
 import weakref
 
 import torch
@@ -29,6 +30,7 @@ from engine.tp.group import TPGroup
 log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
+WATCH_INTERVAL_S = 0.2
 
 
 class GlooGroup(TPGroup):
@@ -94,7 +96,16 @@ class TPLeader:
             self._pipes.append(ours)
             self._procs.append(proc)
         self.group = GlooGroup(store, 0, size)  # returns once every follower has joined
-        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs)
+        self._closing = threading.Event()
+        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._closing)
+        self.on_rank_lost = None  # called (rank, exit code) from a watchdog thread when a follower dies
+        threading.Thread(target=_watch, args=(weakref.ref(self), self._procs, self._closing),
+                         name="tp-rank-watchdog", daemon=True).start()
+
+    @property
+    def pids(self) -> list[int]:
+        """The follower processes, rank 1 first."""
+        return [proc.pid for proc in self._procs]
 
     def send(self, *command) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
@@ -107,7 +118,22 @@ class TPLeader:
         self._closer()
 
 
-def _stop(pipes, procs) -> None:
+def _watch(leader_ref, procs, closing: threading.Event) -> None:
+    """A follower that dies leaves rank 0 waiting in (or failing) its next collective: say so at
+    once. A worker exits then, so that Ray restarts all its ranks and the router resumes its
+    requests elsewhere (decode_worker, prefill_worker); an in-process engine's next step fails."""
+    while not closing.wait(WATCH_INTERVAL_S):
+        for rank, proc in enumerate(procs, start=1):
+            if not proc.is_alive() and not closing.is_set():
+                leader = leader_ref()
+                log.error("tensor-parallel rank %d died (exit code %s)", rank, proc.exitcode)
+                if leader is not None and leader.on_rank_lost is not None:
+                    leader.on_rank_lost(rank, proc.exitcode)
+                return
+
+
+def _stop(pipes, procs, closing: threading.Event) -> None:
+    closing.set()
     for pipe in pipes:
         try:
             pipe.send_bytes(pickle.dumps(("stop",)))
