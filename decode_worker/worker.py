@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine, Reservation
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.ray_ranks import RayRanks
 from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
@@ -24,8 +25,10 @@ from kvtransfer.engine_endpoint import EngineEndpoint
 
 class DecodeWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
-                 transfer_timeout_s: float = 30.0):
-        engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options))
+                 transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
+        # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
+        launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
+        engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options), launcher)
         self.staging = HandoffStaging(engine) if engine.tp is not None else None
         self._reservations: dict[str, Reservation] = {}  # tensor-parallel: where staging rows go
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)

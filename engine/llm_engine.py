@@ -54,7 +54,8 @@ class Reservation:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tp_launcher=None):
+        """`tp_launcher` starts ranks 1..N-1 (engine.tp: local processes by default)."""
         self.config = config
         self.model = load_model(config.model, config.torch_dtype, config.device)
         self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
@@ -63,7 +64,7 @@ class LLMEngine:
             from engine.tp.shard import shard_model
 
             self.tp = TPLeader(config.model, config.dtype, config.device, config.block_size,
-                               config.tensor_parallel_size)
+                               config.tensor_parallel_size, tp_launcher)
             try:
                 self.model = shard_model(self.model, self.tp.group)
             except BaseException:

@@ -18,6 +18,7 @@ from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.ray_ranks import RayRanks
 from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
@@ -40,8 +41,10 @@ class PrefillOutcome:
 
 class PrefillWorker(EngineEndpoint):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
-                 transfer_timeout_s: float = 30.0):
-        engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options))
+                 transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
+        # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
+        launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
+        engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options), launcher)
         self.staging = HandoffStaging(engine) if engine.tp is not None else None
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         self.sender = make_transport(transport).sender(name, self.cache_tensors, self.transfer_config,

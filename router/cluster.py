@@ -55,10 +55,6 @@ class ClusterConfig:
     max_restarts: int = -1  # Ray restarts of a dead worker actor; -1: always
     ray_init_options: dict = field(default_factory=dict)
     autoscale: AutoscaleConfig | None = None  # None: the pools change only when told (scale())
-    # Tensor-parallel ranks per worker of each kind (engine.tp): rank 0 is the worker actor, the
-    # others its child processes; hand-offs between any two sizes go through engine.tp.staging.
-    prefill_tp: int = 1
-    decode_tp: int = 1
     model_path: str = field(init=False, default="")  # the folder `model` names on this node
 
     def __post_init__(self):
@@ -71,10 +67,8 @@ class ClusterConfig:
         self.model_path = checked.model
         if checked.revision is not None:
             self.engine_options["revision"] = checked.revision
-        for kind in ("prefill_tp", "decode_tp"):
-            value = getattr(self, kind)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{kind}: must be a positive integer, got {value!r}")
+        for kind in ("prefill_tp", "decode_tp"):  # ranks per worker: placement.prefill_tp / decode_tp
+            value = getattr(self.placement, kind)
             if value > 1 and self.engine_options.get("device", "cpu") != "cpu":
                 raise ValueError(f"{kind}={value}: tensor-parallel workers have CPU (gloo) ranks only "
                                  "so far; NCCL ranks on GPUs are not built")

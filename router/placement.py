@@ -28,10 +28,18 @@ class PlacementConfig:
     decode_resource: str | None = "auto"
     pack_pairs: bool = False
     ready_timeout_s: float = 120.0
+    # Tensor-parallel ranks per worker: a bundle each (the resources above are per rank), packed
+    # on one node (their gloo group and command sockets are local).
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self):
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise ValueError("cpus_per_worker and gpus_per_worker must be >= 0")
+        for name in ("prefill_tp", "decode_tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if not self.ready_timeout_s > 0:
             raise ValueError("ready_timeout_s must be > 0")
 
@@ -44,6 +52,9 @@ class PlacementConfig:
             bundle[resource] = 1
         return {k: v for k, v in bundle.items() if v}
 
+    def ranks(self, kind: str) -> int:
+        return self.prefill_tp if kind == "prefill" else self.decode_tp
+
 
 def resolve_auto_resources(config: PlacementConfig, cluster_resources: dict) -> None:
     for attr, default in (("prefill_resource", PREFILL_RESOURCE), ("decode_resource", DECODE_RESOURCE)):
@@ -52,23 +63,27 @@ def resolve_auto_resources(config: PlacementConfig, cluster_resources: dict) -> 
 
 
 def place_workers(config: PlacementConfig, num_prefill: int, num_decode: int):
-    """Placement groups for the workers: returns (groups, [(group, bundle index)] per P, per D)."""
+    """Placement groups for the workers: returns (groups, [(group, bundle indices)] per P, per D);
+    a worker's first bundle is its rank 0 (the actor), the others its other TP ranks."""
     import ray
     from ray.util.placement_group import placement_group
 
     resolve_auto_resources(config, ray.cluster_resources())
     groups, prefill_slots, decode_slots = [], [], []
     pairs = min(num_prefill, num_decode) if config.pack_pairs else 0
+    p_ranks, d_ranks = config.ranks("prefill"), config.ranks("decode")
     for _ in range(pairs):
-        group = placement_group([config.bundle("prefill"), config.bundle("decode")], strategy="STRICT_PACK")
+        group = placement_group([config.bundle("prefill")] * p_ranks + [config.bundle("decode")] * d_ranks,
+                                strategy="STRICT_PACK")
         groups.append(group)
-        prefill_slots.append((group, 0))
-        decode_slots.append((group, 1))
+        prefill_slots.append((group, list(range(p_ranks))))
+        decode_slots.append((group, list(range(p_ranks, p_ranks + d_ranks))))
     for kind, count, slots in (("prefill", num_prefill, prefill_slots), ("decode", num_decode, decode_slots)):
+        ranks = config.ranks(kind)
         for _ in range(count - pairs):
-            group = placement_group([config.bundle(kind)], strategy="PACK")
+            group = placement_group([config.bundle(kind)] * ranks, strategy="STRICT_PACK" if ranks > 1 else "PACK")
             groups.append(group)
-            slots.append((group, 0))
+            slots.append((group, list(range(ranks))))
     for group in groups:
         try:
             ray.get(group.ready(), timeout=config.ready_timeout_s)

@@ -60,9 +60,10 @@ class WorkerSet:
         if not ray.is_initialized():
             options = dict(config.ray_init_options)
             if config.address is None:
-                workers = config.prefill + config.decode
-                if config.autoscale is not None:  # room on our own Ray for the most it may start
-                    workers = max(workers, config.autoscale.prefill[1] + config.autoscale.decode[1])
+                p_most, d_most = (config.autoscale.prefill[1], config.autoscale.decode[1]) \
+                    if config.autoscale is not None else (0, 0)  # room on our own Ray for the most it may start
+                workers = (max(config.prefill, p_most) * placement.prefill_tp
+                           + max(config.decode, d_most) * placement.decode_tp)
                 options.setdefault("num_cpus", max(os.cpu_count() or 1,
                                                    int(workers * placement.cpus_per_worker + 0.999)))
                 options.setdefault("include_dashboard", False)
@@ -89,13 +90,16 @@ class WorkerSet:
         self._groups += groups
 
         def spawn(cls, kind, slot, env):
-            group, bundle = slot
+            group, bundles = slot
             name = f"{kind}-{next(self._indices[kind])}"
+            # Ranks 1..N-1 go to the worker's other bundles (engine.tp.ray_ranks).
+            ranks = (group, bundles[1:], placement.cpus_per_worker, placement.gpus_per_worker) \
+                if len(bundles) > 1 else None
             handle = ray.remote(cls).options(
                 name=None, num_cpus=placement.cpus_per_worker, num_gpus=placement.gpus_per_worker,
                 max_concurrency=1000, max_restarts=config.max_restarts, max_task_retries=0, runtime_env={"env_vars": env} if env else None,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
-            ).remote(name, config.model, engine_options(config, kind), self.transport, config.transfer_timeout_s)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundles[0]),
+            ).remote(name, config.model, engine_options(config, kind), self.transport, config.transfer_timeout_s, ranks)
             return WorkerRef(name, kind, handle, group=group)
 
         nodes = set().union(*(_group_nodes(g) for g in groups))
@@ -313,5 +317,5 @@ def _group_nodes(group) -> set[str]:
 
 def engine_options(config, kind: str) -> dict:
     """A worker's engine options: the cluster's, with its kind's tensor-parallel size."""
-    tp = config.prefill_tp if kind == "prefill" else config.decode_tp
+    tp = config.placement.ranks(kind)
     return {**config.engine_options, "tensor_parallel_size": tp} if tp > 1 else config.engine_options

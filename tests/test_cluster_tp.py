@@ -26,6 +26,12 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
                      max_num_seqs=8, max_num_batched_tokens=13, transfer_timeout_s=30.0, **PLACEMENTS[transport])
     try:
         assert cluster.workers.transport == transport
+        for worker, tp in ((cluster.workers.prefill[0], prefill_tp), (cluster.workers.decode[0], decode_tp)):
+            # one Ray actor per rank, each in a bundle of the worker's placement group, on one node
+            table = ray.util.placement_group_table(worker.group)
+            assert len(table["bundles"]) == tp + (prefill_tp if transport == "shm" and worker.kind == "decode" else 0) \
+                + (decode_tp if transport == "shm" and worker.kind == "prefill" else 0)
+            assert len(ray.get(worker.handle.tp_rank_pids.remote())) == tp - 1
         rng = random.Random(family)
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9, 17, 30, 3, 12, 25)]
         every_one_split_and_judged(cluster, hf, prompts)
@@ -39,9 +45,9 @@ def test_a_gpu_tp_worker_is_refused_with_a_named_error(model_factory):
 
     path, _ = model_factory("llama")
     with pytest.raises(ValueError, match="decode_tp=2: tensor-parallel workers have CPU"):
-        ClusterConfig(str(path), decode_tp=2, placement=PlacementConfig(gpus_per_worker=1))
+        ClusterConfig(str(path), placement=PlacementConfig(gpus_per_worker=1, decode_tp=2))
     with pytest.raises(ValueError, match="prefill_tp: must be a positive integer"):
-        ClusterConfig(str(path), prefill_tp=0)
+        PlacementConfig(prefill_tp=0)
 
 
 def test_serve_flags_size_each_kind():
@@ -51,7 +57,9 @@ def test_serve_flags_size_each_kind():
     assert (options["prefill_tp"], options["decode_tp"]) == (2, 1)
     from router.workers import engine_options
 
-    config = type("C", (), {"prefill_tp": 2, "decode_tp": 1, "engine_options": {"block_size": 8}})
+    from router.placement import PlacementConfig
+
+    config = type("C", (), {"placement": PlacementConfig(prefill_tp=2), "engine_options": {"block_size": 8}})
     assert engine_options(config, "prefill") == {"block_size": 8, "tensor_parallel_size": 2}
     assert engine_options(config, "decode") == {"block_size": 8}
 

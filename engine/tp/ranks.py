@@ -8,8 +8,9 @@ Their forwards meet rank 0's at every collective of the sharded layers (a gloo g
 own, so several engines can live in one process), and their caches only ever change by these
 commands, so rank r's cache is always rank 0's cache, sharded.
 
-Commands go over a pipe per follower: a follower whose engine died sees the pipe close and
-exits, instead of waiting in a collective that will never come. Commands are pickled by hand
+Commands go over a local socket per follower (multiprocessing.connection, with a key): a follower
+whose engine died sees it close and exits, instead of waiting in a collective that will never
+come. Followers are processes rank 0 starts, or Ray actors a worker places (engine.tp.ray_ranks). Commands are pickled by hand
 (plain pickle copies tensor bytes; multiprocessing's pickler would move every step's tensors
 into new shared-memory files).
 """
@@ -20,8 +21,10 @@ import datetime
 import logging
 import multiprocessing as mp
 import pickle
+import secrets
 import threading
 import weakref
+from multiprocessing.connection import Client, Listener
 
 import torch
 
@@ -79,32 +82,44 @@ class GlooGroup(TPGroup):
         return t
 
 
-class TPLeader:
-    """Rank 0's end: starts the followers of an engine and sends them its commands."""
+class LocalRanks:
+    """Ranks 1..N-1 as processes of this machine (the default; a worker passes Ray actors)."""
 
-    def __init__(self, model: str, dtype: str, device: str, block_size: int, size: int):
+    def start(self, rank: int, args: tuple):
+        proc = mp.get_context("spawn").Process(target=follower_main, name=f"splitserve-tp-rank{rank}",
+                                               args=args, daemon=True)
+        proc.start()
+        return proc  # is_alive(), exitcode, pid, join(timeout), kill()
+
+
+class TPLeader:
+    """Rank 0's end: starts the other ranks of an engine (through `launcher`, LocalRanks by
+    default) and sends them its commands over a local socket each."""
+
+    def __init__(self, model: str, dtype: str, device: str, block_size: int, size: int, launcher=None):
         store, port = GlooGroup.open_store(size)
-        ctx = mp.get_context("spawn")
-        self._pipes, self._procs = [], []
-        for rank in range(1, size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=follower_main, name=f"splitserve-tp-rank{rank}", daemon=True,
-                               args=(model, dtype, device, block_size, rank, size, port, theirs,
-                                     torch.get_num_threads()))
-            proc.start()
-            theirs.close()
-            self._pipes.append(ours)
-            self._procs.append(proc)
-        self.group = GlooGroup(store, 0, size)  # returns once every follower has joined
+        authkey = secrets.token_bytes(16)
+        listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        launcher = launcher or LocalRanks()
+        self._procs = [launcher.start(rank, (model, dtype, device, block_size, rank, size, port,
+                                             listener.address, authkey, torch.get_num_threads()))
+                       for rank in range(1, size)]
+        self.group = GlooGroup(store, 0, size)  # returns once every rank has joined
+        by_rank = {}
+        with listener:  # each rank connects once it is in the group, and says which it is
+            for _ in range(size - 1):
+                conn = listener.accept()
+                by_rank[conn.recv()] = conn
+        self._pipes = [by_rank[rank] for rank in range(1, size)]
         self._closing = threading.Event()
         self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._closing)
-        self.on_rank_lost = None  # called (rank, exit code) from a watchdog thread when a follower dies
+        self.on_rank_lost = None  # called (rank, exit code) from a watchdog thread when a rank dies
         threading.Thread(target=_watch, args=(weakref.ref(self), self._procs, self._closing),
                          name="tp-rank-watchdog", daemon=True).start()
 
     @property
     def pids(self) -> list[int]:
-        """The follower processes, rank 1 first."""
+        """The processes of ranks 1..N-1."""
         return [proc.pid for proc in self._procs]
 
     def send(self, *command) -> None:
@@ -146,7 +161,7 @@ def _stop(pipes, procs, closing: threading.Event) -> None:
 
 
 def follower_main(model_path: str, dtype: str, device: str, block_size: int, rank: int, size: int,
-                  port: int, pipe, threads: int) -> None:
+                  port: int, address, authkey: bytes, threads: int) -> None:
     """A follower: build the shard, then obey rank 0 until it says stop or goes away."""
     from engine.cache import ModelCache
     from engine.model_runner import ModelRunner
@@ -158,6 +173,8 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     group = GlooGroup.join(port, rank, size)
+    pipe = Client(address, authkey=authkey)
+    pipe.send(rank)
     model = shard_model(load_model(model_path, torch_dtype, device), group)
     runner = cache = index = None
     with torch.inference_mode():
