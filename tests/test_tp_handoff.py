@@ -34,7 +34,8 @@ def copy_rows(src_cache, dst_cache, src_blocks, src_slot, dst_blocks, dst_slot):
 # transports) every family meets every size pair once.
 @pytest.mark.parametrize(("family", "sizes"), [
     ("jamba", (1, 2)), ("jamba", (2, 2)), ("granitemoehybrid", (2, 1)), ("granitemoehybrid", (2, 2)),
-    ("llama", (2, 1)), ("llama", (1, 2))])
+    ("llama", (2, 1)), ("llama", (1, 2)),
+    ("mistral_mqa_window", (1, 2))])  # one KV head, two decode ranks: each keeps a copy of it
 def test_tp_sizes_hand_off_exactly(model_factory, family, sizes):
     path, hf = model_factory(family)
     p_tp, d_tp = sizes
