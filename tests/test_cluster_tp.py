@@ -11,7 +11,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tests.test_cluster_recurrent import PLACEMENTS, every_one_split_and_judged
+from tests.oracle import judge_greedy
+from tests.test_cluster_recurrent import GREEDY, PLACEMENTS, every_one_split_and_judged
 
 
 @pytest.mark.parametrize(("family", "prefill_tp", "decode_tp", "transport"), [
@@ -23,7 +24,8 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
     path, hf = model_factory(family)
     cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
                      prefill_tp=prefill_tp, decode_tp=decode_tp, block_size=4, num_kv_blocks=120,
-                     max_num_seqs=8, max_num_batched_tokens=13, transfer_timeout_s=30.0, **PLACEMENTS[transport])
+                     max_num_seqs=8, max_num_batched_tokens=13, transfer_timeout_s=30.0,
+                     enable_prefix_caching=True, **PLACEMENTS[transport])
     try:
         assert cluster.workers.transport == transport
         for worker, tp in ((cluster.workers.prefill[0], prefill_tp), (cluster.workers.decode[0], decode_tp)):
@@ -35,6 +37,10 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
         rng = random.Random(family)
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9, 17, 30, 3, 12, 25)]
         every_one_split_and_judged(cluster, hf, prompts)
+        again = prompts[4][:28] + [7, 8, 9]  # the prefill worker checkpointed 28 of prompt 4's 30 tokens
+        (out,) = cluster.generate([again], GREEDY)
+        assert out.error is None and out.num_cached_tokens == 28
+        judge_greedy(hf, again, out.token_ids)
     finally:
         cluster.shutdown()
 
