@@ -110,9 +110,9 @@ class TPLeader:
             for _ in range(size - 1):
                 conn = listener.accept()
                 by_rank[conn.recv()] = conn
-        self._pipes = [by_rank[rank] for rank in range(1, size)]
+        self._conns = [by_rank[rank] for rank in range(1, size)]
         self._closing = threading.Event()
-        self._closer = weakref.finalize(self, _stop, self._pipes, self._procs, self._closing)
+        self._closer = weakref.finalize(self, _stop, self._conns, self._procs, self._closing)
         self.on_rank_lost = None  # called (rank, exit code) from a watchdog thread when a rank dies
         threading.Thread(target=_watch, args=(weakref.ref(self), self._procs, self._closing),
                          name="tp-rank-watchdog", daemon=True).start()
@@ -123,11 +123,14 @@ class TPLeader:
         return [proc.pid for proc in self._procs]
 
     def send(self, *command) -> None:
+        """Every forward goes through here: no liveness probe per call (a Ray rank's costs a
+        round trip); the watchdog watches the ranks, and a dead rank's socket refuses the send."""
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, (pipe, proc) in enumerate(zip(self._pipes, self._procs), start=1):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} exited (code {proc.exitcode})")
-            pipe.send_bytes(data)
+        for rank, conn in enumerate(self._conns, start=1):
+            try:
+                conn.send_bytes(data)
+            except OSError as e:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
 
     def close(self) -> None:
         self._closer()
@@ -147,11 +150,11 @@ def _watch(leader_ref, procs, closing: threading.Event) -> None:
                 return
 
 
-def _stop(pipes, procs, closing: threading.Event) -> None:
+def _stop(conns, procs, closing: threading.Event) -> None:
     closing.set()
-    for pipe in pipes:
+    for conn in conns:
         try:
-            pipe.send_bytes(pickle.dumps(("stop",)))
+            conn.send_bytes(pickle.dumps(("stop",)))
         except OSError:
             pass
     for proc in procs:
@@ -173,14 +176,14 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     group = GlooGroup.join(port, rank, size)
-    pipe = Client(address, authkey=authkey)
-    pipe.send(rank)
+    conn = Client(address, authkey=authkey)
+    conn.send(rank)
     model = shard_model(load_model(model_path, torch_dtype, device), group)
     runner = cache = index = None
     with torch.inference_mode():
         while True:
             try:
-                command = pickle.loads(pipe.recv_bytes())
+                command = pickle.loads(conn.recv_bytes())
             except EOFError:  # rank 0 is gone
                 return
             kind = command[0]

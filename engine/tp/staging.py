@@ -99,11 +99,11 @@ class HandoffStaging:
         """Staging rows for a request, or None when they are all in use."""
         if not self.cache.spec.attention_layers:
             num_blocks = 0  # block tables are bookkeeping only: nothing to move
-        need_slot = bool(self.free_slots) or not self.cache.spec.state_layers
-        if len(self.free_blocks) < num_blocks or not need_slot:
+        has_state = bool(self.cache.spec.state_layers)
+        if len(self.free_blocks) < num_blocks or (has_state and not self.free_slots):
             return None
         blocks = [self.free_blocks.pop() for _ in range(num_blocks)]
-        slot = self.free_slots.pop() if self.cache.spec.state_layers else None
+        slot = self.free_slots.pop() if has_state else None
         self.held[request_id] = Staged(blocks, slot)
         return self.held[request_id]
 
