@@ -40,10 +40,11 @@ class EngineEndpoint:
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
 
-    def _rank_lost(self, rank: int, exit_code) -> None:
-        """A tensor-parallel rank died: the whole worker goes, as in a crash; Ray restarts it
-        with all its ranks, and the router resumes its requests from the tokens delivered."""
-        log.error("%s: tensor-parallel rank %d died (exit code %s); exiting", self.name, rank, exit_code)
+    def _rank_lost(self, rank: int | None, why) -> None:
+        """A tensor-parallel rank died (None: a collective failed, which one is unknown): the
+        whole worker goes, as in a crash; Ray restarts it with all its ranks, and the router
+        resumes its requests from the tokens delivered."""
+        log.error("%s: tensor-parallel rank %s lost (%s); exiting", self.name, rank, why)
         os._exit(18)
 
     def tp_rank_pids(self) -> list[int]:

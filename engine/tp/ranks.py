@@ -45,6 +45,15 @@ class GlooGroup(TPGroup):
         self.rank, self.size, self._store = rank, size, store
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size,
                                          datetime.timedelta(seconds=timeout_s))
+        self.on_error = None  # called with the exception when a collective fails (a rank is gone)
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except Exception as e:
+            if self.on_error is not None:
+                self.on_error(e)
+            raise
 
     @staticmethod
     def open_store(size: int):
@@ -64,13 +73,13 @@ class GlooGroup(TPGroup):
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
-        self._pg.allreduce([t]).wait()
+        self._wait(self._pg.allreduce([t]))
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        self._pg.allgather([parts], [t]).wait()
+        self._wait(self._pg.allgather([parts], [t]))
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
@@ -78,7 +87,7 @@ class GlooGroup(TPGroup):
         import torch.distributed as dist
 
         t = t.contiguous()
-        self._pg.broadcast([t], dist.BroadcastOptions()).wait()
+        self._wait(self._pg.broadcast([t], dist.BroadcastOptions()))
         return t
 
 
@@ -113,7 +122,12 @@ class TPLeader:
         self._conns = [by_rank[rank] for rank in range(1, size)]
         self._closing = threading.Event()
         self._closer = weakref.finalize(self, _stop, self._conns, self._procs, self._closing)
-        self.on_rank_lost = None  # called (rank, exit code) from a watchdog thread when a rank dies
+        # Called (rank or None, why) when a rank dies: by the watchdog, or by whichever of a
+        # collective or a send notices first (the engine thread must not carry on and fail the
+        # requests as if they were at fault).
+        self.on_rank_lost = None
+        me = weakref.ref(self)  # no cycle through the group: collection still stops the ranks
+        self.group.on_error = lambda e: me() is not None and me()._lost(None, e)
         threading.Thread(target=_watch, args=(weakref.ref(self), self._procs, self._closing),
                          name="tp-rank-watchdog", daemon=True).start()
 
@@ -130,7 +144,12 @@ class TPLeader:
             try:
                 conn.send_bytes(data)
             except OSError as e:
+                self._lost(rank, e)
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
+
+    def _lost(self, rank: int | None, why) -> None:
+        if not self._closing.is_set() and self.on_rank_lost is not None:
+            self.on_rank_lost(rank, why)
 
     def close(self) -> None:
         self._closer()
@@ -145,8 +164,8 @@ def _watch(leader_ref, procs, closing: threading.Event) -> None:
             if not proc.is_alive() and not closing.is_set():
                 leader = leader_ref()
                 log.error("tensor-parallel rank %d died (exit code %s)", rank, proc.exitcode)
-                if leader is not None and leader.on_rank_lost is not None:
-                    leader.on_rank_lost(rank, proc.exitcode)
+                if leader is not None:
+                    leader._lost(rank, f"exit code {proc.exitcode}")
                 return
 
 
