@@ -93,13 +93,17 @@ class ElasticPools:
             await asyncio.sleep(self.autoscaler.config.interval_s)
             try:
                 for decision in self.autoscaler.decide(self.signals()):
-                    now = counts(self.workers)
-                    self._after(await scale(self.workers, self._hand_over,
-                                            **{decision.kind: now[decision.kind] + decision.delta}))
+                    want = {decision.kind: counts(self.workers)[decision.kind] + decision.delta}
+                    # Shielded: stopping the autoscaler mid-drain must not leave a worker
+                    # draining forever, neither serving nor removed.
+                    await asyncio.shield(self._scale_to(want))
             except asyncio.CancelledError:
                 raise
             except Exception:  # the next reading tries again
                 log.exception("autoscaler step failed")
+
+    async def _scale_to(self, want: dict) -> None:
+        self._after(await scale(self.workers, self._hand_over, **want))
 
     def signals(self) -> Signals:
         latencies, self._latencies = self._latencies, []

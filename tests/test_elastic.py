@@ -3,6 +3,7 @@ drain whose deadline forces a hand-over, and a rolling restart, with every strea
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 import time
@@ -158,8 +159,6 @@ def test_scale_over_grpc_and_the_command_line_behind_the_token(elastic, capsys):
 
 
 def test_a_backend_without_pools_refuses_to_scale():
-    import asyncio
-
     from router.serving import ServingCore
 
     class NoPools:
@@ -170,11 +169,18 @@ def test_a_backend_without_pools_refuses_to_scale():
         asyncio.run(ServingCore(NoPools(), 1).resize("scale", decode=2))
 
 
-def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic):
+def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic, monkeypatch):
     from router import scaling
     from router.autoscaler import AutoscaleConfig
 
     handle, path, hf = elastic
+    remove = scaling._remove
+
+    async def slow_remove(workers, worker):  # so the autoscaler is stopped mid-drain below
+        await asyncio.sleep(1.5)
+        await remove(workers, worker)
+
+    monkeypatch.setattr(scaling, "_remove", slow_remove)
     # A TPOT SLO no step meets: any load is decode pressure; once it stops, decode is idle.
     config = AutoscaleConfig(prefill=(1, 1), decode=(1, 2), slo_ttft_s=60.0, slo_tpot_s=0.001, interval_s=0.4,
                              up_intervals=2, down_intervals=3, cooldown_intervals=1)
@@ -193,8 +199,12 @@ def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic):
         wait_for_decode(1)
         decisions = {(d["kind"], d["direction"], d["reason"]) for d in handle.status()["autoscaler"]["decisions"]}
     finally:
-        handle.stop_autoscaler()
+        handle.stop_autoscaler()  # while the shrink still drains a worker
         handle.autoscaler = None
+    deadline = time.monotonic() + 30
+    while len(handle.workers.decode) != 1:  # the drain outlives the autoscaler and removes it
+        assert time.monotonic() < deadline, [(w.name, w.draining) for w in handle.workers.decode]
+        time.sleep(0.1)
     load.check(hf, path)
     assert decisions == {("decode", "up", "tpot_slo"), ("decode", "down", "idle")}
     wait_idle(handle)
