@@ -67,9 +67,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
-        if tp > 1 and self.device != "cpu":
-            raise ValueError(f"tensor_parallel_size {tp} on {self.device}: only CPU ranks (gloo) are built "
-                             "so far; NCCL ranks are not")
+        if tp > 1 and torch.device(self.device).index not in (None, 0):
+            raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
+                             "pass device='cuda'")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -60,9 +60,15 @@ class LLMEngine:
         self.model = load_model(config.model, config.torch_dtype, config.device)
         self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
         if config.tensor_parallel_size > 1:
+            import torch
+
             from engine.tp.ranks import TPLeader
             from engine.tp.shard import shard_model
 
+            if tp_launcher is None and config.device.startswith("cuda") and \
+                    torch.cuda.device_count() < config.tensor_parallel_size:
+                raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} on GPUs needs a GPU per "
+                                 f"rank; this process sees {torch.cuda.device_count()}")
             self.tp = TPLeader(config.model, config.dtype, config.device, config.block_size,
                                config.tensor_parallel_size, tp_launcher)
             try:

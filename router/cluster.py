@@ -67,11 +67,6 @@ class ClusterConfig:
         self.model_path = checked.model
         if checked.revision is not None:
             self.engine_options["revision"] = checked.revision
-        for kind in ("prefill_tp", "decode_tp"):  # ranks per worker: placement.prefill_tp / decode_tp
-            value = getattr(self.placement, kind)
-            if value > 1 and self.engine_options.get("device", "cpu") != "cpu":
-                raise ValueError(f"{kind}={value}: tensor-parallel workers have CPU (gloo) ranks only "
-                                 "so far; NCCL ranks on GPUs are not built")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one worker of each kind, got prefill={self.prefill} "
                              f"decode={self.decode}")

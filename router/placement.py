@@ -40,6 +40,10 @@ class PlacementConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        tp = max(self.prefill_tp, self.decode_tp)
+        if tp > 1 and self.gpus_per_worker and self.gpus_per_worker != 1:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker} with tensor-parallel workers: each rank "
+                             "takes exactly one GPU (its NCCL group needs a device per rank)")
         if not self.ready_timeout_s > 0:
             raise ValueError("ready_timeout_s must be > 0")
 

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
         checks.append(run_kernel_tests())
     if not args.skip_e2e:
         checks.append(run_e2e(args.transport or ("nccl" if gpus >= 2 else "gloo"), gpus))
+    if not args.skip_tests:
+        checks.append(run_tp_tests(gpus))
     if not args.skip_bench:
         checks.append(run_bench(started))
     print_table("checks", ["check", "result", "detail"], checks)
@@ -69,17 +71,31 @@ def run_kernel_tests():
                str(ROOT / "tests" / "test_kernels.py"), str(ROOT / "tests" / "test_kernels_mamba2.py"),
                str(ROOT / "tests" / "test_kernels_gdn.py"), str(ROOT / "tests" / "test_kernels_mamba1_scan.py")]
     print("\n== kernel tests on the GPU (compiled, no interpreter):", " ".join(command[1:]), flush=True)
+    return _pytest_check("pytest -m triton (cuda)", command, env)
+
+
+def _pytest_check(name: str, command: list[str], env=None) -> list[str]:
+    """A pytest run as one row of the table: PASS only when something passed and it exited 0."""
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_LIMIT_S)
     except subprocess.TimeoutExpired:
-        return ["pytest -m triton (cuda)", "FAIL", f"timed out after {TESTS_LIMIT_S} s"]
+        return [name, "FAIL", f"timed out after {TESTS_LIMIT_S} s"]
     lines = (done.stdout + done.stderr).strip().splitlines()
     if done.returncode != 0:
         print("\n".join(lines[-60:]))
     summary = lines[-1] if lines else "no output"
-    skipped = "skipped" in summary and "passed" not in summary
-    status = "PASS" if done.returncode == 0 and not skipped else "FAIL"
-    return ["pytest -m triton (cuda)", status, summary.strip("= ")]
+    passed = done.returncode == 0 and "passed" in summary
+    return [name, "PASS" if passed else "FAIL", summary.strip("= ")]
+
+
+def run_tp_tests(gpus: int):
+    """Two NCCL ranks of one engine, judged by transformers (NCCL refuses two ranks on one GPU)."""
+    if gpus < 2:
+        return ["TP=2 NCCL ranks", "INFO", "not run: needs two GPUs"]
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+               str(ROOT / "tests" / "test_tp_engine.py")]
+    print("\n== tensor-parallel ranks over NCCL:", " ".join(command[1:]), flush=True)
+    return _pytest_check("TP=2 NCCL ranks", command)
 
 
 def run_e2e(transport: str, gpus: int):

@@ -45,13 +45,15 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
         cluster.shutdown()
 
 
-def test_a_gpu_tp_worker_is_refused_with_a_named_error(model_factory):
+def test_gpu_tp_workers_take_a_whole_gpu_per_rank(model_factory):
     from router.cluster import ClusterConfig
     from router.placement import PlacementConfig
 
     path, _ = model_factory("llama")
-    with pytest.raises(ValueError, match="decode_tp=2: tensor-parallel workers have CPU"):
-        ClusterConfig(str(path), placement=PlacementConfig(gpus_per_worker=1, decode_tp=2))
+    config = ClusterConfig(str(path), placement=PlacementConfig(gpus_per_worker=1, prefill_tp=2))
+    assert config.placement.bundle("prefill")["GPU"] == 1 and config.placement.ranks("prefill") == 2
+    with pytest.raises(ValueError, match="gpus_per_worker=0.5 with tensor-parallel workers: each rank"):
+        PlacementConfig(gpus_per_worker=0.5, decode_tp=2)
     with pytest.raises(ValueError, match="prefill_tp: must be a positive integer"):
         PlacementConfig(prefill_tp=0)
 

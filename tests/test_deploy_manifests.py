@@ -252,15 +252,18 @@ def test_serve_flags_match_the_worker_groups(variant):
     cluster = _one(RAYCLUSTERS[variant])
     flags = _serve_args(cluster)
     allowed = {"address", "model", "prefill", "decode", "transport", "grpc-port", "http-port", "host",
-               "gpus-per-worker"}
+               "gpus-per-worker", "prefill-tp", "decode-tp"}
     assert set(flags) <= allowed, set(flags) - allowed
     assert flags["address"] == "auto" and flags["host"] == "0.0.0.0"
     assert flags["grpc-port"] == "50051" and flags["http-port"] == "8000"
     assert flags["transport"] == {"cuda": "nccl", "cpu": "gloo"}[variant]
     assert flags.get("gpus-per-worker") == {"cuda": "1", "cpu": None}[variant]
+    # The GPU cluster shows the usual split: a TP=2 prefill worker, a TP=1 decode worker.
+    assert (flags.get("prefill-tp"), flags.get("decode-tp")) == {"cuda": ("2", "1"), "cpu": (None, None)}[variant]
     for role, group in _groups(cluster).items():
         units = _parse_resources_param(group["rayStartParams"]["resources"])[f"splitserve_{role}"]
-        assert int(flags[role]) == group["replicas"] * units, f"--{role} must equal the {role} capacity"
+        ranks = int(flags[role]) * int(flags.get(f"{role}-tp", 1))
+        assert ranks == group["replicas"] * units, f"--{role} x --{role}-tp must equal the {role} capacity"
 
 
 def test_gpu_cluster_serves_the_model_from_the_volume():
@@ -392,7 +395,8 @@ def test_worker_script_runs_the_generated_ray_start(tmp_path, variant):
         (ray_call,) = _run_container_script(workdir, container["args"][0], generated)
         assert "--block" in ray_call
         (resources,) = [a for a in ray_call if a.startswith("--resources=")]
-        assert json.loads(resources.partition("=")[2]) == {f"splitserve_{role}": 1}
+        advertised = _parse_resources_param(group["rayStartParams"]["resources"])
+        assert json.loads(resources.partition("=")[2]) == advertised
 
 
 # ------------------------------------------------------------------ the RayServices and the RayJob
@@ -444,9 +448,11 @@ def test_rayservice_runs_the_serve_app_with_options_matching_the_worker_groups(v
     assert launch["gpus_per_worker"] == {"cuda": 1.0, "cpu": 0.0}[variant]
     assert (model or "").startswith("/models/") if variant == "cuda" else model is None
     cluster = {"spec": service["spec"]["rayClusterConfig"]}
+    assert (launch["prefill_tp"], launch["decode_tp"]) == {"cuda": (2, 1), "cpu": (1, 1)}[variant]
     for role, group in _groups(cluster).items():
         units = _parse_resources_param(group["rayStartParams"]["resources"])[f"splitserve_{role}"]
-        assert launch[role] == group["replicas"] * units, f"{role} must equal the {role} capacity"
+        ranks = launch[role] * launch[f"{role}_tp"]
+        assert ranks == group["replicas"] * units, f"{role} x {role}_tp must equal the {role} capacity"
     head = cluster["spec"]["headGroupSpec"]
     assert "resources" not in head["rayStartParams"] and head["rayStartParams"]["num-cpus"] == "0"
     assert config["grpc_options"]["grpc_servicer_functions"] == GRPC_SERVICER_FUNCTIONS

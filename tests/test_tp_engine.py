@@ -63,3 +63,54 @@ def test_tensor_parallel_options_are_checked(model_factory):
     odd, _ = model_factory("mamba2_tied_limit")  # 3 Mamba2 heads do not split over 2 ranks
     with pytest.raises(ValueError, match="Mamba2 heads \\(3\\)"):
         LLM(odd, tensor_parallel_size=2)
+
+
+def test_each_gpu_rank_gets_its_own_device(monkeypatch):
+    import torch
+
+    from engine.tp.ranks import rank_device
+
+    assert rank_device("cpu", 1) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a Ray rank sees only its own GPU
+    assert [rank_device("cuda", r) for r in range(2)] == ["cuda:0", "cuda:0"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # local ranks see them all
+    assert [rank_device("cuda", r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="rank 3 needs its own GPU; this process sees 2"):
+        rank_device("cuda", 3)
+    with pytest.raises(ValueError, match="placed from cuda:0 on"):
+        rank_device("cuda:1", 0)
+
+
+def test_gpu_ranks_form_an_nccl_group_or_say_why_not():
+    import torch.distributed as dist
+
+    from engine.tp.ranks import StoreGroup
+
+    store, _ = StoreGroup.open_store(1)
+    assert StoreGroup(store, 0, 1, "cpu").backend == "gloo"
+    if dist.is_nccl_available():
+        pytest.skip("this torch has NCCL: the GPU test below covers the group")
+    with pytest.raises(RuntimeError, match="GPU ranks need torch built with NCCL"):
+        StoreGroup(store, 0, 1, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["jamba", "llama"])
+def test_two_gpu_ranks_match_transformers(model_factory, family):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: NCCL refuses two ranks on one device")
+    path, hf = model_factory(family)
+    llm = LLM(path, device="cuda", dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=8,
+              block_size=4, num_kv_blocks=24)
+    try:
+        assert llm.engine.tp.group.backend == "nccl"
+        batch = prompts(3)
+        for prompt, out in zip(batch, llm.generate(batch, GREEDY)):
+            assert out.error is None and len(out.token_ids) == 10
+            judge_greedy(hf, prompt, out.token_ids)
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.engine.close()

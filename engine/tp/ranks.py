@@ -4,8 +4,8 @@ Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower 
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
 order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
 ("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",).
-Their forwards meet rank 0's at every collective of the sharded layers (a gloo group of their
-own, so several engines can live in one process), and their caches only ever change by these
+Their forwards meet rank 0's at every collective of the sharded layers (a gloo group on CPU, an
+NCCL group on GPUs, of their own, so several engines can live in one process), and their caches only ever change by these
 commands, so rank r's cache is always rank 0's cache, sharded.
 
 Commands go over a local socket per follower (multiprocessing.connection, with a key): a follower
@@ -36,15 +36,25 @@ START_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 0.2
 
 
-class GlooGroup(TPGroup):
-    """A gloo process group built on a TCPStore, outside torch.distributed's default world."""
+class StoreGroup(TPGroup):
+    """The ranks' process group, built on a TCPStore outside torch.distributed's default world
+    (several engines per process): gloo for CPU ranks, NCCL for GPU ranks (one device each)."""
 
-    def __init__(self, store, rank: int, size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+    def __init__(self, store, rank: int, size: int, device: str = "cpu", timeout_s: float = COLLECTIVE_TIMEOUT_S):
         import torch.distributed as dist
 
         self.rank, self.size, self._store = rank, size, store
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore("tp", store), rank, size,
-                                         datetime.timedelta(seconds=timeout_s))
+        self.backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+        timeout, prefixed = datetime.timedelta(seconds=timeout_s), dist.PrefixStore("tp", store)
+        if self.backend == "nccl":
+            if not dist.is_nccl_available():
+                raise RuntimeError("tensor-parallel GPU ranks need torch built with NCCL")
+            torch.cuda.set_device(torch.device(device))
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(prefixed, rank, size, timeout)
         self.on_error = None  # called with the exception when a collective fails (a rank is gone)
 
     def _wait(self, work) -> None:
@@ -65,11 +75,11 @@ class GlooGroup(TPGroup):
         return store, store.port
 
     @classmethod
-    def join(cls, port: int, rank: int, size: int) -> GlooGroup:
+    def join(cls, port: int, rank: int, size: int, device: str = "cpu") -> StoreGroup:
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
-        return cls(store, rank, size)
+        return cls(store, rank, size, device)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
@@ -91,6 +101,21 @@ class GlooGroup(TPGroup):
         return t
 
 
+def rank_device(device: str, rank: int) -> str:
+    """Where rank `rank` runs. CPU ranks share the host. A GPU rank takes cuda:rank when this
+    process sees a device per rank (local ranks), else the one device it sees (a Ray rank's own)."""
+    if torch.device(device).type != "cuda":
+        return device
+    if torch.device(device).index not in (None, 0):
+        raise ValueError(f"device {device!r}: tensor-parallel ranks are placed from cuda:0 on; pass 'cuda'")
+    count = torch.cuda.device_count()
+    if count == 1:
+        return "cuda:0"
+    if count > rank:
+        return f"cuda:{rank}"
+    raise ValueError(f"tensor-parallel rank {rank} needs its own GPU; this process sees {count}")
+
+
 class LocalRanks:
     """Ranks 1..N-1 as processes of this machine (the default; a worker passes Ray actors)."""
 
@@ -106,14 +131,14 @@ class TPLeader:
     default) and sends them its commands over a local socket each."""
 
     def __init__(self, model: str, dtype: str, device: str, block_size: int, size: int, launcher=None):
-        store, port = GlooGroup.open_store(size)
+        store, port = StoreGroup.open_store(size)
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         launcher = launcher or LocalRanks()
         self._procs = [launcher.start(rank, (model, dtype, device, block_size, rank, size, port,
                                              listener.address, authkey, torch.get_num_threads()))
                        for rank in range(1, size)]
-        self.group = GlooGroup(store, 0, size)  # returns once every rank has joined
+        self.group = StoreGroup(store, 0, size, rank_device(device, 0))  # gloo: returns once all joined
         by_rank = {}
         with listener:  # each rank connects once it is in the group, and says which it is
             for _ in range(size - 1):
@@ -193,8 +218,8 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     from engine.tp.staging import gather_rows, scatter_rows, shard_indices
 
     torch.set_num_threads(threads)
-    torch_dtype = getattr(torch, dtype)
-    group = GlooGroup.join(port, rank, size)
+    torch_dtype, device = getattr(torch, dtype), rank_device(device, rank)
+    group = StoreGroup.join(port, rank, size, device)
     conn = Client(address, authkey=authkey)
     conn.send(rank)
     model = shard_model(load_model(model_path, torch_dtype, device), group)
@@ -222,7 +247,7 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
             elif kind == "gather":
                 gather_rows(group, cache, *command[1:])
             elif kind == "scatter":
-                index = index or shard_indices(model.full_spec, size)
+                index = index or shard_indices(model.full_spec, size, cache.device)
                 scatter_rows(group, cache, index, None, *command[1:])
             else:
                 raise RuntimeError(f"tensor-parallel rank {rank}: unknown command {kind!r}")

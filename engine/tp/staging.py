@@ -31,7 +31,7 @@ class Staged:
     slot: int | None
 
 
-def shard_indices(full_spec, size: int) -> dict[str, list[tuple[int, torch.Tensor]]]:
+def shard_indices(full_spec, size: int, device="cpu") -> dict[str, list[tuple[int, torch.Tensor]]]:
     """Per hand-off tensor name, per rank: (axis of a selected-rows tensor, un-sharded indices).
     KV rows are [n, block_size, heads, head_dim] (heads: axis 2); state rows [n, *shape] (axis 1)."""
     shards = model_shards(full_spec, size)
@@ -39,22 +39,22 @@ def shard_indices(full_spec, size: int) -> dict[str, list[tuple[int, torch.Tenso
     for i, layer in enumerate(full_spec.layers):
         if layer.kv is not None:
             for name in (f"layer{i}.k", f"layer{i}.v"):
-                out[name] = [(2, torch.tensor(shards[r][i].kv.indices())) for r in range(size)]
+                out[name] = [(2, torch.tensor(shards[r][i].kv.indices(), device=device)) for r in range(size)]
         for j, tensor in enumerate(layer.state):
-            out[f"layer{i}.{tensor.name}"] = [(1, torch.tensor(shards[r][i].state[j].indices()))
+            out[f"layer{i}.{tensor.name}"] = [(1, torch.tensor(shards[r][i].state[j].indices(), device=device))
                                               for r in range(size)]
     return out
 
 
 def local_rows(cache: ModelCache, blocks: list[int], slot: int | None) -> list[torch.Tensor]:
     """This rank's rows of one request, in hand-off tensor order."""
-    block_index = torch.tensor(blocks, dtype=torch.long)
+    block_index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
     return [t.index_select(0, block_index) if role == BLOCK_ROLE else t[slot:slot + 1]
             for _, _, _, role, t in cache.handoff_tensors()]
 
 
 def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], slot: int | None) -> None:
-    block_index = torch.tensor(blocks, dtype=torch.long)
+    block_index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
     for (_, _, _, role, t), r in zip(cache.handoff_tensors(), rows):
         if role == BLOCK_ROLE:
             t.index_copy_(0, block_index, r.to(t.dtype))
@@ -73,7 +73,7 @@ def scatter_rows(group, cache: ModelCache, index, full: list[torch.Tensor] | Non
     and keep this rank's indices of them in its own rows."""
     mine = []
     for i, (name, _, _, _, t) in enumerate(cache.handoff_tensors()):
-        rows = full[i] if full is not None else torch.empty(shapes[i], dtype=t.dtype)
+        rows = full[i] if full is not None else torch.empty(shapes[i], dtype=t.dtype, device=t.device)
         rows = group.broadcast(rows)
         axis, idx = index[name][group.rank]
         mine.append(rows.index_select(axis, idx))
@@ -86,7 +86,7 @@ class HandoffStaging:
     def __init__(self, engine, requests: int = STAGING_REQUESTS):
         config, spec = engine.config, engine.model.full_spec
         self.engine, self.group = engine, engine.tp.group
-        self.index = shard_indices(spec, self.group.size)
+        self.index = shard_indices(spec, self.group.size, engine.cache.device)
         blocks_each = -(-engine.max_model_len // config.block_size) if spec.attention_layers else 0
         slots = requests if spec.state_layers else 0
         self.cache = ModelCache(spec, CacheSizes(requests * blocks_each, slots, 0, 0), config.block_size,
