@@ -92,13 +92,26 @@ class StoreGroup(TPGroup):
         self._wait(self._pg.allgather([parts], [t]))
         return torch.cat(parts, dim=dim)
 
-    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `t` on every rank (the others pass a tensor of its shape and dtype)."""
+    def gather_to_first(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's `t` (one shape on all) on rank 0, in rank order; None on the others."""
         import torch.distributed as dist
 
         t = t.contiguous()
-        self._wait(self._pg.broadcast([t], dist.BroadcastOptions()))
-        return t
+        outputs = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._wait(self._pg.gather(outputs, [t], options))
+        return outputs[0] if self.rank == 0 else None
+
+    def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0's parts[r] into rank r's `out` (one shape on all); the others pass None."""
+        import torch.distributed as dist
+
+        inputs = [[p.contiguous() for p in parts]] if self.rank == 0 else []
+        options = dist.ScatterOptions()
+        options.rootRank = 0
+        self._wait(self._pg.scatter([out], inputs, options))
+        return out
 
 
 def rank_device(device: str, rank: int) -> str:

@@ -4,11 +4,14 @@ The wire carries every request in the un-sharded layout, so prefill and decode w
 TP sizes (1->2, 2->1, 2->2) pass the same layout handshake over every transport, and the bytes
 on the wire are one un-sharded copy of the request. Rank 0 keeps a small staging cache in that
 layout, room for `requests` hand-offs at a time:
-- prefill side, when a prompt is done: every rank selects its rows of the request, an
-  all_gather brings them to rank 0, which writes them into staging rows at the indices the shard
-  map (engine.tp.plan) gives each rank; the transport sends the staging rows;
+- prefill side, when a prompt is done: every rank selects its rows of the request, a gather
+  brings them to rank 0, which writes them into staging rows at the indices the shard map
+  (engine.tp.plan) gives each rank; the transport sends the staging rows;
 - decode side: a reservation's hand-off target is staging rows; once they have landed, rank 0
-  broadcasts them and every rank copies the indices it owns into the request's own rows.
+  scatters them: each rank receives exactly the heads and channels it owns, and writes them into
+  the request's own rows.
+Inside a worker too, a hand-off moves one un-sharded copy (plus the copies of replicated KV heads
+or Mamba2 groups that several ranks keep).
 Only rank 0 reads or writes staging; every rank runs the same gather/scatter, in the order rank 0
 issues them (engine.tp.ranks), on its engine thread.
 """
@@ -62,21 +65,24 @@ def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], 
             t[slot:slot + 1] = r
 
 
-def gather_rows(group, cache: ModelCache, blocks: list[int], slot: int | None) -> list[torch.Tensor]:
-    """Every rank: its rows, all-gathered (stacked by rank on a new dim 0)."""
-    return [group.all_gather(r.unsqueeze(0), 0) for r in local_rows(cache, blocks, slot)]
+def gather_rows(group, cache: ModelCache, blocks: list[int], slot: int | None) -> list[list[torch.Tensor]] | None:
+    """Every rank: its rows of each tensor, gathered on rank 0 (per tensor, one per rank)."""
+    parts = [group.gather_to_first(r) for r in local_rows(cache, blocks, slot)]
+    return parts if group.rank == 0 else None
 
 
 def scatter_rows(group, cache: ModelCache, index, full: list[torch.Tensor] | None, shapes,
                  blocks: list[int], slot: int | None) -> None:
-    """Every rank: receive rank 0's un-sharded rows (`full` on rank 0, else None and `shapes`)
-    and keep this rank's indices of them in its own rows."""
+    """Every rank: receive exactly its indices of rank 0's un-sharded rows (`full` on rank 0,
+    else None and their `shapes`) and keep them in its own rows."""
     mine = []
     for i, (name, _, _, _, t) in enumerate(cache.handoff_tensors()):
-        rows = full[i] if full is not None else torch.empty(shapes[i], dtype=t.dtype, device=t.device)
-        rows = group.broadcast(rows)
         axis, idx = index[name][group.rank]
-        mine.append(rows.index_select(axis, idx))
+        parts = [full[i].index_select(a, ix) for a, ix in index[name]] if full is not None else None
+        shape = list(shapes[i])
+        shape[axis] = len(idx)  # every rank owns as many (the plan splits evenly)
+        out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        mine.append(group.scatter_from_first(parts, out))
     write_local(cache, mine, blocks, slot)
 
 
@@ -119,13 +125,14 @@ class HandoffStaging:
         self.engine.tp.send("gather", blocks, slot)
         parts = gather_rows(self.group, self.engine.cache, blocks, slot)
         full = local_rows(self.cache, staged.blocks, staged.slot)  # shaped like the request's rows
-        for (name, *_), stacked, rows in zip(self.cache.handoff_tensors(), parts, full):
+        for (name, *_), by_rank, rows in zip(self.cache.handoff_tensors(), parts, full):
             for rank, (axis, idx) in enumerate(self.index[name]):
-                rows.index_copy_(axis, idx, stacked[rank])
+                rows.index_copy_(axis, idx, by_rank[rank])
         write_local(self.cache, full, staged.blocks, staged.slot)
 
     def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:
         """Decode side: landed staging rows into the request's own rows on every rank."""
         full = local_rows(self.cache, staged.blocks[:num_blocks], staged.slot)
         self.engine.tp.send("scatter", [r.shape for r in full], blocks[:num_blocks], slot)
-        scatter_rows(self.group, self.engine.cache, self.index, full, None, blocks[:num_blocks], slot)
+        scatter_rows(self.group, self.engine.cache, self.index, full, [r.shape for r in full],
+                     blocks[:num_blocks], slot)
