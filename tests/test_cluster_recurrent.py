@@ -6,7 +6,10 @@ The hand-off moves whatever state the layers declare; nothing in kvtransfer, the
 the router knows these families. So each family runs over one transport, the families
 alternating between the two (every transport carries several state layouts; the transports
 themselves are tested layout by layout in tests/test_kvtransfer_*.py), which halves the
-cluster launches. Every output is judged by transformers.
+cluster launches; and a family whose cache is shaped like another's here is left to the
+in-process hand-off tests (tests/test_handoff_engine.py, every family): Nemotron-H's is Bamba's
+(Mamba2 + attention layers), and Granite 4.0-H runs through the cluster in the API test below.
+Every output is judged by transformers.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ PLACEMENTS = {
 }
 
 
+CLUSTER_FAMILIES = [f for f in RECURRENT_FAMILIES if f not in ("nemotron_h", "granitemoehybrid")]
+
+
 @pytest.mark.parametrize(("family", "transport"), [(family, sorted(PLACEMENTS)[i % 2])
-                                                   for i, family in enumerate(RECURRENT_FAMILIES)])
+                                                   for i, family in enumerate(CLUSTER_FAMILIES)])
 def test_family_through_the_cluster_matches_transformers(ray_nodes, model_factory, family, transport):
     from router.cluster import launch
 
