@@ -67,7 +67,13 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
-        if tp > 1 and torch.device(self.device).index not in (None, 0):
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r}: only 'cpu' and 'cuda' devices are supported")
+        if tp > 1 and device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
                              "pass device='cuda'")
         if self.mode not in ENGINE_MODES:

@@ -57,7 +57,10 @@ def test_prefix_cache_checkpoints_are_restored_on_every_rank(model_factory):
 def test_tensor_parallel_options_are_checked(model_factory):
     path, _ = model_factory("llama")
     for bad, match in ((dict(tensor_parallel_size=0), "tensor_parallel_size"),
-                       (dict(tensor_parallel_size=2, device="cuda:0"), "cuda|CUDA")):
+                       (dict(tensor_parallel_size=2, device="cuda:0"), "cuda|CUDA"),
+                       (dict(tensor_parallel_size=2, device="cuda:1"), "placed from cuda:0 on"),
+                       (dict(tensor_parallel_size=2, device="gpu0"), "'gpu0' is not a torch device"),
+                       (dict(device="mps"), "only 'cpu' and 'cuda'")):
         with pytest.raises(ValueError, match=match):
             LLM(path, **bad)
     odd, _ = model_factory("mamba2_tied_limit")  # 3 Mamba2 heads do not split over 2 ranks
