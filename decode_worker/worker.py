@@ -31,6 +31,7 @@ class DecodeWorker(EngineEndpoint):
         engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options), launcher)
         self.staging = HandoffStaging(engine) if engine.tp is not None else None
         self._reservations: dict[str, Reservation] = {}  # tensor-parallel: where staging rows go
+        self._slow_reservations = (0, 0.0)  # fault injection: (count, seconds) before reserving
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
@@ -53,6 +54,11 @@ class DecodeWorker(EngineEndpoint):
                       resume: Resume | None = None) -> HandoffTarget:
         # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
         await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+        count, seconds = self._slow_reservations
+        if count > 0:
+            self._slow_reservations = (count - 1, seconds)
+            await asyncio.sleep(seconds)
+
         def reserve(engine: LLMEngine) -> tuple[list[int], int]:
             reservation = engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)
             if self.staging is None:
@@ -74,6 +80,11 @@ class DecodeWorker(EngineEndpoint):
         await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)  # as in reserve
         await asyncio.wrap_future(self.thread.call(
             lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
+
+    def inject_slow_reservations(self, count: int, seconds: float) -> None:
+        """Fault injection for tests and drills: the next `count` reservations take `seconds`
+        longer before they exist, as under a loaded worker."""
+        self._slow_reservations = (count, seconds)
 
     def keep_reserved(self, request_id: str) -> bool:
         return self.receiver.keep_waiting(request_id)

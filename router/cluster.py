@@ -35,6 +35,8 @@ from router.scaling import ElasticPools
 from router.tracking import Failure, Tracked
 from router.workers import STATS_INTERVAL_S, WorkerSet
 
+PLACING_WAIT_S = 30.0  # the longest a cancelled attempt's abort waits for the call placing it
+
 log = logging.getLogger(__name__)
 
 
@@ -205,7 +207,7 @@ class Cluster(ElasticPools):
             try:
                 await self._follow(tracked, emit)
             except asyncio.CancelledError:  # the caller went away: stop the attempt everywhere
-                asyncio.ensure_future(self.workers.abort_everywhere(tracked.worker_id))
+                asyncio.ensure_future(self._abort_once_placed(tracked.worker_id, tracked.placing))
                 raise
             finally:
                 self._requests.pop(request_id, None)
@@ -279,11 +281,15 @@ class Cluster(ElasticPools):
         self.workers.owner[wid] = (decode, life)
         try:
             if tracked.num_tokens - cached <= self.config.local_prefill_tokens:
-                await decode.handle.generate_local.remote(wid, ids, params, resume)
+                tracked.placing = decode.handle.generate_local.remote(wid, ids, params, resume)
+                await tracked.placing
+                tracked.placing = None
                 decode.prefixes.add(hashes)  # it prefills, so it checkpoints, this prompt itself
                 return False
-            target = await decode.handle.reserve.remote(wid, ids, params, resume)
-        except BaseException as e:
+            tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume)
+            target = await tracked.placing
+            tracked.placing = None
+        except BaseException as e:  # a cancel leaves `placing` set, for _abort_once_placed
             self.workers.owner.pop(wid, None)
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
@@ -305,6 +311,14 @@ class Cluster(ElasticPools):
         owner = self.workers.owner.get(tracked.worker_id)
         if owner is not None:
             owner[0].prefixes.add(self._block_hashes(tracked.prompt_ids + tracked.tokens[:-1]))
+
+    async def _abort_once_placed(self, wid: str, placing) -> None:
+        """A caller that goes away while a decode worker call places its attempt: that call
+        still runs on the worker, and an abort arriving before it would find nothing there and
+        leave the reservation (or a local generation) running for no one. Abort after it."""
+        if placing is not None:
+            await asyncio.wait({asyncio.ensure_future(placing)}, timeout=PLACING_WAIT_S)
+        await self.workers.abort_everywhere(wid)
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
         waiter, life = tracked.first_logprob, prefill.incarnation
@@ -378,7 +392,7 @@ class Cluster(ElasticPools):
         if tracked is None:
             return False
         self._deliver(tracked.worker_id, tracked.aborted())  # ends the caller's stream
-        await self.workers.abort_everywhere(tracked.worker_id)
+        await self._abort_once_placed(tracked.worker_id, tracked.placing)
         return True
 
 

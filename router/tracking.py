@@ -41,6 +41,7 @@ class Tracked:
     first_logprob: asyncio.Future | None = None  # split attempts: the prefill worker's
     tokens_this_attempt: int = 0
     num_cached_tokens: int | None = None  # split attempts: what the prefill worker found cached
+    placing: object = None  # the decode worker call placing the current attempt, until it returns
     _logprob_base: int = 0
 
     @property

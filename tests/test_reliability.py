@@ -268,6 +268,32 @@ def test_a_cancelled_long_request_stops_at_once(rcluster):
                                                     f"cancel; a whole request takes {full:.1f} s"
 
 
+def test_a_cancel_while_the_reservation_is_being_made_frees_it_at_once(rcluster):
+    """The caller goes away while the decode worker is still making the reservation: an abort
+    sent then finds nothing there, and the reservation would wait for a hand-off no one sends
+    until the transfer timeout (10 s). The router aborts once the reservation call returns."""
+    handle, _, _ = rcluster
+    wait_idle(handle, 30)
+    for worker in handle.workers.decode:
+        ray.get(worker.handle.inject_slow_reservations.remote(1, 1.5))
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+
+    async def start_and_cancel():
+        task = asyncio.ensure_future(collect(handle, "cancelled-while-placed", [5, 6, 9], long))
+        await asyncio.sleep(0.5)
+        assert handle.workers.owner and not task.done()  # placed, reservation still being made
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(start_and_cancel())
+    cancelled = time.monotonic()
+    time.sleep(1.5)  # past the reservation's delay: idle before it would prove nothing
+    wait_idle(handle, 30)
+    assert time.monotonic() - cancelled < 6.0, f"idle {time.monotonic() - cancelled:.1f} s after the cancel"
+    for worker in handle.workers.decode:  # the other worker's injection must not outlive the test
+        ray.get(worker.handle.inject_slow_reservations.remote(0, 0.0))
+
+
 def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
     handle, _, _ = rcluster
     limit, long = 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
