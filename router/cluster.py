@@ -317,7 +317,8 @@ class Cluster(ElasticPools):
         still runs on the worker, and an abort arriving before it would find nothing there and
         leave the reservation (or a local generation) running for no one. Abort after it."""
         if placing is not None:
-            await asyncio.wait({asyncio.ensure_future(placing)}, timeout=PLACING_WAIT_S)
+            with contextlib.suppress(Exception):  # failed or slow: abort all the same
+                await asyncio.wait_for(placing, PLACING_WAIT_S)
         await self.workers.abort_everywhere(wid)
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:

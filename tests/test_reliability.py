@@ -274,8 +274,6 @@ def test_a_cancel_while_the_reservation_is_being_made_frees_it_at_once(rcluster)
     until the transfer timeout (10 s). The router aborts once the reservation call returns."""
     handle, _, _ = rcluster
     wait_idle(handle, 30)
-    for worker in handle.workers.decode:
-        ray.get(worker.handle.inject_slow_reservations.remote(1, 1.5))
     long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
     async def start_and_cancel():
@@ -285,13 +283,17 @@ def test_a_cancel_while_the_reservation_is_being_made_frees_it_at_once(rcluster)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(start_and_cancel())
-    cancelled = time.monotonic()
-    time.sleep(1.5)  # past the reservation's delay: idle before it would prove nothing
-    wait_idle(handle, 30)
-    assert time.monotonic() - cancelled < 6.0, f"idle {time.monotonic() - cancelled:.1f} s after the cancel"
-    for worker in handle.workers.decode:  # the other worker's injection must not outlive the test
-        ray.get(worker.handle.inject_slow_reservations.remote(0, 0.0))
+    for worker in handle.workers.decode:
+        ray.get(worker.handle.inject_slow_reservations.remote(1, 1.5))
+    try:
+        asyncio.run(start_and_cancel())
+        cancelled = time.monotonic()
+        time.sleep(1.5)  # past the reservation's delay: idle before it would prove nothing
+        wait_idle(handle, 30)
+        assert time.monotonic() - cancelled < 6.0, f"idle {time.monotonic() - cancelled:.1f} s after the cancel"
+    finally:  # the other worker's injection must not outlive the test
+        for worker in handle.workers.decode:
+            ray.get(worker.handle.inject_slow_reservations.remote(0, 0.0))
 
 
 def test_overload_is_refused_at_once_and_stays_bounded(rcluster):

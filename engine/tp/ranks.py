@@ -4,9 +4,9 @@ Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower 
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
 order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
 ("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",).
-Their forwards meet rank 0's at every collective of the sharded layers (a gloo group on CPU, an
-NCCL group on GPUs, of their own, so several engines can live in one process), and their caches only ever change by these
-commands, so rank r's cache is always rank 0's cache, sharded.
+Their forwards meet rank 0's at every collective of the sharded layers (a process group of
+their own, gloo on CPU and NCCL on GPUs, so several engines can live in one process), and their
+caches only ever change by these commands, so rank r's cache is always rank 0's cache, sharded.
 
 Commands go over a local socket per follower (multiprocessing.connection, with a key): a follower
 whose engine died sees it close and exits, instead of waiting in a collective that will never

@@ -133,6 +133,6 @@ class HandoffStaging:
     def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:
         """Decode side: landed staging rows into the request's own rows on every rank."""
         full = local_rows(self.cache, staged.blocks[:num_blocks], staged.slot)
-        self.engine.tp.send("scatter", [r.shape for r in full], blocks[:num_blocks], slot)
-        scatter_rows(self.group, self.engine.cache, self.index, full, [r.shape for r in full],
-                     blocks[:num_blocks], slot)
+        shapes = [r.shape for r in full]
+        self.engine.tp.send("scatter", shapes, blocks[:num_blocks], slot)
+        scatter_rows(self.group, self.engine.cache, self.index, full, shapes, blocks[:num_blocks], slot)
