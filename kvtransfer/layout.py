@@ -6,7 +6,7 @@ indexed by state slot in dim 0 (whatever state tensors a recurrent layer declare
 a conv window and an SSM state). Entries are ordered by
 model layer index, so a sender can ship layer i as soon as layer i is computed.
 Two workers can exchange state only if their layouts agree on everything except the
-number of rows (each worker sizes its own cache).
+number of rows (each worker sizes its own cache) and the block size (kvtransfer/grid.py).
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class TensorSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        """What must match between two sides: a block row's shape without its block size."""
+        return self.row_shape[1:] if self.role == BLOCK else self.row_shape
 
     @property
     def row_bytes(self) -> int:
@@ -99,9 +104,7 @@ class CacheLayout:
 
     def differences(self, other: CacheLayout) -> list[str]:
         """Human-readable list of what differs; empty when the two can exchange state."""
-        diffs = []
-        if self.block_size != other.block_size:
-            diffs.append(f"block_size {self.block_size} vs {other.block_size}")
+        diffs = []  # block sizes may differ: kvtransfer/grid.py re-blocks
         kinds = [{layer: "+".join(sorted({s.layer_kind for s in layout.specs if s.layer == layer}))
                   for layer in layout.layers} for layout in (self, other)]
         other_kind = set()
@@ -118,9 +121,12 @@ class CacheLayout:
             diffs.append(f"tensor {name!r} only on the peer")
         for name in sorted(mine.keys() & theirs.keys()):
             a, b = mine[name], theirs[name]
-            for field in ("layer", "role", "row_shape", "dtype"):
+            for field in ("layer", "role", "dtype"):
                 if getattr(a, field) != getattr(b, field):
                     diffs.append(f"{name}: {field} {getattr(a, field)} vs {getattr(b, field)}")
+            if a.token_shape != b.token_shape:
+                what = "token shape" if a.role == b.role == BLOCK else "row_shape"
+                diffs.append(f"{name}: {what} {a.token_shape} vs {b.token_shape}")
         return diffs
 
     def check_compatible(self, other: CacheLayout, this_side: str, peer_side: str) -> None:
@@ -163,6 +169,8 @@ class CacheTensors:
                 raise ValueError(f"{e.name} is on {e.tensor.device}, other cache tensors on {self.device}")
             if not e.tensor.is_contiguous() or e.tensor.dim() < 1:
                 raise ValueError(f"{e.name} must be a contiguous tensor with a row dimension")
+            if e.role == BLOCK and (e.tensor.dim() < 2 or e.tensor.shape[1] != block_size):
+                raise ValueError(f"{e.name}: a block tensor is [blocks, block_size={block_size}, ...], got {tuple(e.tensor.shape)}")
             rows[e.role].add(e.tensor.shape[0])
         for role, counts in rows.items():
             if len(counts) > 1:

@@ -86,14 +86,14 @@ STATUS_ABORTED = 1
 class WireHeader:
     request_id: str
     num_tokens: int
-    num_blocks: int
+    num_rows: int  # block rows on the wire (kvtransfer/grid.py): the blocks, when both sides' sizes agree
     dst_slot: int | None
     dst_digest: int
     pipelined: bool
 
     def encode(self) -> torch.Tensor:
         rid = self.request_id.encode()
-        head = _HEADER.pack(_MAGIC, 1, int(self.pipelined), self.num_tokens, self.num_blocks,
+        head = _HEADER.pack(_MAGIC, 1, int(self.pipelined), self.num_tokens, self.num_rows,
                             -1 if self.dst_slot is None else self.dst_slot, self.dst_digest, len(rid))
         buf = bytearray(HEADER_BYTES)
         buf[: len(head) + len(rid)] = head + rid
@@ -102,11 +102,11 @@ class WireHeader:
     @classmethod
     def decode(cls, data: torch.Tensor) -> WireHeader:
         raw = bytes(data.cpu().numpy())
-        magic, _version, flags, num_tokens, num_blocks, slot, digest, rid_len = _HEADER.unpack_from(raw)
+        magic, _version, flags, num_tokens, num_rows, slot, digest, rid_len = _HEADER.unpack_from(raw)
         if magic != _MAGIC:
             raise ValueError(f"bad hand-off header magic {magic:#x}: the stream is out of sync")
         rid = raw[_HEADER.size : _HEADER.size + rid_len].decode()
-        return cls(rid, num_tokens, num_blocks, None if slot < 0 else slot, digest, bool(flags & 1))
+        return cls(rid, num_tokens, num_rows, None if slot < 0 else slot, digest, bool(flags & 1))
 
 
 def encode_trailer(status: int, first_token: int) -> torch.Tensor:

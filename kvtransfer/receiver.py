@@ -142,7 +142,7 @@ class HandoffReceiver(Endpoint):
 
     # ---- what channels call ----
 
-    def _claim(self, request_id: str, num_tokens: int, num_blocks: int, dst_digest: int, dst_slot: int | None, channel) -> tuple[Incoming | None, str]:
+    def _claim(self, request_id: str, num_tokens: int, num_rows: int, dst_digest: int, dst_slot: int | None, channel) -> tuple[Incoming | None, str]:
         """A sender announced a request; returns (incoming, "") if its rows may be written, else (None, why)."""
         with self._lock:
             incoming = self._incoming.get(request_id)
@@ -152,13 +152,16 @@ class HandoffReceiver(Endpoint):
                 return None, f"request {request_id} is {incoming.state} on receiver {self.name}, not waiting"
             target = incoming.target
             why = ""
-            if num_blocks > len(target.dst_block_ids) or self.layout.num_blocks_for(num_tokens) != num_blocks:
-                why = f"{num_blocks} blocks for {num_tokens} tokens, receiver reserved {len(target.dst_block_ids)}"
+            blocks = self.layout.num_blocks_for(num_tokens)
+            if channel.grid.wire_rows(self.layout, num_tokens) != num_rows:
+                why = f"{num_rows} block rows for {num_tokens} tokens, expected {channel.grid.wire_rows(self.layout, num_tokens)}"
+            elif blocks > len(target.dst_block_ids):
+                why = f"{num_tokens} tokens need {blocks} blocks, receiver reserved {len(target.dst_block_ids)}"
             elif dst_slot != target.dst_slot or dst_digest != target.digest():
                 why = "sender's destination rows differ from the reservation"
             if not why:
                 incoming.state, incoming.channel, incoming.num_tokens = LANDING, channel, num_tokens
-                incoming.dst_block_ids = list(target.dst_block_ids)[:num_blocks]
+                incoming.dst_block_ids = list(target.dst_block_ids)[:blocks]
                 return incoming, ""
         error = HandoffAbortedError(f"request {request_id}: refused by receiver {self.name}: {why}")
         self._fail(request_id, error)

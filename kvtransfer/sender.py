@@ -21,12 +21,13 @@ ALL_LAYERS = math.inf
 class OutgoingHandoff:
     """Handle for one hand-off in flight; the prefill calls layer_done(i) per layer, then finish()."""
 
-    def __init__(self, sender: HandoffSender, target: HandoffTarget, num_tokens: int, num_blocks: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float):
+    def __init__(self, sender: HandoffSender, target: HandoffTarget, num_tokens: int, src_block_ids: list[int],
+                 dst_block_ids: list[int], src_slot: int | None, timeout_s: float):
         self.sender = sender
         self.target = target
         self.num_tokens = num_tokens
-        self.src_block_ids = list(src_block_ids)[:num_blocks]  # the prompt's blocks, in order
-        self.dst_block_ids = list(target.dst_block_ids)[:num_blocks]
+        self.src_block_ids = list(src_block_ids)  # the prompt's blocks, in order (this side's block size)
+        self.dst_block_ids = list(dst_block_ids)  # the receiver's blocks it fills (the receiver's block size)
         self.src_slot = src_slot
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
@@ -89,28 +90,36 @@ class HandoffSender(Endpoint):
               *, first_token: int | None = None) -> OutgoingHandoff:
         """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked done.
 
-        Moves the first ceil(num_tokens / block_size) ids of src_block_ids to the same number
-        of target.dst_block_ids (longer lists are fine: extra ids are not touched).
+        Moves the tokens in the first ceil(num_tokens / block_size) ids of src_block_ids to the
+        first ceil(num_tokens / receiver's block size) of target.dst_block_ids (longer lists are
+        fine: extra ids are not touched; the block sizes may differ, kvtransfer/grid.py).
         """
         rid = target.request_id
         if num_tokens < 1:
             raise ValueError(f"request {rid}: num_tokens must be >= 1, got {num_tokens}")
-        blocks = self.layout.num_blocks_for(num_tokens)  # 0 without attention layers: ids are bookkeeping only
-        if len(src_block_ids) < blocks or len(target.dst_block_ids) < blocks:
-            raise ValueError(f"request {rid}: {num_tokens} tokens need {blocks} blocks; got {len(src_block_ids)} source, {len(target.dst_block_ids)} destination ids")
-        self.cache.check_rows(list(src_block_ids)[:blocks], src_slot, f"request {rid} (sender)")
         if (src_slot is None) != (target.dst_slot is None):
             raise ValueError(f"request {rid}: source slot {src_slot} and destination slot {target.dst_slot} must both be set or both None")
-        job = OutgoingHandoff(self, target, num_tokens, blocks, src_block_ids, src_slot, timeout_s or self.config.timeout_s)
-        if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
-            event = record_compute_event(self.cache)
-            job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
-            job.ready_events = [(ALL_LAYERS, event)] if event is not None else []
         with self._lock:
             channel = self._channels.get(target.receiver)
             if channel is None:
                 why = self.channel_errors.get(target.receiver, "not connected")
                 raise ChannelClosedError(f"request {rid}: no channel to receiver {target.receiver!r} ({why})")
+        blocks = self.layout.num_blocks_for(num_tokens)  # 0 without attention layers: ids are bookkeeping only
+        dst_blocks = channel.grid.peer_blocks_for(self.layout, num_tokens)
+        if len(src_block_ids) < blocks or len(target.dst_block_ids) < dst_blocks:
+            raise ValueError(f"request {rid}: {num_tokens} tokens need {blocks} source and {dst_blocks} destination blocks; "
+                             f"got {len(src_block_ids)} source, {len(target.dst_block_ids)} destination ids")
+        self.cache.check_rows(list(src_block_ids)[:blocks], src_slot, f"request {rid} (sender)")
+        job = OutgoingHandoff(self, target, num_tokens, list(src_block_ids)[:blocks], list(target.dst_block_ids)[:dst_blocks],
+                              src_slot, timeout_s or self.config.timeout_s)
+        if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
+            event = record_compute_event(self.cache)
+            job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
+            job.ready_events = [(ALL_LAYERS, event)] if event is not None else []
+        with self._lock:
+            if self._channels.get(target.receiver) is not channel:
+                why = self.channel_errors.get(target.receiver, "replaced while the request was being set up")
+                raise ChannelClosedError(f"request {rid}: channel to receiver {target.receiver!r} changed ({why})")
             if rid in self._outgoing:
                 raise ValueError(f"request {rid} is already being sent by {self.name}")
             job.channel = channel

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError
+from kvtransfer.grid import Grid
 from kvtransfer.layout import CacheLayout, CacheTensors
 from kvtransfer.messages import ShmOffer
 from kvtransfer.grant_table import GrantTable
@@ -146,4 +147,5 @@ class ShmSender(HandoffSender):
             control.close()
             raise
         control.settimeout(None)
-        return ShmSenderChannel(self, peer, control, maps, views, table, reply["peer_index"])
+        grid = Grid.between(self.layout, theirs)
+        return ShmSenderChannel(self, peer, control, maps, grid.split_all(views, theirs), table, reply["peer_index"], grid)

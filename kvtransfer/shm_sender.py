@@ -12,6 +12,7 @@ import time
 
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError, HandoffAbortedError
+from kvtransfer.grid import Grid
 from kvtransfer.grant_table import (CLAIM, CLAIMER, DIGEST, GEN, KEY0, KEY1, NUM_BLOCKS, SLOT, STATUS_ABORTED,
                                     STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
 from kvtransfer.rows import byte_rows, copy_rows, request_maps
@@ -19,11 +20,12 @@ from kvtransfer.sender import ALL_LAYERS, ON_WIRE
 
 
 class ShmSenderChannel:
-    def __init__(self, sender, peer: str, control: ControlSocket, maps: list, dst_rows: dict, table: GrantTable, index: int):
-        self.sender, self.peer, self.control = sender, peer, control
+    def __init__(self, sender, peer: str, control: ControlSocket, maps: list, dst_rows: dict, table: GrantTable, index: int,
+                 grid: Grid):
+        self.sender, self.peer, self.control, self.grid = sender, peer, control, grid
         self._maps = maps  # keeps the peer's shared memory mapped while dst_rows are in use
-        self._dst_rows = dst_rows
-        self._src_rows = {name: byte_rows(t) for name, t in sender.cache.tensors.items()}
+        self._dst_rows = dst_rows  # on the grid, like the source rows
+        self._src_rows = grid.split_all({name: byte_rows(t) for name, t in sender.cache.tensors.items()}, sender.layout)
         self.table, self.index = table, index
         self._writing: dict[str, object] = {}  # request id -> job whose grant row this process has locked
         self._write_lock = threading.Lock()  # our threads' claims, copies and releases (record locks do not exclude them)
@@ -68,7 +70,8 @@ class ShmSenderChannel:
         r[CLAIMER] = self.index
         r[CLAIM] = gen
         job.row, job.gen, job.copied = row, gen, 0
-        job.maps = request_maps(self.sender.layout, job.src_block_ids, job.src_slot, job.dst_block_ids, slot)
+        grid, n = self.grid, job.num_tokens
+        job.maps = request_maps(self.sender.layout, grid.my_rows(job.src_block_ids, n), job.src_slot, grid.peer_rows(job.dst_block_ids, n), slot)
         self._writing[rid] = job
         return ""
 

@@ -25,6 +25,7 @@ from typing import Protocol
 import torch
 
 from kvtransfer.errors import ChannelClosedError
+from kvtransfer.grid import Grid
 from kvtransfer.layout import CacheLayout
 from kvtransfer.messages import STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
 from kvtransfer.rows import byte_rows, copy_rows, packed, packed_rows, plan_packing, request_maps
@@ -55,8 +56,9 @@ class Wire(Protocol):
     def abort(self) -> None: ...  # unblocks every pending wait with an error; the wire is dead
 
 
-def handshake(wire: Wire, layout: CacheLayout, me: str, peer: str, role: str, timeout_s: float) -> None:
-    """Swap layouts with the peer; both sides raise the same LayoutMismatchError on a mismatch."""
+def handshake(wire: Wire, layout: CacheLayout, me: str, peer: str, role: str, timeout_s: float) -> Grid:
+    """Swap layouts with the peer; both sides raise the same LayoutMismatchError on a mismatch.
+    Returns the rows block tensors move in between the two block sizes."""
     mine = json.dumps({"version": PROTOCOL_VERSION, "name": me, "role": role, "layout": layout.to_dict()}).encode()
     size_out = torch.tensor([len(mine)], dtype=torch.int64, device=wire.device)
     size_in = torch.zeros(1, dtype=torch.int64, device=wire.device)
@@ -67,7 +69,9 @@ def handshake(wire: Wire, layout: CacheLayout, me: str, peer: str, role: str, ti
     theirs = json.loads(bytes(data_in.cpu().numpy()))
     if theirs["version"] != PROTOCOL_VERSION:
         raise RuntimeError(f"{peer} speaks hand-off protocol {theirs['version']}, {me} speaks {PROTOCOL_VERSION}")
-    layout.check_compatible(CacheLayout.from_dict(theirs["layout"]), f"{role} {me}", f"{theirs['role']} {peer}")
+    peer_layout = CacheLayout.from_dict(theirs["layout"])
+    layout.check_compatible(peer_layout, f"{role} {me}", f"{theirs['role']} {peer}")
+    return Grid.between(layout, peer_layout)
 
 
 class _Buffer:
@@ -83,9 +87,10 @@ class _Buffer:
 
 
 class StreamSenderChannel:
-    def __init__(self, sender, peer: str, wire: Wire):
-        self.sender, self.peer, self.wire = sender, peer, wire
-        self._src_rows = {name: byte_rows(t) for name, t in sender.cache.tensors.items()}
+    def __init__(self, sender, peer: str, wire: Wire, grid: Grid):
+        self.sender, self.peer, self.wire, self.grid = sender, peer, wire, grid
+        self._wire_layout = grid.wire_layout(sender.layout)
+        self._src_rows = grid.split_all({name: byte_rows(t) for name, t in sender.cache.tensors.items()}, sender.layout)
         self._buffer = _Buffer(wire.device)
         self._queue: queue.Queue = queue.Queue()
         self._closing = False
@@ -117,13 +122,14 @@ class StreamSenderChannel:
         # A job whose prefill already finished goes as one message: fewer waits on both sides,
         # each of which may cost a GIL hand-off under a busy engine thread.
         pipelined = self.sender.config.pipeline_layers and job.ready_layer != ALL_LAYERS
-        plan = plan_packing(self.sender.layout, len(job.src_block_ids), pipelined)
+        rows = self.grid.wire_rows(self.sender.layout, job.num_tokens)
+        plan = plan_packing(self._wire_layout, rows, pipelined)
         buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
         target = job.target
-        header = WireHeader(job.request_id, job.num_tokens, len(job.src_block_ids), target.dst_slot, target.digest(), pipelined)
+        header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), pipelined)
         pending = [p for p in [self.wire.announce(header.encode().to(self.wire.device))] if p is not None]
-        blocks = len(job.src_block_ids)
-        maps = request_maps(self.sender.layout, job.src_block_ids, job.src_slot, packed(blocks), 0 if job.src_slot is not None else None)
+        src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens) if rows else []
+        maps = request_maps(self.sender.layout, src_rows, job.src_slot, packed(rows), 0 if job.src_slot is not None else None)
         ok = True
         for segment in plan.segments:
             if ok:
@@ -155,9 +161,10 @@ class StreamSenderChannel:
 
 
 class StreamReceiverChannel:
-    def __init__(self, receiver, peer: str, wire: Wire):
-        self.receiver, self.peer, self.wire = receiver, peer, wire
-        self._dst_rows = {name: byte_rows(t) for name, t in receiver.cache.tensors.items()}
+    def __init__(self, receiver, peer: str, wire: Wire, grid: Grid):
+        self.receiver, self.peer, self.wire, self.grid = receiver, peer, wire, grid
+        self._wire_layout = grid.wire_layout(receiver.layout)
+        self._dst_rows = grid.split_all({name: byte_rows(t) for name, t in receiver.cache.tensors.items()}, receiver.layout)
         self._buffer = _Buffer(wire.device)
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvtransfer-recv-{receiver.name}-{peer}", daemon=True)
@@ -187,10 +194,10 @@ class StreamReceiverChannel:
         self.receiver._channel_broken(self, self.peer, error)
 
     def _receive(self, header: WireHeader) -> None:
-        incoming, why = self.receiver._claim(header.request_id, header.num_tokens, header.num_blocks, header.dst_digest, header.dst_slot, self)
+        incoming, why = self.receiver._claim(header.request_id, header.num_tokens, header.num_rows, header.dst_digest, header.dst_slot, self)
         if incoming is None:
             log.warning("kvtransfer: draining hand-off: %s", why)
-        plan = plan_packing(self.receiver.layout, header.num_blocks, header.pipelined)
+        plan = plan_packing(self._wire_layout, header.num_rows, header.pipelined)
         buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
         if header.pipelined:
             segments = [(s, self.wire.recv([buffer[s.offset : s.offset + s.nbytes]])) for s in plan.segments]
@@ -204,8 +211,9 @@ class StreamReceiverChannel:
         waited_for_compute = False
         maps = None
         if incoming is not None:
-            blocks, slot = len(incoming.dst_block_ids), incoming.target.dst_slot
-            maps = request_maps(self.receiver.layout, packed(blocks), 0 if slot is not None else None, incoming.dst_block_ids, slot)
+            slot, rows = incoming.target.dst_slot, header.num_rows
+            dst_rows = self.grid.my_rows(incoming.dst_block_ids, header.num_tokens) if rows else []
+            maps = request_maps(self.receiver.layout, packed(rows), 0 if slot is not None else None, dst_rows, slot)
         for segment, pending in segments:
             pending.wait(stall_limit)
             if incoming is None:
@@ -233,21 +241,21 @@ def join_as_receiver(receiver, peer: str, make_wire) -> None:
     wire = None
     try:
         wire = make_wire()
-        handshake(wire, receiver.layout, receiver.name, peer, "receiver", receiver.config.connect_timeout_s)
+        grid = handshake(wire, receiver.layout, receiver.name, peer, "receiver", receiver.config.connect_timeout_s)
     except Exception as error:
         if wire is not None:
             wire.abort()
         receiver._channel_failed_to_open(peer, error)
         return
-    receiver._install_channel(peer, StreamReceiverChannel(receiver, peer, wire))
+    receiver._install_channel(peer, StreamReceiverChannel(receiver, peer, wire, grid))
 
 
 def join_as_sender(sender, peer: str, wire) -> "StreamSenderChannel":
     """Sender side of pairing over a stream wire: check layouts, then the channel; a refused
     handshake aborts the wire and raises (connect() reports it to its caller)."""
     try:
-        handshake(wire, sender.layout, sender.name, peer, "sender", sender.config.connect_timeout_s)
+        grid = handshake(wire, sender.layout, sender.name, peer, "sender", sender.config.connect_timeout_s)
     except Exception:
         wire.abort()
         raise
-    return StreamSenderChannel(sender, peer, wire)
+    return StreamSenderChannel(sender, peer, wire, grid)

@@ -60,18 +60,26 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def landed_exactly(src: CacheTensors, src_blocks: list[int], src_slot: int | None,
                    dst: CacheTensors, dst_blocks: list[int], dst_slot: int | None, num_tokens: int) -> list[str]:
-    """Names of tensors whose rows differ between the sender's and the receiver's copy (empty: exact)."""
-    blocks = src.layout.num_blocks_for(num_tokens)
+    """Names of tensors whose prompt tokens (block tensors) or slot rows differ between the
+    sender's and the receiver's copy (empty: exact); the two block sizes may differ."""
     bad = []
     for spec in src.layout.specs:
         s, d = src.tensors[spec.name].cpu(), dst.tensors[spec.name].cpu()
         if spec.role == BLOCK:
-            ok = same_bytes(s[list(src_blocks[:blocks])], d[list(dst_blocks[:blocks])])
+            ok = same_bytes(token_rows(s, src_blocks, num_tokens), token_rows(d, dst_blocks, num_tokens))
         else:
             ok = same_bytes(s[src_slot], d[dst_slot])
         if not ok:
             bad.append(spec.name)
     return bad
+
+
+def token_rows(blocks: torch.Tensor, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+    """Tokens 0..num_tokens-1 of a request from a [num_blocks, block_size, ...] tensor."""
+    size = blocks.shape[1]
+    tokens = torch.arange(num_tokens)
+    ids = torch.tensor(list(block_ids), dtype=torch.long)[tokens // size] * size + tokens % size
+    return blocks.reshape(-1, *blocks.shape[2:])[ids]
 
 
 def random_request(rng: random.Random, layout, num_blocks: int, num_slots: int, max_tokens: int,

@@ -92,7 +92,8 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
                           prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
                           decode_resource=None if args.decode_resource == "none" else args.decode_resource,
                           pack_pairs=args.pack_pairs, max_retries=args.max_retries,
-                          transfer_timeout_s=args.transfer_timeout, **engine_options)
+                          transfer_timeout_s=args.transfer_timeout, prefill_block_size=args.prefill_block_size,
+                          decode_block_size=args.decode_block_size, **engine_options)
     if args.autoscale:
         from router.autoscaler import AutoscaleConfig, CapacityModel
 
@@ -178,6 +179,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--autoscale-profile", default=None, metavar="JSON",
                        help="--autoscale: size steps with this worker profile (`splitserve bench plan --out`)")
     serve.add_argument("--block-size", type=int, default=None)
+    serve.add_argument("--prefill-block-size", type=int, default=None,
+                       help="prefill workers' block size, when it differs from --block-size (hand-offs re-block)")
+    serve.add_argument("--decode-block-size", type=int, default=None,
+                       help="decode workers' block size, when it differs from --block-size")
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)

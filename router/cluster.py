@@ -48,6 +48,9 @@ class ClusterConfig:
     transport: str = "auto"  # "auto": shm when every worker shares one node, else gloo
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join one
     engine_options: dict = field(default_factory=dict)
+    # One kind's block size when it differs from engine_options' (hand-offs re-block: kvtransfer/grid.py)
+    prefill_block_size: int | None = None
+    decode_block_size: int | None = None
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     local_prefill_tokens: int = 0  # conditional disaggregation threshold; 0: always split
     max_queued: int = 1024  # requests in flight before Overloaded
@@ -67,6 +70,13 @@ class ClusterConfig:
         # every node loads the same snapshot (each from its own cache).
         checked = EngineConfig(model=self.model, **{**self.engine_options, "device": "cpu"})
         self.model_path = checked.model
+        for kind in ("prefill", "decode"):
+            size = getattr(self, f"{kind}_block_size")
+            if size is not None:
+                try:
+                    EngineConfig(model=self.model_path, **{**self.engine_options, "block_size": size, "device": "cpu"})
+                except ValueError as error:
+                    raise ValueError(f"{kind}_block_size: {error}") from None
         if checked.revision is not None:
             self.engine_options["revision"] = checked.revision
         if self.prefill < 1 or self.decode < 1:

@@ -11,7 +11,8 @@ elsewhere from the tokens the caller already has, so the caller sees one stream 
 twice and none missing. Then the actor stops and its placement group goes.
 
 A rolling restart replaces one worker at a time (with new engine options, if given: they must
-keep the cache layout, which every pair checks).
+keep the cache layout, which every pair checks, except the block size: a hand-off between an
+old and a new worker re-blocks, kvtransfer/grid.py).
 The autoscaler (router/autoscaler.py) drives the same `scale` from live signals.
 """
 
@@ -155,6 +156,8 @@ async def restart_workers(workers: WorkerSet, hand_over, engine_options: dict | 
     drained first (no spare room needed; the others carry the load meanwhile)."""
     if engine_options is not None:
         workers.config.engine_options = {**workers.config.engine_options, **engine_options}
+        if "block_size" in engine_options:  # one size for both kinds from now on
+            workers.config.prefill_block_size = workers.config.decode_block_size = None
     for old in list(serving(workers, "prefill")) + list(serving(workers, "decode")):
         successor = (int(old.kind == "prefill"), int(old.kind == "decode"))
         if len(serving(workers, old.kind)) > 1:

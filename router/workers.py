@@ -81,6 +81,7 @@ class WorkerSet:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from decode_worker.worker import DecodeWorker
+        from kvtransfer.layout import CacheLayout
         from kvtransfer.shm import SHM_SENDER_ENV
         from prefill_worker.worker import PrefillWorker
 
@@ -116,15 +117,17 @@ class WorkerSet:
         new = new_prefill + new_decode
         known = [w for w in self.prefill + self.decode if w.alive]
         layouts = await asyncio.gather(*(w.handle.layout.remote() for w in known[:1] + new))
+        first = CacheLayout.from_dict(layouts[0])
         for worker, layout in zip(new, layouts[len(known[:1]):]):
-            if layout != layouts[0]:
+            diffs = first.differences(CacheLayout.from_dict(layout))  # block sizes may differ: hand-offs re-block
+            if diffs:
                 raise RuntimeError(f"worker {worker.name} has a different cache layout than "
-                                   f"{(known[:1] + new)[0].name}")
+                                   f"{(known[:1] + new)[0].name}: {'; '.join(diffs[:4])}")
         nodes = await asyncio.gather(*(w.handle.node_id.remote() for w in new))
         for worker, node in zip(new, nodes):
             worker.node_id = node
-        if not self.model_facts:
-            self.model_facts = await new_decode[0].handle.facts.remote()
+        if new_decode:  # the newest worker's: a rolling restart may have changed the block size
+            self.model_facts = await new_decode[-1].handle.facts.remote()
         for worker in new:  # roughly what each worker's cache can keep
             worker.prefixes = PrefixIndex(self.model_facts["num_kv_blocks"])
         live_prefill = [w for w in self.prefill if w.alive and not w.draining] + new_prefill
@@ -316,6 +319,11 @@ def _group_nodes(group) -> set[str]:
 
 
 def engine_options(config, kind: str) -> dict:
-    """A worker's engine options: the cluster's, with its kind's tensor-parallel size."""
-    tp = config.placement.ranks(kind)
-    return {**config.engine_options, "tensor_parallel_size": tp} if tp > 1 else config.engine_options
+    """A worker's engine options: the cluster's, with its kind's tensor-parallel size and block size."""
+    options = dict(config.engine_options)
+    tp, block_size = config.placement.ranks(kind), getattr(config, f"{kind}_block_size", None)
+    if tp > 1:
+        options["tensor_parallel_size"] = tp
+    if block_size is not None:
+        options["block_size"] = block_size
+    return options

@@ -15,19 +15,23 @@ from tests.oracle import judge_greedy
 from tests.test_cluster_recurrent import GREEDY, PLACEMENTS, every_one_split_and_judged
 
 
-@pytest.mark.parametrize(("family", "prefill_tp", "decode_tp", "transport"), [
-    ("jamba", 2, 1, "shm"), ("granitemoehybrid", 1, 2, "gloo"), ("llama", 2, 2, "gloo")])
+# The Granite 4.0-H pair also differs in block size (8 -> 4): the trap of a P/D pair whose
+# block sizes differ, on a TP worker.
+@pytest.mark.parametrize(("family", "prefill_tp", "decode_tp", "transport", "prefill_block_size"), [
+    ("jamba", 2, 1, "shm", 4), ("granitemoehybrid", 1, 2, "gloo", 8), ("llama", 2, 2, "gloo", 4)])
 def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory, family, prefill_tp,
-                                                         decode_tp, transport):
+                                                         decode_tp, transport, prefill_block_size):
     from router.cluster import launch
 
     path, hf = model_factory(family)
     cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
                      prefill_tp=prefill_tp, decode_tp=decode_tp, block_size=4, num_kv_blocks=120,
-                     max_num_seqs=8, max_num_batched_tokens=13, transfer_timeout_s=30.0,
-                     enable_prefix_caching=True, **PLACEMENTS[transport])
+                     prefill_block_size=prefill_block_size, max_num_seqs=8, max_num_batched_tokens=13,
+                     transfer_timeout_s=30.0, enable_prefix_caching=True, **PLACEMENTS[transport])
     try:
         assert cluster.workers.transport == transport
+        layouts = ray.get([w.handle.layout.remote() for w in cluster.workers.prefill + cluster.workers.decode])
+        assert [layout["block_size"] for layout in layouts] == [prefill_block_size, 4]
         for worker, tp in ((cluster.workers.prefill[0], prefill_tp), (cluster.workers.decode[0], decode_tp)):
             # one Ray actor per rank, each in a bundle of the worker's placement group, on one node
             table = ray.util.placement_group_table(worker.group)
@@ -37,9 +41,9 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
         rng = random.Random(family)
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9, 17, 30, 3, 12, 25)]
         every_one_split_and_judged(cluster, hf, prompts)
-        again = prompts[4][:28] + [7, 8, 9]  # the prefill worker checkpointed 28 of prompt 4's 30 tokens
+        again = prompts[4][:28] + [7, 8, 9]  # the prefill worker checkpointed 28 (24) of prompt 4's 30 tokens
         (out,) = cluster.generate([again], GREEDY)
-        assert out.error is None and out.num_cached_tokens == 28
+        assert out.error is None and out.num_cached_tokens == 28 // prefill_block_size * prefill_block_size
         judge_greedy(hf, again, out.token_ids)
     finally:
         cluster.shutdown()
@@ -61,15 +65,27 @@ def test_gpu_tp_workers_take_a_whole_gpu_per_rank(model_factory):
 def test_serve_flags_size_each_kind():
     from router.cli import build_parser, serve_options
 
-    options = serve_options(build_parser().parse_args(["serve", "--prefill-tp", "2", "--decode-tp", "1"]))[0]
+    options = serve_options(build_parser().parse_args(["serve", "--prefill-tp", "2", "--decode-tp", "1",
+                                                       "--block-size", "8", "--decode-block-size", "16"]))[0]
     assert (options["prefill_tp"], options["decode_tp"]) == (2, 1)
+    assert (options["block_size"], options["prefill_block_size"], options["decode_block_size"]) == (8, None, 16)
     from router.workers import engine_options
 
     from router.placement import PlacementConfig
 
-    config = type("C", (), {"placement": PlacementConfig(prefill_tp=2), "engine_options": {"block_size": 8}})
+    config = type("C", (), {"placement": PlacementConfig(prefill_tp=2), "engine_options": {"block_size": 8},
+                            "decode_block_size": 16})
     assert engine_options(config, "prefill") == {"block_size": 8, "tensor_parallel_size": 2}
-    assert engine_options(config, "decode") == {"block_size": 8}
+    assert engine_options(config, "decode") == {"block_size": 16}
+
+
+def test_a_bad_per_kind_block_size_is_refused_by_name(model_factory):
+    from router.cluster import ClusterConfig
+
+    path, _ = model_factory("llama")
+    with pytest.raises(ValueError, match="decode_block_size: block_size: must be a positive integer, got 0"):
+        ClusterConfig(str(path), engine_options={"block_size": 4}, decode_block_size=0)
+    assert ClusterConfig(str(path), prefill_block_size=16).prefill_block_size == 16
 
 
 def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, model_factory):

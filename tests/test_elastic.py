@@ -198,30 +198,50 @@ def test_the_autoscaler_grows_decode_under_load_and_shrinks_it_after(elastic, mo
     wait_idle(handle)
 
 
-def test_a_rolling_restart_of_several_workers_needs_no_spare_room(elastic):
+def test_a_rolling_restart_of_several_workers_needs_no_spare_room(elastic, monkeypatch):
     """Under load, every worker is replaced and no request fails. With two decode workers, each
     is drained before its successor starts, so the restart never needs room for a third; the one
-    prefill worker, the last of its kind, gets its successor first."""
+    prefill worker, the last of its kind, gets its successor first. The restart changes the
+    block size (4 -> 8), so while it runs the new prefill worker hands off to old decode
+    workers with the other block size."""
+    import ray
+
     from router import scaling
 
     handle, path, hf = elastic
     handle.scale(decode=2)
-    grow, seen = handle.workers.grow, []
+    grow, drain, seen, grown, drains = handle.workers.grow, scaling.drain, [], [], []
 
     async def counting_grow(num_prefill, num_decode, *args):
         seen.append((len(scaling.serving(handle.workers, "prefill")) + num_prefill,
                      len(scaling.serving(handle.workers, "decode")) + num_decode))
-        return await grow(num_prefill, num_decode, *args)
+        result = await grow(num_prefill, num_decode, *args)
+        grown.append(len(load.results))
+        return result
+
+    async def timed_drain(workers, worker, *args):
+        drains.append((worker.kind, "start", len(load.results)))
+        await drain(workers, worker, *args)
+        drains.append((worker.kind, "end", len(load.results)))
 
     handle.workers.grow = counting_grow
+    monkeypatch.setattr(scaling, "drain", timed_drain)
     try:
         with Load(handle, 300, 7) as load:
             before = names(handle)
-            assert handle.restart_workers(drain_timeout_s=10) == {"prefill": 1, "decode": 2}
+            assert handle.restart_workers({"block_size": 8}, drain_timeout_s=10) == {"prefill": 1, "decode": 2}
     finally:
         handle.workers.grow = grow
     load.check(hf, path)
     assert seen == [(2, 2), (1, 2), (1, 2)]  # prefill surges to 2; decode never goes above 2
     assert not names(handle) & before
+    # From the first decode worker's drain until its successor joins, the one prefill worker has
+    # blocks of 8 and the other, old decode worker (blocks of 4) takes every new request: a
+    # second batch finished in that window was sent, prefilled and decoded across the two sizes.
+    assert [(kind, phase) for kind, phase, _ in drains] == [("prefill", "start"), ("prefill", "end"), ("decode", "start"),
+                                                           ("decode", "end"), ("decode", "start"), ("decode", "end")]
+    assert grown[1] - drains[2][2] >= 8, (drains, grown)
+    layouts = ray.get([w.handle.layout.remote() for w in handle.workers.prefill + handle.workers.decode if not w.draining])
+    assert {layout["block_size"] for layout in layouts} == {8} and handle.workers.model_facts["block_size"] == 8
     handle.scale(decode=1)
     wait_idle(handle)

@@ -144,3 +144,55 @@ def test_first_token_that_finishes_is_not_handed_off(model_factory):
     assert outs[0].finished and outs[0].finish_reason == "length"
     assert prefill.take_handoffs() == []
     assert prefill.blocks.num_free_blocks == prefill.blocks.num_blocks
+
+
+@pytest.mark.parametrize(("family", "sizes", "transport"), [
+    ("jamba", (8, 4), "shm"), ("granitemoehybrid", (4, 16), "gloo"), ("llama", (6, 4), "gloo")])
+def test_prefill_and_decode_with_different_block_sizes(model_factory, family, sizes, transport):
+    """A prefill engine with blocks of one size hands off over a real transport to a decode
+    engine with another (configured apart, or mid-way through a rolling restart that changes
+    the block size): every token judged by transformers, nothing leaked on either side."""
+    from kvtransfer import CacheTensors, HandoffTarget, TransferConfig, make_transport
+
+    path, hf = model_factory(family)
+    prefill, decode = (LLMEngine(EngineConfig(str(path), block_size=size, mode=mode, max_num_batched_tokens=8))
+                       for size, mode in zip(sizes, ("prefill", "decode")))
+    caches = [CacheTensors.from_named(e.config.block_size, e.cache.handoff_tensors()) for e in (prefill, decode)]
+    config = TransferConfig(timeout_s=20)
+    rng = random.Random(sum(sizes))
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 12, 23)]
+    slotted = caches[1].num_slots > 0
+    with make_transport(transport).receiver("D", caches[1], config) as receiver, \
+            make_transport(transport).sender("P", caches[0], config) as sender:
+        sender.connect("D", receiver.accept("P"))
+        targets = {}
+        for i, prompt in enumerate(prompts):
+            res = decode.reserve_for_handoff(prompt, PARAMS, f"r{i}")
+            targets[f"r{i}"] = HandoffTarget(f"r{i}", "D", tuple(res.block_ids), res.slot if slotted else None)
+            receiver.expect(targets[f"r{i}"])
+            prefill.add_request(prompt, PARAMS, request_id=f"r{i}")
+        final = {}
+        while len(final) < len(prompts):
+            prefill.step()
+            for h in prefill.take_handoffs():
+                sender.send(targets[h.request_id], h.num_tokens, h.block_ids, h.slot if slotted else None, h.first_token)
+            for result in sender.poll():
+                assert result.ok, result
+                prefill.finish_handoff(result.request_id)
+            for result in receiver.poll():
+                assert result.ok, result
+                decode.accept_handoff(result.request_id, result.first_token)
+            for out in decode.step():
+                if out.finished:
+                    final[out.request_id] = out
+    judged_and_freed(hf, prompts, final, (prefill, decode))
+
+
+def judged_and_freed(hf, prompts, final: dict, engines) -> None:
+    """Request r{i} answered prompts[i] as transformers would, and every block and slot is back."""
+    for i, prompt in enumerate(prompts):
+        judge_greedy(hf, prompt, final[f"r{i}"].token_ids)
+    for engine in engines:
+        engine.check_integrity()
+        assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
+        assert engine.slots.num_free_slots == engine.slots.num_slots

@@ -93,7 +93,7 @@ def send_ok(prefill, decode, sender, receiver, rid):
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize("theirs, expected", [
-    (dict(kind="hybrid", block_size=8), "block_size 8 vs 4"),
+    (dict(kind="hybrid", block_size=8, head_dim=16), "layer1.k: token shape (2, 16) vs (2, 8)"),
     (dict(kind="attention", block_size=4), "layer 0: attention vs mamba"),
     (dict(kind="hybrid", block_size=4, d_inner=32), "layer0.conv: row_shape (32, 4) vs (24, 4)"),
 ])
@@ -240,8 +240,10 @@ def test_bad_arguments_are_refused_before_any_byte_moves(pair):
     _, prefill, decode, sender, receiver = pair
     with pytest.raises(ChannelClosedError, match="no channel to receiver 'X'"):
         sender.begin(HandoffTarget("r", "X", (0, 1, 2), 0), 10, [0, 1, 2], 0)
-    with pytest.raises(ValueError, match="10 tokens need 3 blocks; got 2 source"):
+    with pytest.raises(ValueError, match="10 tokens need 3 source and 3 destination blocks; got 2 source, 3 destination"):
         sender.begin(HandoffTarget("r", "D", (0, 1, 2), 0), 10, [0, 1], 0)
+    with pytest.raises(ValueError, match="got 3 source, 2 destination ids"):
+        sender.begin(HandoffTarget("r", "D", (0, 1), 0), 10, [0, 1, 2], 0)
     with pytest.raises(ValueError, match=r"request r \(sender\): block ids \[99\] outside"):
         sender.begin(HandoffTarget("r", "D", (0, 1, 2), 0), 10, [0, 1, 99], 0)
     with pytest.raises(ValueError, match="state slot 9 outside"):

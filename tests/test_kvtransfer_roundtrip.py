@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from kvtransfer import HandoffTarget, TransferConfig, make_transport
-from kvtransfer.testing import landed_exactly, make_cache, random_request, sender_process
+from kvtransfer import BLOCK, HandoffTarget, TransferConfig, make_transport
+from kvtransfer.testing import landed_exactly, make_cache, random_request, same_bytes, sender_process
 
 CPU_TRANSPORTS = ["gloo", "shm"]
 NUM_BLOCKS, NUM_SLOTS = 40, 8
@@ -32,6 +32,21 @@ def plan_requests(rng, layout, count, prefix, receiver, sender_taken, receiver_t
     return out
 
 
+def hand_off_layer_by_layer(sender, receiver, layout, jobs):
+    """Every job expected, begun, and its layers marked done as a prefill would (layer by layer,
+    all requests of the batch), then finished; returns (sender's, receiver's) results."""
+    for target, *_ in jobs:
+        receiver.expect(target)
+    handles = [sender.begin(target, tokens, blocks, slot) for target, tokens, blocks, slot, _ in jobs]
+    for layer in layout.layers:
+        for handle in handles:
+            handle.layer_done(layer)
+    for handle, job in zip(handles, jobs):
+        handle.finish(job[-1])
+    rids = [t.request_id for t, *_ in jobs]
+    return sender.wait_for(rids, 20), receiver.wait_for(rids, 20)
+
+
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize("kind, block_size, pipelined", [
     ("hybrid", 1, True), ("hybrid", 5, False), ("hybrid", 16, True),
@@ -47,21 +62,44 @@ def test_round_trip_is_bit_exact(transport, kind, block_size, pipelined):
         sender.connect("D", receiver.accept("P"))
         max_tokens = min(5 * block_size, NUM_BLOCKS * block_size // 5)
         jobs = plan_requests(rng, src.layout, 4, "r", "D", (set(), set()), (set(), set()), max_tokens)
-        for target, *_ in jobs:
-            receiver.expect(target)
-        handles = [sender.begin(target, tokens, blocks, slot) for target, tokens, blocks, slot, _ in jobs]
-        for layer in src.layout.layers:  # as a prefill would: layer by layer, all requests of the batch
-            for handle in handles:
-                handle.layer_done(layer)
-        for handle, job in zip(handles, jobs):
-            handle.finish(job[-1])
-        landed = receiver.wait_for([t.request_id for t, *_ in jobs], 20)
-        sent = sender.wait_for([t.request_id for t, *_ in jobs], 20)
+        sent, landed = hand_off_layer_by_layer(sender, receiver, src.layout, jobs)
     for target, tokens, blocks, slot, first in jobs:
         rid = target.request_id
         assert sent[rid].ok and landed[rid].ok, (sent[rid], landed[rid])
         assert landed[rid].first_token == first and landed[rid].num_tokens == tokens
         assert landed_exactly(src, blocks, slot, dst, list(target.dst_block_ids), target.dst_slot, tokens) == []
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+@pytest.mark.parametrize("sizes, pipelined", [((16, 4), True), ((4, 16), False), ((6, 4), True), ((1, 8), False)])
+def test_block_sizes_may_differ_between_the_two_sides(transport, sizes, pipelined):
+    """Prompt tokens land at the receiver's own block boundaries, token for token, and no row
+    outside the reservation changes (a prefill and a decode configured apart, or a rolling
+    restart that changes the block size)."""
+    p_size, d_size = sizes
+    rng = random.Random(f"{transport}{sizes}")
+    src = make_cache("hybrid", p_size, NUM_BLOCKS, NUM_SLOTS, seed=1)
+    dst = make_cache("hybrid", d_size, NUM_BLOCKS, NUM_SLOTS, seed=2)
+    before = {name: t.clone() for name, t in dst.tensors.items()}
+    config = TransferConfig(timeout_s=20, pipeline_layers=pipelined)
+    free = {side: rng.sample(range(NUM_BLOCKS), NUM_BLOCKS) + rng.sample(range(NUM_SLOTS), NUM_SLOTS) for side in "PD"}
+    jobs = []
+    for i, tokens in enumerate([1, d_size, p_size + 1, 3 * max(sizes) - 1]):
+        blocks, dst_blocks = ([free[side].pop(0) for _ in range(-(-tokens // size))] for side, size in zip("PD", sizes))
+        target = HandoffTarget(f"r{i}", "D", tuple(dst_blocks), free["D"].pop())
+        jobs.append((target, tokens, blocks, free["P"].pop(), rng.randrange(1000)))
+    with make_transport(transport).receiver("D", dst, config) as receiver, make_transport(transport).sender("P", src, config) as sender:
+        sender.connect("D", receiver.accept("P"))
+        sent, landed = hand_off_layer_by_layer(sender, receiver, src.layout, jobs)
+    reserved = {b for t, *_ in jobs for b in t.dst_block_ids}
+    slots = {t.dst_slot for t, *_ in jobs}
+    for target, tokens, blocks, slot, first in jobs:
+        rid = target.request_id
+        assert sent[rid].ok and landed[rid].ok and landed[rid].first_token == first, (sent[rid], landed[rid])
+        assert landed_exactly(src, blocks, slot, dst, list(target.dst_block_ids), target.dst_slot, tokens) == []
+    for spec in dst.layout.specs:
+        untouched = [i for i in range(dst.tensors[spec.name].shape[0]) if i not in (reserved if spec.role == BLOCK else slots)]
+        assert same_bytes(dst.tensors[spec.name][untouched], before[spec.name][untouched]), spec.name
 
 
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)

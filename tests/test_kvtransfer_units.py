@@ -40,9 +40,9 @@ def test_handoff_bytes_counts_whole_blocks_and_one_slot():
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(block_size=8), "block_size 4 vs 8"),
     (dict(kind="attention"), "layer 0: mamba vs attention; layer 2: mamba2 vs attention; layer 3: attention vs no cache"),
-    (dict(head_dim=16), "layer1.k: row_shape (4, 2, 8) vs (4, 2, 16)"),
+    (dict(head_dim=16), "layer1.k: token shape (2, 8) vs (2, 16)"),
+    (dict(block_size=8, head_dim=16), "layer1.k: token shape (2, 8) vs (2, 16)"),
     (dict(d_inner=32), "layer0.ssm: row_shape (24, 8) vs (32, 8)"),
 ])
 def test_layout_mismatch_names_the_difference(change, expected):
@@ -53,6 +53,38 @@ def test_layout_mismatch_names_the_difference(change, expected):
     with pytest.raises(LayoutMismatchError, match="between receiver D and sender P") as info:
         mine.layout.check_compatible(theirs.layout, "receiver D", "sender P")
     assert expected in str(info.value)
+
+
+def test_block_sizes_alone_may_differ():
+    mine = make_cache("hybrid", 4, 10, 3, seed=0).layout
+    for size in (1, 6, 16):
+        assert mine.differences(make_cache("hybrid", size, 10, 3, seed=0).layout) == []
+
+
+def test_grid_rows_of_two_block_sizes():
+    from kvtransfer.grid import Grid
+
+    layout = make_cache("hybrid", 6, 10, 3, seed=0).layout
+    grid = Grid(6, 4)  # rows of gcd = 2 tokens: 3 per block here, 2 per block on the peer
+    assert grid.row_tokens == 2 and grid.wire_rows(layout, 9) == 5 and grid.peer_blocks_for(layout, 9) == 3
+    assert grid.my_rows([7, 2], 9) == [21, 22, 23, 6, 7]
+    assert grid.peer_rows([5, 0, 9], 9) == [10, 11, 0, 1, 18]
+    wire = grid.wire_layout(layout)
+    assert wire.block_size == 2 and wire.differences(grid.wire_layout(make_cache("hybrid", 4, 10, 3, seed=0).layout)) == []
+    k = next(s for s in wire.specs if s.name == "layer1.k")
+    assert k.row_shape == (2, 2, 8)
+    mamba = make_cache("mamba", 6, 10, 3, seed=0).layout
+    assert grid.wire_rows(mamba, 9) == 0 and grid.peer_blocks_for(mamba, 9) == 0
+    rows = torch.arange(10 * 12).reshape(10, 12)  # 10 blocks of 6 tokens, 2 bytes a token
+    assert grid.split(rows, 6, BLOCK).shape == (30, 4) and torch.equal(grid.split(rows, 6, BLOCK)[22], rows[7, 4:8])
+    assert Grid(4, 4).split(rows, 4, BLOCK) is rows
+    with pytest.raises(ValueError, match="block sizes must be >= 1"):
+        Grid(0, 4)
+
+
+def test_a_block_tensor_must_hold_block_size_tokens():
+    with pytest.raises(ValueError, match=r"layer0.k: a block tensor is \[blocks, block_size=4, ...\], got \(5, 8, 2, 8\)"):
+        CacheTensors(4, [CacheEntry("layer0.k", 0, "attention", BLOCK, torch.zeros(5, 8, 2, 8))])
 
 
 def test_dtype_and_layer_kind_mismatches():

@@ -13,7 +13,7 @@ from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.tp.staging import HandoffStaging
-from tests.oracle import judge_greedy
+from tests.test_handoff_engine import judged_and_freed
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -80,11 +80,7 @@ def test_tp_sizes_hand_off_exactly(model_factory, family, sizes):
             for out in decode.step():
                 if out.finished:
                     final[out.request_id] = out
-        for i, prompt in enumerate(prompts):
-            judge_greedy(hf, prompt, final[f"r{i}"].token_ids)
-        for engine in (prefill, decode):
-            assert engine.blocks.num_available_blocks == engine.blocks.num_blocks
-            assert engine.slots.num_free_slots == engine.slots.num_slots
+        judged_and_freed(hf, prompts, final, (prefill, decode))
         for stage in (p_stage, d_stage):
             assert stage is None or (not stage.held and len(stage.free_slots) == stage.cache.sizes.num_slots)
     finally:
