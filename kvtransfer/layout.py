@@ -11,6 +11,7 @@ number of rows (each worker sizes its own cache) and the block size (kvtransfer/
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from math import prod
@@ -48,7 +49,7 @@ class TensorSpec:
         """What must match between two sides: a block row's shape without its block size."""
         return self.row_shape[1:] if self.role == BLOCK else self.row_shape
 
-    @property
+    @functools.cached_property  # computed on every hand-off's critical path otherwise
     def row_bytes(self) -> int:
         return prod(self.row_shape) * self.torch_dtype.itemsize
 
@@ -66,7 +67,7 @@ class CacheLayout:
             raise ValueError(f"duplicate tensor names in layout: {names}")
         object.__setattr__(self, "specs", tuple(sorted(self.specs, key=lambda s: (s.layer, s.name))))
 
-    @property
+    @functools.cached_property
     def layers(self) -> list[int]:
         return sorted({s.layer for s in self.specs})
 
@@ -79,7 +80,14 @@ class CacheLayout:
         return any(s.role == SLOT for s in self.specs)
 
     def specs_of_layer(self, layer: int) -> list[TensorSpec]:
-        return [s for s in self.specs if s.layer == layer]
+        return self._specs_by_layer.get(layer, [])
+
+    @functools.cached_property
+    def _specs_by_layer(self) -> dict[int, list[TensorSpec]]:
+        by_layer: dict[int, list[TensorSpec]] = {}
+        for spec in self.specs:
+            by_layer.setdefault(spec.layer, []).append(spec)
+        return by_layer
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.has_blocks else 0

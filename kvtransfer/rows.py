@@ -10,6 +10,7 @@ speed. On CUDA it is one index_select + index_copy_ pair per tensor on the curre
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,13 +91,17 @@ class RowMap:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"row count mismatch: {len(src_ids)} source rows, {len(dst_ids)} destination rows")
         self.src_ids, self.dst_ids = list(src_ids), list(dst_ids)
-        self.runs = runs(self.src_ids, self.dst_ids)
         self._indices: dict = {}
         if self.src_ids:
             self.src_array, self.dst_array = np.asarray(self.src_ids, dtype=np.intp), np.asarray(self.dst_ids, dtype=np.intp)
             self.bounds = (min(self.src_ids), max(self.src_ids), min(self.dst_ids), max(self.dst_ids))
             # A side whose ids are one ascending stretch (a packed buffer) is a slice: one copy, no gather.
             self.src_slice, self.dst_slice = (_as_slice(ids) for ids in (self.src_ids, self.dst_ids))
+
+    @functools.cached_property
+    def runs(self) -> list[tuple[int, int, int]]:
+        """Only big scattered copies use these; a hand-off's maps are built on its critical path."""
+        return runs(self.src_ids, self.dst_ids)
 
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._indices:

@@ -33,6 +33,10 @@ from kvtransfer.sender import ALL_LAYERS
 
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 2
+# The caller posts a hand-off itself only up to this size: Gloo writes a message whose receive
+# is already posted inside send(), about 0.8 ms for 2.3 MB here, which the caller's engine step
+# pays. Bigger hand-offs are about bandwidth, not latency: the channel thread posts them.
+INLINE_MAX_BYTES = 8 << 20
 
 
 class Pending(Protocol):
@@ -86,19 +90,57 @@ class _Buffer:
         return self.tensor
 
 
+class _Posted:
+    """A job the caller's thread posted itself; the channel thread only waits for it."""
+
+    def __init__(self, job):
+        self.job, self.started, self.pending, self.ok, self.error = job, False, [], False, None
+
+
 class StreamSenderChannel:
+    """One thread per channel posts queued jobs and waits for every job's messages in order. A
+    finished prefill's small job on an idle channel is posted by the caller itself (header,
+    packing, the send), as the shm sender copies inline: under a busy engine thread, waking the
+    channel thread costs a wait for the GIL, more than the posting itself (docs/kvtransfer.md)."""
+
     def __init__(self, sender, peer: str, wire: Wire, grid: Grid):
         self.sender, self.peer, self.wire, self.grid = sender, peer, wire, grid
         self._wire_layout = grid.wire_layout(sender.layout)
         self._src_rows = grid.split_all({name: byte_rows(t) for name, t in sender.cache.tensors.items()}, sender.layout)
-        self._buffer = _Buffer(wire.device)
+        self._buffer = _Buffer(wire.device)  # one job's at a time: a job is posted only once the one before is done
         self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._active = 0  # jobs submitted and not yet done with the wire
+        self._posting_inline = False
+        self._held_back: list = []  # jobs submitted while the caller posts: queued after its job
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"kvtransfer-send-{sender.name}-{peer}", daemon=True)
         self._thread.start()
 
     def submit(self, job) -> None:
-        self._queue.put(job)
+        with self._lock:
+            inline = (self._active == 0 and job.ready_layer == ALL_LAYERS and not self._closing
+                      and self.sender.layout.handoff_bytes(job.num_tokens) <= INLINE_MAX_BYTES)
+            self._active += 1
+            if inline:
+                self._posting_inline = True
+            elif self._posting_inline:
+                self._held_back.append(job)
+            else:
+                self._queue.put(job)
+        if not inline:
+            return
+        item = _Posted(job)  # queued once posted: waking the channel thread earlier would cost the caller the GIL
+        try:
+            item.started = self.sender._start(job, self)
+            if item.started:
+                item.pending, item.ok = self._post(job)
+        except Exception as error:  # the channel thread fails the wire with it
+            item.error = error
+        with self._lock:
+            for queued in [item, *self._held_back]:
+                self._queue.put(queued)
+            self._held_back, self._posting_inline = [], False
 
     def close(self) -> None:
         self._closing = True
@@ -109,16 +151,24 @@ class StreamSenderChannel:
 
     def _run(self) -> None:
         try:
-            while (job := self._queue.get()) is not None:
-                if self.sender._start(job, self):
-                    self._send(job)
+            while (item := self._queue.get()) is not None:
+                if isinstance(item, _Posted):
+                    if item.error is not None:
+                        raise item.error
+                    if item.started:
+                        self._complete(item.job, item.pending, item.ok)
+                elif self.sender._start(item, self):
+                    self._complete(item, *self._post(item))
+                with self._lock:
+                    self._active -= 1
         except Exception as error:  # the wire is broken: fail everything queued on it
             if not self._closing:
                 log.warning("kvtransfer: channel %s -> %s broke: %s", self.sender.name, self.peer, error)
             self.wire.abort()
             self.sender._channel_broken(self, self.peer, error)
 
-    def _send(self, job) -> None:
+    def _post(self, job) -> tuple[list, bool]:
+        """Announce the job and post its messages; returns (what to wait for, whether it went out whole)."""
         # A job whose prefill already finished goes as one message: fewer waits on both sides,
         # each of which may cost a GIL hand-off under a busy engine thread.
         pipelined = self.sender.config.pipeline_layers and job.ready_layer != ALL_LAYERS
@@ -151,6 +201,9 @@ class StreamSenderChannel:
             with self.wire.on_stream():
                 buffer[plan.total_bytes : plan.total_bytes + TRAILER_BYTES].copy_(trailer)
             pending.append(self.wire.send([buffer[: plan.total_bytes + TRAILER_BYTES]]))
+        return pending, ok
+
+    def _complete(self, job, pending: list, ok: bool) -> None:
         if not ok:
             self.wire.fence()  # no packing of source rows is still queued
             self.sender._finalize(job, ok=False)

@@ -255,3 +255,86 @@ def test_bad_arguments_are_refused_before_any_byte_moves(pair):
         receiver.expect(HandoffTarget("dup", "D", (1,), 1))
     receiver.abort("dup")
     wait_until(lambda: "dup" in decode.results)
+
+
+def test_a_finished_prefill_on_an_idle_gloo_channel_is_posted_by_the_caller():
+    """send() on an idle channel announces and posts on the caller's thread; a job sent while
+    another is on the wire queues behind it (one packing buffer per channel), and both land."""
+    from kvtransfer.gloo import GlooWire
+
+    threads, announce = [], GlooWire.announce
+
+    def recording_announce(self, header):
+        threads.append(threading.current_thread().name)
+        return announce(self, header)
+
+    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
+    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
+    GlooWire.announce = recording_announce
+    try:
+        with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
+                transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
+            sender.connect("D", receiver.accept("P"))
+            jobs = {rid: start(prefill, decode, receiver, rid, num_tokens=9) for rid in ("idle", "running", "behind")}
+            def args(rid):
+                target, src_blocks, src_slot = jobs[rid]
+                return target, 9, src_blocks, src_slot
+
+            sender.send(*args("idle"), first_token=1)
+            wait_until(lambda: "idle" in decode.results and "idle" in prefill.results)
+            running = sender.begin(*args("running"))  # still prefilling: the channel thread waits for its layers
+            sender.send(*args("behind"), first_token=3)
+            running.finish(2)
+            wait_until(lambda: all(rid in decode.results and rid in prefill.results for rid in jobs))
+    finally:
+        GlooWire.announce = announce
+    assert threads[0] == threading.current_thread().name and all(t.startswith("kvtransfer-send") for t in threads[1:]), threads
+    for rid, (target, src_blocks, src_slot) in jobs.items():
+        assert decode.results[rid].ok and prefill.results[rid].ok, (decode.results[rid], prefill.results[rid])
+        assert landed_exactly(prefill.cache, src_blocks, src_slot, decode.cache, list(target.dst_block_ids), target.dst_slot, 9) == []
+
+
+def test_a_caller_posting_into_a_broken_wire_fails_the_request_and_the_channel():
+    from kvtransfer.gloo import GlooWire
+
+    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
+    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
+    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
+            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
+        sender.connect("D", receiver.accept("P"))
+        target, src_blocks, src_slot = start(prefill, decode, receiver, "doomed", num_tokens=9)
+        wire = sender._channels["D"].wire
+        wire.send = lambda tensors: (_ for _ in ()).throw(RuntimeError("gloo: connection reset"))
+        sender.send(target, 9, src_blocks, src_slot, first_token=1)  # the caller is not the one told
+        wait_until(lambda: "doomed" in prefill.results)
+        assert not prefill.results["doomed"].ok and "connection reset" in prefill.results["doomed"].error
+        wait_until(lambda: "doomed" in decode.results)  # the receiver's wire is gone with the sender's
+        assert not decode.results["doomed"].ok
+        assert "connection reset" in sender.channel_errors["D"]
+        with pytest.raises(ChannelClosedError, match="no channel to receiver 'D'"):
+            sender.begin(HandoffTarget("later", "D", (0, 1, 2), 0), 9, [0, 1, 2], 0)
+    assert prefill.all_free() and decode.all_free()
+
+
+def test_a_big_hand_off_is_posted_by_the_channel_thread(monkeypatch):
+    """Above INLINE_MAX_BYTES the caller does not pay the packing and the write itself."""
+    from kvtransfer import stream_channel
+    from kvtransfer.gloo import GlooWire
+
+    threads, announce = [], GlooWire.announce
+    monkeypatch.setattr(GlooWire, "announce", lambda self, header: threads.append(threading.current_thread().name) or announce(self, header))
+    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
+    monkeypatch.setattr(stream_channel, "INLINE_MAX_BYTES", prefill.cache.layout.handoff_bytes(9) - 1)
+    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
+    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
+            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
+        sender.connect("D", receiver.accept("P"))
+        small_target, small_blocks, small_slot = start(prefill, decode, receiver, "small", num_tokens=4)
+        big_target, big_blocks, big_slot = start(prefill, decode, receiver, "big", num_tokens=9)
+        sender.send(small_target, 4, small_blocks, small_slot, first_token=1)
+        wait_until(lambda: "small" in decode.results and "small" in prefill.results)
+        sender.send(big_target, 9, big_blocks, big_slot, first_token=2)
+        wait_until(lambda: "big" in decode.results and "big" in prefill.results)
+    assert threads[0] == threading.current_thread().name and threads[1].startswith("kvtransfer-send"), threads
+    assert decode.results["big"].ok and landed_exactly(prefill.cache, big_blocks, big_slot, decode.cache,
+                                                       list(big_target.dst_block_ids), big_target.dst_slot, 9) == []
