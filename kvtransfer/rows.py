@@ -1,10 +1,12 @@
 """Moving rows (blocks or slots) between cache tensors and packed buffers.
 
 Every tensor is handled as a [rows, row_bytes] byte matrix, so one code path serves all
-dtypes (bfloat16 included). On CPU a request's rows of one tensor move in one numpy row
-gather/scatter (a few MB: one C loop), or as one libc memmove per run of consecutive ids
-(bigger ones), where torch's index_select/index_copy_ on bfloat16 ran at a third of the
-speed. On CUDA it is one index_select + index_copy_ pair per tensor on the current stream.
+dtypes (bfloat16 included). On CPU a request's rows of one tensor move in one pass of a
+compiled loop with the GIL released (kvtransfer/row_kernel.py; numpy's row gather/scatter
+without numba), one memcpy when both sides are packed, or one libc memmove per run of
+consecutive ids (over GATHER_SCATTER_MAX_BYTES per tensor); torch's index_select/index_copy_
+on bfloat16 ran at a third of numpy's speed. On CUDA it is one index_select + index_copy_
+pair per tensor on the current stream.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import numpy as np
 import torch
 
 from kvtransfer.layout import BLOCK, SLOT, CacheLayout, TensorSpec
+
+try:
+    from kvtransfer.row_kernel import copy_row_ids
+except ImportError:  # numba is optional: numpy's copies below
+    copy_row_ids = None
 
 _ALIGN = 64
 _memmove_releasing_gil = ctypes.memmove
@@ -133,6 +140,12 @@ def copy_rows(src, dst, rows: RowMap) -> None:
         if src.shape[1] != dst.shape[1] or not (src.flags.c_contiguous and dst.flags.c_contiguous and dst.flags.writeable):
             raise ValueError("rows must be contiguous byte matrices of equal width (destination writable)")
         width = src.shape[1]
+        if rows.src_slice is not None and rows.dst_slice is not None:
+            dst[rows.dst_slice] = src[rows.src_slice]  # one memcpy
+            return
+        if copy_row_ids is not None and len(rows.src_ids) * width <= GATHER_SCATTER_MAX_BYTES:
+            copy_row_ids(src, dst, rows.src_array, rows.dst_array)  # one pass, GIL released
+            return
         if rows.src_slice is not None or rows.dst_slice is not None or len(rows.src_ids) * width <= GATHER_SCATTER_MAX_BYTES:
             # numpy's row gather/scatter: one C loop, 2-3x faster than a call per run at
             # hand-off sizes (for two scattered sides it copies twice, through a temporary).

@@ -147,11 +147,16 @@ def test_runs_and_copy_rows_are_exact():
     assert isinstance(byte_rows(src), np.ndarray) and byte_rows(src).shape == (20, 4 * 3 * 2)
 
 
-@pytest.mark.parametrize("gather_scatter_max", [0, 1 << 30])  # memmove per run / numpy gather-scatter
-def test_copy_rows_every_path_against_indexing(monkeypatch, gather_scatter_max):
+@pytest.mark.parametrize(("gather_scatter_max", "kernel"), [
+    (0, True), (1 << 30, True), (1 << 30, False)])  # memmove per run / compiled loop / numpy gather-scatter
+def test_copy_rows_every_path_against_indexing(monkeypatch, gather_scatter_max, kernel):
     import kvtransfer.rows as rows_module
 
     monkeypatch.setattr(rows_module, "GATHER_SCATTER_MAX_BYTES", gather_scatter_max)
+    if kernel:
+        assert rows_module.copy_row_ids is not None  # numba is a dependency
+    else:
+        monkeypatch.setattr(rows_module, "copy_row_ids", None)
     rng = np.random.default_rng(0)
     src = torch.from_numpy(rng.integers(0, 256, (40, 24), dtype=np.uint8)).view(torch.bfloat16)
     for src_ids, dst_ids in [(list(range(5, 12)), [30, 2, 3, 4, 17, 18, 0]),  # packed source
