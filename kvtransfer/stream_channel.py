@@ -138,13 +138,18 @@ class StreamSenderChannel:
         except Exception as error:  # the channel thread fails the wire with it
             item.error = error
         with self._lock:
-            for queued in [item, *self._held_back]:
+            closed = self._closing  # the channel thread may be gone: nobody else would report the job
+            for queued in [] if closed else [item, *self._held_back]:
                 self._queue.put(queued)
             self._held_back, self._posting_inline = [], False
+        if closed and item.started:
+            self.wire.fence()
+            self.sender._finalize(job, ok=False, why=f"channel to {self.peer} closed")
 
     def close(self) -> None:
-        self._closing = True
-        self._queue.put(None)
+        with self._lock:  # after this no caller queues a job it posted (submit reports it itself)
+            self._closing = True
+            self._queue.put(None)
         self.wire.abort()
         self.sender._abort_jobs_of(self, ChannelClosedError(f"channel to {self.peer} closed by sender {self.sender.name}"))
         self._thread.join(timeout=10)

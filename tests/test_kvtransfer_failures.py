@@ -338,3 +338,37 @@ def test_a_big_hand_off_is_posted_by_the_channel_thread(monkeypatch):
     assert threads[0] == threading.current_thread().name and threads[1].startswith("kvtransfer-send"), threads
     assert decode.results["big"].ok and landed_exactly(prefill.cache, big_blocks, big_slot, decode.cache,
                                                        list(big_target.dst_block_ids), big_target.dst_slot, 9) == []
+
+
+def test_a_channel_closed_while_the_caller_posts_still_reports_the_request():
+    """disconnect() lands while the caller is inside its own posting: the channel thread is
+    gone by the time the posting ends, so the caller reports the request failed itself."""
+    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
+    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
+    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
+            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
+        sender.connect("D", receiver.accept("P"))
+        target, src_blocks, src_slot = start(prefill, decode, receiver, "cut", num_tokens=9)
+        channel = sender._channels["D"]
+        entered, release, send = threading.Event(), threading.Event(), channel.wire.send
+
+        def held_send(tensors):
+            entered.set()
+            release.wait(5)
+            return send(tensors)
+
+        channel.wire.send = held_send
+        poster = threading.Thread(target=sender.send, args=(target, 9, src_blocks, src_slot), kwargs={"first_token": 1})
+        poster.start()
+        assert entered.wait(5)
+        closer = threading.Thread(target=sender.disconnect, args=("D",))
+        closer.start()
+        wait_until(lambda: channel._closing)
+        release.set()
+        poster.join(5)
+        closer.join(15)
+        wait_until(lambda: "cut" in prefill.results)
+        assert not prefill.results["cut"].ok and "closed" in prefill.results["cut"].error, prefill.results["cut"]
+        receiver.abort("cut")
+        wait_until(lambda: "cut" in decode.results)
+    assert prefill.all_free() and decode.all_free()
