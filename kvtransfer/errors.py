@@ -6,7 +6,7 @@ class TransferError(RuntimeError):
 
 
 class LayoutMismatchError(TransferError):
-    """The two sides' caches differ (layer kinds, block size, dtypes, row shapes)."""
+    """The two sides' caches differ (layer kinds, dtypes, per-token shapes; block sizes may differ)."""
 
 
 class HandoffTimeoutError(TransferError):

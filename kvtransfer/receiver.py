@@ -152,9 +152,9 @@ class HandoffReceiver(Endpoint):
                 return None, f"request {request_id} is {incoming.state} on receiver {self.name}, not waiting"
             target = incoming.target
             why = ""
-            blocks = self.layout.num_blocks_for(num_tokens)
-            if channel.grid.wire_rows(self.layout, num_tokens) != num_rows:
-                why = f"{num_rows} block rows for {num_tokens} tokens, expected {channel.grid.wire_rows(self.layout, num_tokens)}"
+            blocks, expected_rows = self.layout.num_blocks_for(num_tokens), channel.grid.wire_rows(self.layout, num_tokens)
+            if num_rows != expected_rows:
+                why = f"{num_rows} block rows for {num_tokens} tokens, expected {expected_rows}"
             elif blocks > len(target.dst_block_ids):
                 why = f"{num_tokens} tokens need {blocks} blocks, receiver reserved {len(target.dst_block_ids)}"
             elif dst_slot != target.dst_slot or dst_digest != target.digest():

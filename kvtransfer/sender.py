@@ -99,27 +99,23 @@ class HandoffSender(Endpoint):
             raise ValueError(f"request {rid}: num_tokens must be >= 1, got {num_tokens}")
         if (src_slot is None) != (target.dst_slot is None):
             raise ValueError(f"request {rid}: source slot {src_slot} and destination slot {target.dst_slot} must both be set or both None")
-        with self._lock:
+        with self._lock:  # the channel knows the receiver's block size, so it is looked up first
             channel = self._channels.get(target.receiver)
             if channel is None:
                 why = self.channel_errors.get(target.receiver, "not connected")
                 raise ChannelClosedError(f"request {rid}: no channel to receiver {target.receiver!r} ({why})")
-        blocks = self.layout.num_blocks_for(num_tokens)  # 0 without attention layers: ids are bookkeeping only
-        dst_blocks = channel.grid.peer_blocks_for(self.layout, num_tokens)
-        if len(src_block_ids) < blocks or len(target.dst_block_ids) < dst_blocks:
-            raise ValueError(f"request {rid}: {num_tokens} tokens need {blocks} source and {dst_blocks} destination blocks; "
-                             f"got {len(src_block_ids)} source, {len(target.dst_block_ids)} destination ids")
-        self.cache.check_rows(list(src_block_ids)[:blocks], src_slot, f"request {rid} (sender)")
-        job = OutgoingHandoff(self, target, num_tokens, list(src_block_ids)[:blocks], list(target.dst_block_ids)[:dst_blocks],
-                              src_slot, timeout_s or self.config.timeout_s)
-        if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
-            event = record_compute_event(self.cache)
-            job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
-            job.ready_events = [(ALL_LAYERS, event)] if event is not None else []
-        with self._lock:
-            if self._channels.get(target.receiver) is not channel:
-                why = self.channel_errors.get(target.receiver, "replaced while the request was being set up")
-                raise ChannelClosedError(f"request {rid}: channel to receiver {target.receiver!r} changed ({why})")
+            blocks = self.layout.num_blocks_for(num_tokens)  # 0 without attention layers: ids are bookkeeping only
+            dst_blocks = channel.grid.peer_blocks_for(self.layout, num_tokens)
+            if len(src_block_ids) < blocks or len(target.dst_block_ids) < dst_blocks:
+                raise ValueError(f"request {rid}: {num_tokens} tokens need {blocks} source and {dst_blocks} destination blocks; "
+                                 f"got {len(src_block_ids)} source, {len(target.dst_block_ids)} destination ids")
+            self.cache.check_rows(list(src_block_ids)[:blocks], src_slot, f"request {rid} (sender)")
+            job = OutgoingHandoff(self, target, num_tokens, list(src_block_ids)[:blocks], list(target.dst_block_ids)[:dst_blocks],
+                                  src_slot, timeout_s or self.config.timeout_s)
+            if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
+                event = record_compute_event(self.cache)
+                job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
+                job.ready_events = [(ALL_LAYERS, event)] if event is not None else []
             if rid in self._outgoing:
                 raise ValueError(f"request {rid} is already being sent by {self.name}")
             job.channel = channel

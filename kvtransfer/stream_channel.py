@@ -183,7 +183,7 @@ class StreamSenderChannel:
         target = job.target
         header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), pipelined)
         pending = [p for p in [self.wire.announce(header.encode().to(self.wire.device))] if p is not None]
-        src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens) if rows else []
+        src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens)  # none without blocks: no ids to split
         maps = request_maps(self.sender.layout, src_rows, job.src_slot, packed(rows), 0 if job.src_slot is not None else None)
         ok = True
         for segment in plan.segments:
@@ -269,9 +269,9 @@ class StreamReceiverChannel:
         waited_for_compute = False
         maps = None
         if incoming is not None:
-            slot, rows = incoming.target.dst_slot, header.num_rows
-            dst_rows = self.grid.my_rows(incoming.dst_block_ids, header.num_tokens) if rows else []
-            maps = request_maps(self.receiver.layout, packed(rows), 0 if slot is not None else None, dst_rows, slot)
+            slot = incoming.target.dst_slot
+            dst_rows = self.grid.my_rows(incoming.dst_block_ids, header.num_tokens)
+            maps = request_maps(self.receiver.layout, packed(header.num_rows), 0 if slot is not None else None, dst_rows, slot)
         for segment, pending in segments:
             pending.wait(stall_limit)
             if incoming is None:

@@ -118,11 +118,8 @@ class WorkerSet:
         known = [w for w in self.prefill + self.decode if w.alive]
         layouts = await asyncio.gather(*(w.handle.layout.remote() for w in known[:1] + new))
         first = CacheLayout.from_dict(layouts[0])
-        for worker, layout in zip(new, layouts[len(known[:1]):]):
-            diffs = first.differences(CacheLayout.from_dict(layout))  # block sizes may differ: hand-offs re-block
-            if diffs:
-                raise RuntimeError(f"worker {worker.name} has a different cache layout than "
-                                   f"{(known[:1] + new)[0].name}: {'; '.join(diffs[:4])}")
+        for worker, layout in zip(new, layouts[len(known[:1]):]):  # block sizes may differ: hand-offs re-block
+            CacheLayout.from_dict(layout).check_compatible(first, f"worker {worker.name}", f"worker {(known[:1] + new)[0].name}")
         nodes = await asyncio.gather(*(w.handle.node_id.remote() for w in new))
         for worker, node in zip(new, nodes):
             worker.node_id = node
@@ -321,7 +318,7 @@ def _group_nodes(group) -> set[str]:
 def engine_options(config, kind: str) -> dict:
     """A worker's engine options: the cluster's, with its kind's tensor-parallel size and block size."""
     options = dict(config.engine_options)
-    tp, block_size = config.placement.ranks(kind), getattr(config, f"{kind}_block_size", None)
+    tp, block_size = config.placement.ranks(kind), getattr(config, f"{kind}_block_size")
     if tp > 1:
         options["tensor_parallel_size"] = tp
     if block_size is not None:

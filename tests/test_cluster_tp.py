@@ -74,7 +74,7 @@ def test_serve_flags_size_each_kind():
     from router.placement import PlacementConfig
 
     config = type("C", (), {"placement": PlacementConfig(prefill_tp=2), "engine_options": {"block_size": 8},
-                            "decode_block_size": 16})
+                            "prefill_block_size": None, "decode_block_size": 16})
     assert engine_options(config, "prefill") == {"block_size": 8, "tensor_parallel_size": 2}
     assert engine_options(config, "decode") == {"block_size": 16}
 

@@ -4,6 +4,7 @@ mismatch is refused at the handshake."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -58,18 +59,32 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.fixture(params=CPU_TRANSPORTS)
-def pair(request):
-    """(prefill worker, decode worker, sender, receiver) connected by the transport under test."""
-    transport = make_transport(request.param)
+@contextlib.contextmanager
+def connected(transport_name: str):
+    """(prefill worker, decode worker, sender, receiver), the sender connected to the receiver."""
+    transport = make_transport(transport_name)
     prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
     config = TransferConfig(timeout_s=10)
-    receiver = transport.receiver("D", decode.cache, config, on_done=decode.on_done)
-    sender = transport.sender("P", prefill.cache, config, on_done=prefill.on_done)
-    sender.connect("D", receiver.accept("P"))
-    yield request.param, prefill, decode, sender, receiver
-    sender.close()
-    receiver.close()
+    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
+            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
+        sender.connect("D", receiver.accept("P"))
+        yield prefill, decode, sender, receiver
+
+
+@pytest.fixture(params=CPU_TRANSPORTS)
+def pair(request):
+    """(transport, prefill worker, decode worker, sender, receiver) over the transport under test."""
+    with connected(request.param) as workers:
+        yield request.param, *workers
+
+
+def announcing_threads(monkeypatch) -> list[str]:
+    """The names of the threads that announce each Gloo hand-off, in order."""
+    from kvtransfer.gloo import GlooWire
+
+    threads, announce = [], GlooWire.announce
+    monkeypatch.setattr(GlooWire, "announce", lambda self, header: threads.append(threading.current_thread().name) or announce(self, header))
+    return threads
 
 
 def start(prefill, decode, receiver, rid, num_tokens=10, receiver_timeout=None, target_blocks=None):
@@ -257,37 +272,23 @@ def test_bad_arguments_are_refused_before_any_byte_moves(pair):
     wait_until(lambda: "dup" in decode.results)
 
 
-def test_a_finished_prefill_on_an_idle_gloo_channel_is_posted_by_the_caller():
+def test_a_finished_prefill_on_an_idle_gloo_channel_is_posted_by_the_caller(monkeypatch):
     """send() on an idle channel announces and posts on the caller's thread; a job sent while
     another is on the wire queues behind it (one packing buffer per channel), and both land."""
-    from kvtransfer.gloo import GlooWire
+    threads = announcing_threads(monkeypatch)
+    with connected("gloo") as (prefill, decode, sender, receiver):
+        jobs = {rid: start(prefill, decode, receiver, rid, num_tokens=9) for rid in ("idle", "running", "behind")}
 
-    threads, announce = [], GlooWire.announce
+        def args(rid):
+            target, src_blocks, src_slot = jobs[rid]
+            return target, 9, src_blocks, src_slot
 
-    def recording_announce(self, header):
-        threads.append(threading.current_thread().name)
-        return announce(self, header)
-
-    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
-    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
-    GlooWire.announce = recording_announce
-    try:
-        with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
-                transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
-            sender.connect("D", receiver.accept("P"))
-            jobs = {rid: start(prefill, decode, receiver, rid, num_tokens=9) for rid in ("idle", "running", "behind")}
-            def args(rid):
-                target, src_blocks, src_slot = jobs[rid]
-                return target, 9, src_blocks, src_slot
-
-            sender.send(*args("idle"), first_token=1)
-            wait_until(lambda: "idle" in decode.results and "idle" in prefill.results)
-            running = sender.begin(*args("running"))  # still prefilling: the channel thread waits for its layers
-            sender.send(*args("behind"), first_token=3)
-            running.finish(2)
-            wait_until(lambda: all(rid in decode.results and rid in prefill.results for rid in jobs))
-    finally:
-        GlooWire.announce = announce
+        sender.send(*args("idle"), first_token=1)
+        wait_until(lambda: "idle" in decode.results and "idle" in prefill.results)
+        running = sender.begin(*args("running"))  # still prefilling: the channel thread waits for its layers
+        sender.send(*args("behind"), first_token=3)
+        running.finish(2)
+        wait_until(lambda: all(rid in decode.results and rid in prefill.results for rid in jobs))
     assert threads[0] == threading.current_thread().name and all(t.startswith("kvtransfer-send") for t in threads[1:]), threads
     for rid, (target, src_blocks, src_slot) in jobs.items():
         assert decode.results[rid].ok and prefill.results[rid].ok, (decode.results[rid], prefill.results[rid])
@@ -295,13 +296,7 @@ def test_a_finished_prefill_on_an_idle_gloo_channel_is_posted_by_the_caller():
 
 
 def test_a_caller_posting_into_a_broken_wire_fails_the_request_and_the_channel():
-    from kvtransfer.gloo import GlooWire
-
-    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
-    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
-    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
-            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
-        sender.connect("D", receiver.accept("P"))
+    with connected("gloo") as (prefill, decode, sender, receiver):
         target, src_blocks, src_slot = start(prefill, decode, receiver, "doomed", num_tokens=9)
         wire = sender._channels["D"].wire
         wire.send = lambda tensors: (_ for _ in ()).throw(RuntimeError("gloo: connection reset"))
@@ -319,16 +314,10 @@ def test_a_caller_posting_into_a_broken_wire_fails_the_request_and_the_channel()
 def test_a_big_hand_off_is_posted_by_the_channel_thread(monkeypatch):
     """Above INLINE_MAX_BYTES the caller does not pay the packing and the write itself."""
     from kvtransfer import stream_channel
-    from kvtransfer.gloo import GlooWire
 
-    threads, announce = [], GlooWire.announce
-    monkeypatch.setattr(GlooWire, "announce", lambda self, header: threads.append(threading.current_thread().name) or announce(self, header))
-    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
-    monkeypatch.setattr(stream_channel, "INLINE_MAX_BYTES", prefill.cache.layout.handoff_bytes(9) - 1)
-    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
-    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
-            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
-        sender.connect("D", receiver.accept("P"))
+    threads = announcing_threads(monkeypatch)
+    with connected("gloo") as (prefill, decode, sender, receiver):
+        monkeypatch.setattr(stream_channel, "INLINE_MAX_BYTES", prefill.cache.layout.handoff_bytes(9) - 1)
         small_target, small_blocks, small_slot = start(prefill, decode, receiver, "small", num_tokens=4)
         big_target, big_blocks, big_slot = start(prefill, decode, receiver, "big", num_tokens=9)
         sender.send(small_target, 4, small_blocks, small_slot, first_token=1)
@@ -343,11 +332,7 @@ def test_a_big_hand_off_is_posted_by_the_channel_thread(monkeypatch):
 def test_a_channel_closed_while_the_caller_posts_still_reports_the_request():
     """disconnect() lands while the caller is inside its own posting: the channel thread is
     gone by the time the posting ends, so the caller reports the request failed itself."""
-    prefill, decode = Worker(make_cache("hybrid", 4, 32, 4, seed=1)), Worker(make_cache("hybrid", 4, 32, 4, seed=2))
-    transport, config = make_transport("gloo"), TransferConfig(timeout_s=10)
-    with transport.receiver("D", decode.cache, config, on_done=decode.on_done) as receiver, \
-            transport.sender("P", prefill.cache, config, on_done=prefill.on_done) as sender:
-        sender.connect("D", receiver.accept("P"))
+    with connected("gloo") as (prefill, decode, sender, receiver):
         target, src_blocks, src_slot = start(prefill, decode, receiver, "cut", num_tokens=9)
         channel = sender._channels["D"]
         entered, release, send = threading.Event(), threading.Event(), channel.wire.send
