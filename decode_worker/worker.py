@@ -2,7 +2,8 @@
 
 A request arrives in two steps: `reserve` (blocks + state slot held, WAITING_FOR_STATE,
 receiver told to expect it), then the prefill worker's hand-off lands and the request starts
-decoding. Outputs of every step, for all requests, leave in one `poll` reply.
+decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
+rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows (engine.tp.staging). Outputs of every step, for all requests, leave in one `poll` reply.
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 
@@ -17,6 +18,7 @@ from engine.llm_engine import LLMEngine, Reservation
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.rank_handoffs import RankHandoffs
 from engine.tp.ray_ranks import RayRanks
 from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffTarget, make_transport
@@ -36,6 +38,10 @@ class DecodeWorker(EngineEndpoint):
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
         self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config)
+        self.ranks = engine.tp.group.size if engine.tp is not None else 1
+        self.rank_receivers = (RankHandoffs(engine, transport, "receiver", name, self.transfer_config)
+                               if self.ranks > 1 else None)
+        self._rank_peers: set[str] = set()  # prefill workers of this TP size: they send rank to rank
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
         self.thread = EngineThread(self.engine, self._deliver, after_step=self._take_handoffs, name=f"{name}-loop")
@@ -46,12 +52,19 @@ class DecodeWorker(EngineEndpoint):
         return {**model_facts(self.engine), "num_kv_blocks": self.engine.blocks.num_blocks,
                 "block_size": self.engine.config.block_size}
 
-    def accept(self, peer: str):
-        """An offer for prefill worker `peer` to connect its sender to this receiver."""
+    async def accept(self, peer: str, peer_ranks: int = 1):
+        """An offer for prefill worker `peer` (of TP size `peer_ranks`) to connect its sender:
+        one per rank (RankOffers) when the sizes are equal, else rank 0's staging receiver's."""
+        if self.rank_receivers is not None and peer_ranks == self.ranks:
+            offers = await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_receivers.accept(peer)))
+            self._rank_peers.add(peer)
+            return offers
+        self._rank_peers.discard(peer)
         return self.receiver.accept(peer)
 
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      resume: Resume | None = None) -> HandoffTarget:
+                      resume: Resume | None = None, peer: str | None = None) -> HandoffTarget:
+        """Room for a request that prefill worker `peer` will send (None: any, un-sharded)."""
         # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
         await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
         count, seconds = self._slow_reservations
@@ -59,21 +72,35 @@ class DecodeWorker(EngineEndpoint):
             self._slow_reservations = (count - 1, seconds)
             await asyncio.sleep(seconds)
 
-        def reserve(engine: LLMEngine) -> tuple[list[int], int]:
+        by_rank = peer in self._rank_peers
+
+        def reserve(engine: LLMEngine) -> HandoffTarget:
             reservation = engine.reserve_for_handoff(prompt_token_ids, params, request_id, resume)
+            if by_rank:
+                target = self._target(request_id, reservation.block_ids, reservation.slot, self.ranks)
+                try:
+                    self.rank_receivers.expect(target)
+                except Exception:
+                    engine.cancel_reservation(request_id)
+                    raise
+                return target
             if self.staging is None:
-                return reservation.block_ids, reservation.slot
+                return self._target(request_id, reservation.block_ids, reservation.slot)
             staged = self.staging.take(request_id, len(reservation.block_ids))
             if staged is None:  # the router waits for room, as for a full cache
                 engine.cancel_reservation(request_id)
                 raise MemoryError("tensor-parallel hand-off staging rows are all in use")
             self._reservations[request_id] = reservation
-            return staged.blocks, staged.slot
+            return self._target(request_id, staged.blocks, staged.slot)
 
-        blocks, slot = await asyncio.wrap_future(self.thread.call(reserve))
-        target = HandoffTarget(request_id, self.name, tuple(blocks), slot if self.cache_tensors.num_slots else None)
-        self.receiver.expect(target)
+        target = await asyncio.wrap_future(self.thread.call(reserve))
+        if not by_rank:
+            self.receiver.expect(target)
         return target
+
+    def _target(self, request_id: str, blocks, slot: int | None, ranks: int = 1) -> HandoffTarget:
+        return HandoffTarget(request_id, self.name, tuple(blocks), slot if self.cache_tensors.num_slots else None,
+                             ranks)
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              resume: Resume | None = None) -> None:
@@ -87,9 +114,16 @@ class DecodeWorker(EngineEndpoint):
         self._slow_reservations = (count, seconds)
 
     def keep_reserved(self, request_id: str) -> bool:
+        if request_id in self._rank_pending():
+            self.thread.call(lambda engine: self.rank_receivers.keep_waiting(request_id))
+            return True
         return self.receiver.keep_waiting(request_id)
 
     async def abort(self, request_id: str, error: str | None = None) -> None:
+        if request_id in self._rank_pending():
+            await asyncio.wrap_future(self.thread.call(
+                lambda engine: self.rank_receivers.abort(request_id, error or "aborted by the router")))
+            return
         if request_id in self.receiver.pending():
             # Rows may still be written: the receiver reports (and _take_handoffs frees) once they are not.
             self.receiver.abort(request_id, error or "aborted by the router")
@@ -102,20 +136,27 @@ class DecodeWorker(EngineEndpoint):
 
     def stats(self) -> dict:
         stats = self.engine.stats()
-        stats.update(incarnation=self.incarnation, waiting_for_state=len(self.receiver.pending()))
+        stats.update(incarnation=self.incarnation,
+                     waiting_for_state=len(self.receiver.pending()) + len(self._rank_pending()))
         return stats
 
     def shutdown(self) -> None:
         self.thread.stop()
         self.receiver.close()
+        if self.rank_receivers is not None:
+            self.rank_receivers.close()
+
+    def _rank_pending(self) -> frozenset[str]:
+        return self.rank_receivers.pending_ids if self.rank_receivers is not None else frozenset()
 
     # ---- engine thread and transport callbacks ----
 
     def _take_handoffs(self, engine: LLMEngine) -> None:
         """After each step, on the engine thread: start decoding what landed, drop what failed.
         The loop keeps stepping while a request waits for its state, so this runs every step then."""
+        by_rank = self.rank_receivers.poll() if self.rank_receivers is not None else []
         outputs = []
-        for result in self.receiver.poll():
+        for result in by_rank + self.receiver.poll():
             request = engine.requests.get(result.request_id)
             reservation = self._reservations.pop(result.request_id, None)
             if request is not None and request.status is RequestStatus.WAITING_FOR_STATE:

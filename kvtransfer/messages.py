@@ -22,8 +22,13 @@ class HandoffTarget:
     receiver: str  # the receiver endpoint's name, as given to connect()
     dst_block_ids: tuple[int, ...]
     dst_slot: int | None
+    # How many shards arrive, one per rank of a tensor-parallel pair of equal size, each over
+    # its own channel (engine.tp.rank_handoffs); 1: one un-sharded copy.
+    ranks: int = 1
 
     def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {self.ranks}")
         if not self.request_id:
             raise ValueError("request_id must be non-empty")
         if len(self.request_id.encode()) > MAX_REQUEST_ID_BYTES:

@@ -3,7 +3,9 @@
 Per request: the router passes the HandoffTarget (decode worker's reserved blocks and slot);
 the engine batches and chunks prompts like any engine; once a prompt's first token is
 sampled, its KV rows, recurrent state and the token go out through kvtransfer, and the blocks
-and slot are freed only when the transport reports it can no longer read them.
+and slot are freed only when the transport reports it can no longer read them. A
+tensor-parallel worker sends to a decode worker of its own TP size rank to rank
+(engine.tp.rank_handoffs), to any other through rank 0's staging rows (engine.tp.staging).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
+from engine.tp.rank_handoffs import RankHandoffs, RankOffers
 from engine.tp.ray_ranks import RayRanks
 from engine.tp.staging import HandoffStaging
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
@@ -49,30 +52,59 @@ class PrefillWorker(EngineEndpoint):
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         self.sender = make_transport(transport).sender(name, self.cache_tensors, self.transfer_config,
                                                        on_done=self._handoff_done)
+        self.ranks = engine.tp.group.size if engine.tp is not None else 1
+        self.rank_senders = (RankHandoffs(engine, transport, "sender", name, self.transfer_config)
+                             if self.ranks > 1 else None)
+        self._rank_peers: set[str] = set()  # decode workers of this TP size: sent to rank to rank
         self._targets: dict[str, HandoffTarget] = {}
         self._peers: set[str] = set()
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
         self._deferred: list[Handoff] = []  # tensor-parallel: waiting for staging rows
-        self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
+        self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
 
-    def connect(self, peer: str, offer) -> None:
+    def handoff_ranks(self) -> int:
+        """The TP size a decode worker's accept() is told: equal sizes hand off rank to rank."""
+        return self.ranks
+
+    async def connect(self, peer: str, offer) -> None:
+        """Connect to decode worker `peer` with its accept()'s offer: one per rank (RankOffers)
+        or one for rank 0's staging rows; whichever it is replaces the other kind."""
         self._peers.add(peer)
+        if isinstance(offer, RankOffers):
+            if self.rank_senders is None:
+                raise ValueError(f"decode worker {peer!r} offers {len(offer.offers)} ranks; this worker has one")
+            self.sender.disconnect(peer)
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.connect(peer, offer)))
+            self._rank_peers.add(peer)
+            return
+        if peer in self._rank_peers:
+            self._rank_peers.discard(peer)
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.disconnect(peer)))
         self.sender.connect(peer, offer)
 
-    def disconnect(self, peer: str) -> None:
+    async def disconnect(self, peer: str) -> None:
         """Decode worker `peer` left the cluster: no channel to it, none to repair."""
         self._peers.discard(peer)
         self.sender.disconnect(peer)
+        if peer in self._rank_peers:
+            self._rank_peers.discard(peer)
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.disconnect(peer)))
 
-    def disconnected_peers(self) -> list[str]:
+    async def disconnected_peers(self) -> list[str]:
         """Decode workers whose channel broke (e.g. a hand-off died mid-stream): reconnect them."""
-        return sorted(p for p in self._peers if not self.sender.connected(p))
+        by_rank = sorted(self._rank_peers)
+
+        def broken_by_rank(engine) -> list[str]:
+            return [p for p in by_rank if not self.rank_senders.connected(p)]
+
+        broken = await asyncio.wrap_future(self.thread.call(broken_by_rank)) if by_rank else []
+        return sorted(broken + [p for p in self._peers - self._rank_peers if not self.sender.connected(p)])
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       target: HandoffTarget, resume: Resume | None = None) -> PrefillOutcome:
@@ -95,6 +127,10 @@ class PrefillWorker(EngineEndpoint):
             self._shipped.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
+        if self.rank_senders is not None and request_id in self.rank_senders.pending_ids:
+            await asyncio.wrap_future(self.thread.call(
+                lambda engine: self.rank_senders.abort(request_id, "aborted by the router")))
+            return
         if request_id in self.sender.pending():
             # The transport may still read its rows: _handoff_done frees them once it lets go.
             self.sender.abort(request_id)
@@ -110,22 +146,31 @@ class PrefillWorker(EngineEndpoint):
         stats = self.engine.stats()
         stats.update(incarnation=self.incarnation, queued_prompt_tokens=sum(self._queued_tokens.values()),
                      handoff_count=self.handoffs["count"], handoff_failures=self.handoffs["failures"],
-                     handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"])
+                     handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"],
+                     handoffs_by_rank=self.handoffs["by_rank"])
         return stats
 
     def shutdown(self) -> None:
         self.thread.stop()
         self.sender.close()
+        if self.rank_senders is not None:
+            self.rank_senders.close()
 
     # ---- engine thread and transport callbacks ----
 
     def _ship(self, engine: LLMEngine) -> None:
         self._crash_point(engine.requests)
+        if self.rank_senders is not None:
+            for result in self.rank_senders.poll():  # every rank let go of the request's rows
+                self._handoff_done(result)
         ready, self._deferred = self._deferred + engine.take_handoffs(), []
         for handoff in ready:
             target = self._targets.get(handoff.request_id)
             if target is None or handoff.request_id not in engine.requests:  # aborted meanwhile
                 engine.finish_handoff(handoff.request_id, "aborted")
+                continue
+            if target.ranks > 1 or target.receiver in self._rank_peers:
+                self._ship_by_rank(engine, handoff, target)
                 continue
             blocks, slot = handoff.block_ids, handoff.slot
             if self.staging is not None:  # the wire carries the un-sharded rows, gathered on rank 0
@@ -149,6 +194,22 @@ class PrefillWorker(EngineEndpoint):
                     self.staging.give_back(handoff.request_id)
                 self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e),
                                                                  retryable=True))
+
+    def _ship_by_rank(self, engine: LLMEngine, handoff: Handoff, target: HandoffTarget) -> None:
+        """Every rank sends its own shard (engine.tp.rank_handoffs); results come from poll()."""
+        rid = handoff.request_id
+        try:
+            if target.ranks != self.ranks or target.receiver not in self._rank_peers:
+                raise ValueError(f"request {rid}: decode worker {target.receiver!r} expects {target.ranks} "
+                                 f"shard(s); this worker sends {self.ranks if target.receiver in self._rank_peers else 1}"
+                                 f" (its channels changed since the reservation)")
+            self._shipped[rid] = handoff
+            slot = handoff.slot if self.cache_tensors.num_slots else None
+            self.rank_senders.send(target, handoff.num_tokens, handoff.block_ids, slot, handoff.first_token)
+            self.handoffs["by_rank"] += 1
+        except Exception as e:
+            engine.finish_handoff(rid, str(e))
+            self._resolve(rid, PrefillOutcome(rid, False, error=str(e), retryable=True))
 
     def _handoff_done(self, result: HandoffResult) -> None:
         # The transport no longer touches the rows: free them on the engine thread.

@@ -296,14 +296,20 @@ class Cluster(ElasticPools):
                 tracked.placing = None
                 decode.prefixes.add(hashes)  # it prefills, so it checkpoints, this prompt itself
                 return False
-            tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume)
-            target = await tracked.placing
+            # The prefill worker is chosen first: the reservation depends on how it sends
+            # (rank to rank between equal TP sizes, else one un-sharded copy).
+            prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
+            try:
+                tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume, prefill.name)
+                target = await tracked.placing
+            except BaseException:
+                prefill.queued_tokens -= charge
+                raise
             tracked.placing = None
         except BaseException as e:  # a cancel leaves `placing` set, for _abort_once_placed
             self.workers.owner.pop(wid, None)
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
-        prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
         if params.logprobs is not None:
             tracked.first_logprob = asyncio.get_running_loop().create_future()
         asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target, resume, charge))

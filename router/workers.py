@@ -193,7 +193,9 @@ class WorkerSet:
             self._on_lost(worker, worker.incarnation)
 
     async def _connect(self, prefill: WorkerRef, decode: WorkerRef) -> None:
-        offer = await decode.handle.accept.remote(prefill.name)
+        # Workers of one TP size pair rank to rank (engine.tp.rank_handoffs): the offer says so.
+        ranks = await prefill.handle.handoff_ranks.remote()
+        offer = await decode.handle.accept.remote(prefill.name, ranks)
         await prefill.handle.connect.remote(decode.name, offer)
 
     async def repair_channels(self) -> int:

@@ -41,6 +41,10 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
         rng = random.Random(family)
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 9, 17, 30, 3, 12, 25)]
         every_one_split_and_judged(cluster, hf, prompts)
+        # equal sizes go rank to rank (engine.tp.rank_handoffs), others through rank 0's staging rows
+        stats = ray.get(cluster.workers.prefill[0].handle.stats.remote())
+        assert stats["handoffs_by_rank"] == (stats["handoff_count"] if prefill_tp == decode_tp else 0)
+        assert stats["handoff_count"] >= len(prompts) and stats["handoff_failures"] == 0
         again = prompts[4][:28] + [7, 8, 9]  # the prefill worker checkpointed 28 (24) of prompt 4's 30 tokens
         (out,) = cluster.generate([again], GREEDY)
         assert out.error is None and out.num_cached_tokens == 28 // prefill_block_size * prefill_block_size
@@ -91,7 +95,9 @@ def test_a_bad_per_kind_block_size_is_refused_by_name(model_factory):
 def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, model_factory):
     """A decode worker's second rank is killed mid-stream: the worker exits with it (rank 0 would
     otherwise wait in a collective), Ray restarts it with both ranks, and the router resumes the
-    request from the tokens already delivered: one stream, no token twice, none missing."""
+    request from the tokens already delivered: one stream, no token twice, none missing. Both
+    workers are TP=2, so the resumed request is handed off rank to rank to the new ranks, over
+    channels the router reconnected."""
     import asyncio
     import os
     import signal
@@ -102,7 +108,7 @@ def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, m
 
     path, hf = model_factory("jamba")
     cluster = launch(path, prefill=1, decode=1, transport="gloo", address=ray_nodes[0].address,
-                     decode_tp=2, block_size=4, num_kv_blocks=200, max_num_seqs=8, transfer_timeout_s=30.0,
+                     prefill_tp=2, decode_tp=2, block_size=4, num_kv_blocks=200, max_num_seqs=8, transfer_timeout_s=30.0,
                      **PLACEMENTS["gloo"])
     try:
         decode = cluster.workers.decode[0]
@@ -127,5 +133,7 @@ def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, m
         judge_greedy(hf, prompt, final.token_ids)
         assert cluster.retries == retries + 1
         assert ray.get(decode.handle.tp_rank_pids.remote()) != [follower]  # a new second rank
+        stats = ray.get(cluster.workers.prefill[0].handle.stats.remote())
+        assert stats["handoffs_by_rank"] == 2 and stats["handoff_failures"] == 0
     finally:
         cluster.shutdown()

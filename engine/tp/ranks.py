@@ -3,7 +3,9 @@
 Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower processes that
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
 order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
-("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",).
+("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",);
+and ("xfer", op, ...), the one kind they answer: their own transport endpoint's calls for
+rank-to-rank hand-offs (engine.tp.rank_handoffs).
 Their forwards meet rank 0's at every collective of the sharded layers (a process group of
 their own, gloo on CPU and NCCL on GPUs, so several engines can live in one process), and their
 caches only ever change by these commands, so rank r's cache is always rank 0's cache, sharded.
@@ -185,6 +187,26 @@ class TPLeader:
                 self._lost(rank, e)
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
 
+    def ask(self, *command, each: list | None = None) -> list[tuple[bool, object]]:
+        """Send a command every follower answers; their (ok, value or error text) in rank order
+        (1..N-1). `each`: one more argument per follower (e.g. that rank's offer). Like send(),
+        only from the thread that drives the engine: commands and answers share each socket."""
+        for i, (rank, conn) in enumerate(enumerate(self._conns, start=1)):
+            full = command if each is None else (*command, each[i])
+            try:
+                conn.send_bytes(pickle.dumps(full, protocol=pickle.HIGHEST_PROTOCOL))
+            except OSError as e:
+                self._lost(rank, e)
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
+        answers = []
+        for rank, conn in enumerate(self._conns, start=1):  # every answer is read: the sockets stay in step
+            try:
+                answers.append(pickle.loads(conn.recv_bytes()))
+            except (EOFError, OSError) as e:
+                self._lost(rank, e)
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
+        return answers
+
     def _lost(self, rank: int | None, why) -> None:
         if not self._closing.is_set() and self.on_rank_lost is not None:
             self.on_rank_lost(rank, why)
@@ -223,12 +245,9 @@ def _stop(conns, procs, closing: threading.Event) -> None:
 def follower_main(model_path: str, dtype: str, device: str, block_size: int, rank: int, size: int,
                   port: int, address, authkey: bytes, threads: int) -> None:
     """A follower: build the shard, then obey rank 0 until it says stop or goes away."""
-    from engine.cache import ModelCache
-    from engine.model_runner import ModelRunner
     from engine.models import load_model
-    from engine.state_slots import StateSlotAllocator
+    from engine.tp.rank_handoffs import RankEndpoint
     from engine.tp.shard import shard_model
-    from engine.tp.staging import gather_rows, scatter_rows, shard_indices
 
     torch.set_num_threads(threads)
     torch_dtype, device = getattr(torch, dtype), rank_device(device, rank)
@@ -236,31 +255,46 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     conn = Client(address, authkey=authkey)
     conn.send(rank)
     model = shard_model(load_model(model_path, torch_dtype, device), group)
+    endpoint = RankEndpoint(rank, block_size)
+    try:
+        with torch.inference_mode():
+            _obey(conn, group, model, block_size, torch_dtype, device, endpoint)
+    finally:
+        endpoint.close()
+
+
+def _obey(conn, group, model, block_size: int, torch_dtype, device: str, endpoint) -> None:
+    from engine.cache import ModelCache
+    from engine.model_runner import ModelRunner
+    from engine.state_slots import StateSlotAllocator
+    from engine.tp.staging import gather_rows, scatter_rows, shard_indices
+
     runner = cache = index = None
-    with torch.inference_mode():
-        while True:
-            try:
-                command = pickle.loads(conn.recv_bytes())
-            except EOFError:  # rank 0 is gone
-                return
-            kind = command[0]
-            if kind == "stop":
-                return
-            if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
-                sizes, max_model_len = command[1:]
-                cache = ModelCache(model.spec, sizes, block_size, torch_dtype, device)
-                runner = ModelRunner(model, cache, StateSlotAllocator(sizes.num_slots), device,
-                                     debug=False, enforce_eager=True, max_model_len=max_model_len)
-            elif kind == "forward":
-                model(runner.device_batch(command[1]), cache.layers)
-            elif kind == "copy_state":
-                cache.copy_state(command[1])
-            elif kind == "poison":
-                cache.poison_slot(command[1])
-            elif kind == "gather":
-                gather_rows(group, cache, *command[1:])
-            elif kind == "scatter":
-                index = index or shard_indices(model.full_spec, size, cache.device)
-                scatter_rows(group, cache, index, None, *command[1:])
-            else:
-                raise RuntimeError(f"tensor-parallel rank {rank}: unknown command {kind!r}")
+    while True:
+        try:
+            command = pickle.loads(conn.recv_bytes())
+        except EOFError:  # rank 0 is gone
+            return
+        kind = command[0]
+        if kind == "stop":
+            return
+        if kind == "xfer":  # answered, even when it fails: rank 0 reads one answer per ask
+            conn.send_bytes(pickle.dumps(endpoint.handle(cache, *command[1:]), protocol=pickle.HIGHEST_PROTOCOL))
+        elif kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
+            sizes, max_model_len = command[1:]
+            cache = ModelCache(model.spec, sizes, block_size, torch_dtype, device)
+            runner = ModelRunner(model, cache, StateSlotAllocator(sizes.num_slots), device,
+                                 debug=False, enforce_eager=True, max_model_len=max_model_len)
+        elif kind == "forward":
+            model(runner.device_batch(command[1]), cache.layers)
+        elif kind == "copy_state":
+            cache.copy_state(command[1])
+        elif kind == "poison":
+            cache.poison_slot(command[1])
+        elif kind == "gather":
+            gather_rows(group, cache, *command[1:])
+        elif kind == "scatter":
+            index = index or shard_indices(model.full_spec, group.size, cache.device)
+            scatter_rows(group, cache, index, None, *command[1:])
+        else:
+            raise RuntimeError(f"tensor-parallel rank {group.rank}: unknown command {kind!r}")
