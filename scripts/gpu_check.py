@@ -146,6 +146,8 @@ def e2e_child(transport: str) -> int:
         finally:
             cluster.shutdown()
         report["cluster_s"] = round(time.monotonic() - started, 1)
+        if gpus >= 4 and transport == "nccl":  # TP=2 prefill and decode workers, one GPU per rank
+            report["TP2->TP2 (rank to rank) == 1P1D"] = _tp_pair_agreement(model, params, split)
         gpu_llm = LLM(model, device=device)
         colocated = [out.token_ids for out in gpu_llm.generate(PROMPTS, params)]
         os.environ["SPLITSERVE_DISABLE_TRITON"] = "1"  # same GPU run on the torch references
@@ -163,6 +165,23 @@ def e2e_child(transport: str) -> int:
         report["summary"] = f"{type(error).__name__}: {error}"[:300]
     print("E2E " + json.dumps(report), flush=True)
     return 0
+
+
+def _tp_pair_agreement(model, params, expected) -> str:
+    """Equal TP sizes hand off rank to rank over NCCL (engine.tp.rank_handoffs)."""
+    import ray
+
+    from router.cluster import launch
+
+    cluster = launch(model, prefill=1, decode=1, transport="nccl", address="local", gpus_per_worker=1.0,
+                     prefill_tp=2, decode_tp=2)
+    try:
+        tokens = [out.token_ids for out in cluster.generate(PROMPTS, params)]
+        stats = ray.get(cluster.workers.prefill[0].handle.stats.remote())
+    finally:
+        cluster.shutdown()
+    return (f"{_agreement(tokens, expected)}; {stats['handoffs_by_rank']} of {stats['handoff_count']} "
+            f"hand-offs rank to rank, {stats['handoff_failures']} failed")
 
 
 def _agreement(a, b) -> str:
