@@ -246,7 +246,6 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
                   port: int, address, authkey: bytes, threads: int) -> None:
     """A follower: build the shard, then obey rank 0 until it says stop or goes away."""
     from engine.models import load_model
-    from engine.tp.rank_handoffs import RankEndpoint
     from engine.tp.shard import shard_model
 
     torch.set_num_threads(threads)
@@ -254,47 +253,68 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     group = StoreGroup.join(port, rank, size, device)
     conn = Client(address, authkey=authkey)
     conn.send(rank)
-    model = shard_model(load_model(model_path, torch_dtype, device), group)
-    endpoint = RankEndpoint(rank, block_size)
+    follower = Follower(group, shard_model(load_model(model_path, torch_dtype, device), group),
+                        block_size, torch_dtype, device)
     try:
-        with torch.inference_mode():
-            _obey(conn, group, model, block_size, torch_dtype, device, endpoint)
+        while True:
+            try:
+                command = pickle.loads(conn.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                return
+            if command[0] == "stop":
+                return
+            answer = follower.obey(command)
+            if command[0] == "xfer":  # answered, even when it fails: rank 0 reads one answer per ask
+                conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
     finally:
-        endpoint.close()
+        follower.endpoint.close()
 
 
-def _obey(conn, group, model, block_size: int, torch_dtype, device: str, endpoint) -> None:
-    from engine.cache import ModelCache
-    from engine.model_runner import ModelRunner
-    from engine.state_slots import StateSlotAllocator
-    from engine.tp.staging import gather_rows, scatter_rows, shard_indices
+class Follower:
+    """What a follower rank holds: its shard of the model and of the cache, and its hand-off
+    endpoint (engine.tp.rank_handoffs)."""
 
-    runner = cache = index = None
-    while True:
-        try:
-            command = pickle.loads(conn.recv_bytes())
-        except EOFError:  # rank 0 is gone
-            return
+    def __init__(self, group, model, block_size: int, torch_dtype, device: str):
+        from engine.tp.rank_handoffs import RankEndpoint
+
+        self.group, self.model, self.block_size = group, model, block_size
+        self.torch_dtype, self.device = torch_dtype, device
+        self.cache = self.runner = self.index = None
+        self.endpoint = RankEndpoint(group.rank, block_size)
+
+    def obey(self, command: tuple):
+        from engine.cache import ModelCache
+        from engine.model_runner import ModelRunner
+        from engine.state_slots import StateSlotAllocator
+
         kind = command[0]
-        if kind == "stop":
-            return
-        if kind == "xfer":  # answered, even when it fails: rank 0 reads one answer per ask
-            conn.send_bytes(pickle.dumps(endpoint.handle(cache, *command[1:]), protocol=pickle.HIGHEST_PROTOCOL))
-        elif kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
+        # As on rank 0, only compute runs in inference mode: the cache, and whatever a transport
+        # allocates, must stay normal tensors that the transport's own threads may write in place.
+        if kind == "xfer":
+            return self.endpoint.handle(self.cache, *command[1:])
+        if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
             sizes, max_model_len = command[1:]
-            cache = ModelCache(model.spec, sizes, block_size, torch_dtype, device)
-            runner = ModelRunner(model, cache, StateSlotAllocator(sizes.num_slots), device,
-                                 debug=False, enforce_eager=True, max_model_len=max_model_len)
-        elif kind == "forward":
-            model(runner.device_batch(command[1]), cache.layers)
+            self.cache = ModelCache(self.model.spec, sizes, self.block_size, self.torch_dtype, self.device)
+            self.runner = ModelRunner(self.model, self.cache, StateSlotAllocator(sizes.num_slots), self.device,
+                                      debug=False, enforce_eager=True, max_model_len=max_model_len)
+            return None
+        with torch.inference_mode():
+            return self._compute(kind, command[1:])
+
+    def _compute(self, kind: str, args: tuple) -> None:
+        from engine.tp.staging import gather_rows, scatter_rows, shard_indices
+
+        cache = self.cache
+        if kind == "forward":
+            self.model(self.runner.device_batch(args[0]), cache.layers)
         elif kind == "copy_state":
-            cache.copy_state(command[1])
+            cache.copy_state(args[0])
         elif kind == "poison":
-            cache.poison_slot(command[1])
+            cache.poison_slot(args[0])
         elif kind == "gather":
-            gather_rows(group, cache, *command[1:])
+            gather_rows(self.group, cache, *args)
         elif kind == "scatter":
-            index = index or shard_indices(model.full_spec, group.size, cache.device)
-            scatter_rows(group, cache, index, None, *command[1:])
+            self.index = self.index or shard_indices(self.model.full_spec, self.group.size, cache.device)
+            scatter_rows(self.group, cache, self.index, None, *args)
         else:
-            raise RuntimeError(f"tensor-parallel rank {group.rank}: unknown command {kind!r}")
+            raise RuntimeError(f"tensor-parallel rank {self.group.rank}: unknown command {kind!r}")
