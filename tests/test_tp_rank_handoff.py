@@ -44,16 +44,17 @@ class Pair:
         assert self.prefill.sender.connected("d0") != self.by_rank
         assert await self.prefill.disconnected_peers() == []
 
-    async def run(self, prompts, before_prefill=None) -> tuple[dict, dict]:
-        """Reserve, prefill and decode every prompt; (final decode outputs, prefill outcomes)."""
+    async def run(self, prompts, before_prefill=None, prefix: str = "r") -> tuple[dict, dict]:
+        """Reserve, prefill and decode every prompt (request ids prefix + index); (final decode
+        outputs, prefill outcomes)."""
         targets = {}
         for i, prompt in enumerate(prompts):
-            targets[f"r{i}"] = await self.decode.reserve(f"r{i}", prompt, PARAMS, None, "p0")
-            assert targets[f"r{i}"].ranks == (2 if self.by_rank else 1)
+            target = targets[f"{prefix}{i}"] = await self.decode.reserve(f"{prefix}{i}", prompt, PARAMS, None, "p0")
+            assert target.ranks == (2 if self.by_rank else 1)
         if before_prefill is not None:
             await before_prefill(self)
-        outcomes = await asyncio.gather(*[self.prefill.prefill(rid, prompts[int(rid[1:])], PARAMS, target)
-                                          for rid, target in targets.items()])
+        outcomes = await asyncio.gather(*[self.prefill.prefill(rid, prompts[i], PARAMS, target)
+                                          for i, (rid, target) in enumerate(targets.items())])
         final = {}  # the decode worker ends every request it reserved, failed ones with an error
         while len(final) < len(prompts):
             for out in await self.decode.poll(1.0):
@@ -82,64 +83,67 @@ def run(coro):
     return asyncio.run(coro)
 
 
-# Equal sizes rank to rank; with tests/test_cluster_tp.py (2->1 shm, 1->2 gloo) the other two
-# pairs go through staging over both transports too.
-@pytest.mark.parametrize(("family", "transport", "sizes"), [
-    ("jamba", "shm", (2, 2)), ("granitemoehybrid", "gloo", (2, 2)), ("llama", "gloo", (2, 2)),
-    ("jamba", "gloo", (2, 1)), ("granitemoehybrid", "shm", (1, 2))])
-def test_tp_workers_hand_off_exactly(model_factory, family, transport, sizes):
+def parity_run(pair: Pair, hf, lengths) -> None:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
+
+    async def go():
+        await pair.connect()
+        return await pair.run(prompts)
+
+    final, outcomes = run(go())
+    assert all(o.handed_off for o in outcomes.values()), outcomes
+    judged_and_freed(hf, prompts, final, ())
+    pair.settled()
+    assert pair.prefill.handoffs["by_rank"] == (len(prompts) if pair.by_rank else 0)
+
+
+def one_rank_fails(pair: Pair, hf, transport: str) -> None:
+    """Decode rank 1 drops f1's reservation (as if it timed out there): f1 fails on the decode
+    worker once every rank let go, its rows come back on both, and the others are served
+    exactly. Over shm prefill rank 1 sees the refusal and the prefill fails too; Gloo's sender
+    has sent its bytes before the receiver drains them, so only the decode side can say."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 7)]
+
+    async def drop_f1_on_rank1(p: Pair) -> None:
+        receivers = p.decode.rank_receivers
+        [(ok, _)] = await asyncio.wrap_future(p.decode.thread.call(
+            lambda engine: receivers.tp.ask("xfer", "abort", "f1", "dropped by the test")))
+        assert ok
+
+    final, outcomes = run(pair.run(prompts, before_prefill=drop_f1_on_rank1, prefix="f"))
+    if transport == "shm":
+        assert not outcomes["f1"].handed_off and "rank 1" in outcomes["f1"].error
+    assert outcomes["f0"].handed_off and outcomes["f2"].handed_off
+    assert "state hand-off failed" in final["f1"].error and "rank 1" in final["f1"].error
+    judged_and_freed(hf, [prompts[0]], {"r0": final["f0"]}, ())
+    judged_and_freed(hf, [prompts[2]], {"r0": final["f2"]}, ())
+    pair.settled()
+
+
+# With tests/test_cluster_tp.py (llama 2->2 over gloo through the router) three families.
+@pytest.mark.parametrize(("family", "transport"), [("jamba", "shm"), ("granitemoehybrid", "gloo")])
+def test_equal_tp_workers_hand_off_rank_to_rank(model_factory, family, transport):
     path, hf = model_factory(family)
-    pair = Pair(path, transport, sizes)
+    pair = Pair(path, transport)
     try:
-        rng = random.Random(7)
         # the first three finish in one step: the later hand-offs queue behind the first on
-        # each rank's channel and go out from its thread, not the engine's. (A TP decode worker's
-        # staging rows hold 4 reservations: these all reserve before any prefill.)
-        lengths = (3, 2, 3, 9, 17, 30) if pair.by_rank or sizes[1] == 1 else (3, 2, 17, 30)
-        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
-
-        async def go():
-            await pair.connect()
-            return await pair.run(prompts)
-
-        final, outcomes = run(go())
-        assert all(o.handed_off for o in outcomes.values()), outcomes
-        judged_and_freed(hf, prompts, final, ())
-        pair.settled()
-        assert pair.prefill.handoffs["by_rank"] == (len(prompts) if pair.by_rank else 0)
+        # each rank's channel and go out from its thread, not the engine's
+        parity_run(pair, hf, (3, 2, 3, 9, 17, 30))
+        one_rank_fails(pair, hf, transport)
     finally:
         pair.close()
 
 
-@pytest.mark.parametrize("transport", ["shm", "gloo"])
-def test_one_rank_failing_fails_the_request_on_every_rank(model_factory, transport):
-    """Decode rank 1 drops r1's reservation (as if it timed out there): r1 fails on the decode
-    worker once every rank let go, its rows come back on both, and the others are served
-    exactly. Over shm prefill rank 1 sees the refusal and the prefill fails too; Gloo's sender
-    has sent its bytes before the receiver drains them, so only the decode side can say."""
-    path, hf = model_factory("granitemoehybrid")
-    pair = Pair(path, transport)
+# With tests/test_cluster_tp.py (2->1 over shm, 1->2 over gloo) both pairs over both transports.
+@pytest.mark.parametrize(("family", "transport", "sizes"), [
+    ("jamba", "gloo", (2, 1)), ("granitemoehybrid", "shm", (1, 2))])
+def test_different_tp_workers_hand_off_through_staging(model_factory, family, transport, sizes):
+    path, hf = model_factory(family)
+    pair = Pair(path, transport, sizes)
     try:
-        rng = random.Random(3)
-        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 7)]
-
-        async def drop_r1_on_rank1(p: Pair) -> None:
-            receivers = p.decode.rank_receivers
-            [(ok, _)] = await asyncio.wrap_future(p.decode.thread.call(
-                lambda engine: receivers.tp.ask("xfer", "abort", "r1", "dropped by the test")))
-            assert ok
-
-        async def go():
-            await pair.connect()
-            return await pair.run(prompts, before_prefill=drop_r1_on_rank1)
-
-        final, outcomes = run(go())
-        if transport == "shm":
-            assert not outcomes["r1"].handed_off and "rank 1" in outcomes["r1"].error
-        assert outcomes["r0"].handed_off and outcomes["r2"].handed_off
-        assert "state hand-off failed" in final["r1"].error and "rank 1" in final["r1"].error
-        judged_and_freed(hf, [prompts[0]], {"r0": final["r0"]}, ())
-        judged_and_freed(hf, [prompts[2]], {"r0": final["r2"]}, ())
-        pair.settled()
+        # a TP decode worker's staging rows hold 4 reservations: these all reserve before any prefill
+        parity_run(pair, hf, (3, 2, 3, 9, 17, 30) if sizes[1] == 1 else (3, 2, 17, 30))
     finally:
         pair.close()
