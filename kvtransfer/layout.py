@@ -58,6 +58,10 @@ class TensorSpec:
 class CacheLayout:
     block_size: int
     specs: tuple[TensorSpec, ...]  # sorted by (layer, name)
+    # Which part of a tensor-parallel worker's cache these tensors are: "" the whole
+    # (un-sharded) cache, else "rank r of N" (engine.tp.rank_handoffs). Two sides must agree:
+    # equal shapes alone would let rank 1's heads land in rank 0's.
+    shard: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -100,6 +104,7 @@ class CacheLayout:
     def to_dict(self) -> dict:
         return {
             "block_size": self.block_size,
+            "shard": self.shard,
             "specs": [
                 [s.name, s.layer, s.layer_kind, s.role, list(s.row_shape), s.dtype] for s in self.specs
             ],
@@ -108,11 +113,13 @@ class CacheLayout:
     @classmethod
     def from_dict(cls, data: dict) -> CacheLayout:
         specs = tuple(TensorSpec(n, lay, kind, role, tuple(shape), dt) for n, lay, kind, role, shape, dt in data["specs"])
-        return cls(int(data["block_size"]), specs)
+        return cls(int(data["block_size"]), specs, str(data.get("shard", "")))
 
     def differences(self, other: CacheLayout) -> list[str]:
         """Human-readable list of what differs; empty when the two can exchange state."""
         diffs = []  # block sizes may differ: kvtransfer/grid.py re-blocks
+        if self.shard != other.shard:
+            diffs.append(f"shard {self.shard or 'whole cache'!r} vs {other.shard or 'whole cache'!r}")
         kinds = [{layer: "+".join(sorted({s.layer_kind for s in layout.specs if s.layer == layer}))
                   for layer in layout.layers} for layout in (self, other)]
         other_kind = set()
@@ -159,7 +166,7 @@ class CacheEntry:
 class CacheTensors:
     """The live cache tensors of one worker, validated, with their layout."""
 
-    def __init__(self, block_size: int, entries: list[CacheEntry]):
+    def __init__(self, block_size: int, entries: list[CacheEntry], shard: str = ""):
         if not entries:
             raise ValueError("a cache needs at least one tensor")
         self.layout = CacheLayout(
@@ -168,6 +175,7 @@ class CacheTensors:
                 TensorSpec(e.name, e.layer, e.layer_kind, e.role, tuple(e.tensor.shape[1:]), str(e.tensor.dtype).removeprefix("torch."))
                 for e in entries
             ),
+            shard,
         )
         self.tensors = {e.name: e.tensor for e in entries}
         self.device = entries[0].tensor.device
@@ -203,7 +211,7 @@ class CacheTensors:
         return cls(block_size, entries)
 
     @classmethod
-    def from_named(cls, block_size: int, named: list[tuple[str, int, str, str, torch.Tensor]]) -> CacheTensors:
+    def from_named(cls, block_size: int, named: list[tuple[str, int, str, str, torch.Tensor]], shard: str = "") -> CacheTensors:
         """From engine.cache.ModelCache.handoff_tensors(): (name, layer, kind, role, tensor) rows,
         whatever kinds of state the model's layers declared."""
         entries = []
@@ -211,7 +219,7 @@ class CacheTensors:
             if re.fullmatch(rf"layer{layer}\.\w+", name) is None:
                 raise ValueError(f"cache tensor name {name!r} is not of the form 'layer{layer}.<part>'")
             entries.append(CacheEntry(name, layer, kind, role, tensor))
-        return cls(block_size, entries)
+        return cls(block_size, entries, shard)
 
     def check_rows(self, block_ids: list[int], slot: int | None, what: str) -> None:
         """Refuse ids outside this cache before any byte moves."""

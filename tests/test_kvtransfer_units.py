@@ -55,6 +55,18 @@ def test_layout_mismatch_names_the_difference(change, expected):
     assert expected in str(info.value)
 
 
+def test_shards_of_a_tensor_parallel_cache_must_match():
+    """Rank r's shard has the same shapes as rank r+1's: only the shard name tells them apart."""
+    from dataclasses import replace
+
+    layout = make_cache("hybrid", 4, 10, 3, seed=0).layout
+    rank0, rank1 = replace(layout, shard="rank 0 of 2"), replace(layout, shard="rank 1 of 2")
+    with pytest.raises(LayoutMismatchError, match="shard 'rank 0 of 2' vs 'rank 1 of 2'"):
+        rank0.check_compatible(rank1, "sender P", "receiver D")
+    assert "shard 'whole cache' vs 'rank 0 of 2'" in layout.differences(rank0)
+    assert CacheLayout.from_dict(rank1.to_dict()) == rank1 and rank0.differences(rank0) == []
+
+
 def test_block_sizes_alone_may_differ():
     mine = make_cache("hybrid", 4, 10, 3, seed=0).layout
     for size in (1, 6, 16):

@@ -38,6 +38,10 @@ class Pair:
 
     async def connect(self) -> None:
         offer = await self.decode.accept("p0", self.prefill.handoff_ranks())
+        if self.by_rank:  # rank r meets only rank r: crossed offers are refused at the handshake
+            with pytest.raises(Exception, match="shard 'rank 0 of 2' vs 'rank 1 of 2'"):
+                await self.prefill.connect("d0", RankOffers(offer.offers[::-1]))
+            offer = await self.decode.accept("p0", self.prefill.handoff_ranks())
         assert isinstance(offer, RankOffers) == self.by_rank
         await self.prefill.connect("d0", offer)
         # rank to rank, nothing goes through rank 0's staging rows: its channel does not exist

@@ -28,6 +28,11 @@ FOLLOWER_CALLS = {"accept", "connect", "disconnect", "connected", "expect", "sen
 ANSWERING_CALLS = {"accept", "connected", "keep_waiting", "poll"}
 
 
+def shard_name(rank: int, size: int) -> str:
+    """What each rank's layout says at the handshake, so that only rank r meets rank r."""
+    return f"rank {rank} of {size}"
+
+
 @dataclass(frozen=True)
 class RankOffers:
     """A TP decode worker's answer to accept() for a prefill worker of its size: rank r's offer
@@ -39,8 +44,8 @@ class RankOffers:
 class RankEndpoint:
     """A follower rank's endpoint over its shard of the cache, made by rank 0's first call."""
 
-    def __init__(self, rank: int, block_size: int):
-        self.rank, self.block_size, self.endpoint = rank, block_size, None
+    def __init__(self, rank: int, size: int, block_size: int):
+        self.rank, self.size, self.block_size, self.endpoint = rank, size, block_size, None
 
     def handle(self, cache, op: str, *args) -> tuple[bool, object]:
         try:
@@ -48,7 +53,7 @@ class RankEndpoint:
                 transport, side, name, config = args
                 if self.endpoint is not None:
                     raise RuntimeError("this rank's hand-off endpoint is already open")
-                tensors = CacheTensors.from_named(self.block_size, cache.handoff_tensors())
+                tensors = CacheTensors.from_named(self.block_size, cache.handoff_tensors(), shard_name(self.rank, self.size))
                 self.endpoint = getattr(make_transport(transport), side)(name, tensors, config)
                 return True, None
             if op not in FOLLOWER_CALLS or self.endpoint is None:
@@ -80,7 +85,8 @@ class RankHandoffs:
 
     def __init__(self, engine, transport: str, side: str, name: str, config: TransferConfig):
         self.tp, self.size, self.side = engine.tp, engine.tp.group.size, side
-        tensors = CacheTensors.from_named(engine.config.block_size, engine.cache.handoff_tensors())
+        tensors = CacheTensors.from_named(engine.config.block_size, engine.cache.handoff_tensors(),
+                                          shard_name(0, self.size))
         self.local = getattr(make_transport(transport), side)(name, tensors, config)
         self.layout = tensors.layout
         self._ask("open", transport, side, name, config)

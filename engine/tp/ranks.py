@@ -280,7 +280,7 @@ class Follower:
         self.group, self.model, self.block_size = group, model, block_size
         self.torch_dtype, self.device = torch_dtype, device
         self.cache = self.runner = self.index = None
-        self.endpoint = RankEndpoint(group.rank, block_size)
+        self.endpoint = RankEndpoint(group.rank, group.size, block_size)
 
     def obey(self, command: tuple):
         from engine.cache import ModelCache
