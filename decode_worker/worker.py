@@ -3,7 +3,8 @@
 A request arrives in two steps: `reserve` (blocks + state slot held, WAITING_FOR_STATE,
 receiver told to expect it), then the prefill worker's hand-off lands and the request starts
 decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
-rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows (engine.tp.staging). Outputs of every step, for all requests, leave in one `poll` reply.
+rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows
+(engine.tp.staging). Outputs of every step, for all requests, leave in one `poll` reply.
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 

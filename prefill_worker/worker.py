@@ -189,27 +189,29 @@ class PrefillWorker(EngineEndpoint):
                     continue
                 self.sender.send(target, handoff.num_tokens, blocks, slot, handoff.first_token)
             except Exception as e:
-                engine.finish_handoff(handoff.request_id, str(e))
-                if self.staging is not None:
-                    self.staging.give_back(handoff.request_id)
-                self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=str(e),
-                                                                 retryable=True))
+                self._ship_failed(engine, handoff.request_id, e)
 
     def _ship_by_rank(self, engine: LLMEngine, handoff: Handoff, target: HandoffTarget) -> None:
         """Every rank sends its own shard (engine.tp.rank_handoffs); results come from poll()."""
         rid = handoff.request_id
         try:
-            if target.ranks != self.ranks or target.receiver not in self._rank_peers:
+            sends = self.ranks if target.receiver in self._rank_peers else 1
+            if target.ranks != sends:
                 raise ValueError(f"request {rid}: decode worker {target.receiver!r} expects {target.ranks} "
-                                 f"shard(s); this worker sends {self.ranks if target.receiver in self._rank_peers else 1}"
-                                 f" (its channels changed since the reservation)")
+                                 f"shard(s); this worker sends {sends} (its channels changed since the reservation)")
             self._shipped[rid] = handoff
             slot = handoff.slot if self.cache_tensors.num_slots else None
             self.rank_senders.send(target, handoff.num_tokens, handoff.block_ids, slot, handoff.first_token)
             self.handoffs["by_rank"] += 1
         except Exception as e:
-            engine.finish_handoff(rid, str(e))
-            self._resolve(rid, PrefillOutcome(rid, False, error=str(e), retryable=True))
+            self._ship_failed(engine, rid, e)
+
+    def _ship_failed(self, engine: LLMEngine, request_id: str, error: Exception) -> None:
+        """A hand-off that could not start: its rows are free now, and the router may retry."""
+        engine.finish_handoff(request_id, str(error))
+        if self.staging is not None:
+            self.staging.give_back(request_id)
+        self._resolve(request_id, PrefillOutcome(request_id, False, error=str(error), retryable=True))
 
     def _handoff_done(self, result: HandoffResult) -> None:
         # The transport no longer touches the rows: free them on the engine thread.

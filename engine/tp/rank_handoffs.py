@@ -71,9 +71,8 @@ class RankEndpoint:
 
 @dataclass
 class _Open:
-    """One request on every rank that holds it."""
+    """One request on every rank (a rank that could not take it counts as failed at once)."""
 
-    holders: set[int]
     results: dict[int, HandoffResult] = field(default_factory=dict)
     aborted: bool = False
     silent: bool = False  # the caller already knows it failed: swallow the merged result
@@ -81,14 +80,13 @@ class _Open:
 
 class RankHandoffs:
     """Rank 0's side: its own endpoint plus every follower's, as one (engine thread only, except
-    `pending`). `side` is "sender" (prefill) or "receiver" (decode)."""
+    `pending_ids`). `side` is "sender" (prefill) or "receiver" (decode)."""
 
     def __init__(self, engine, transport: str, side: str, name: str, config: TransferConfig):
         self.tp, self.size, self.side = engine.tp, engine.tp.group.size, side
         tensors = CacheTensors.from_named(engine.config.block_size, engine.cache.handoff_tensors(),
                                           shard_name(0, self.size))
         self.local = getattr(make_transport(transport), side)(name, tensors, config)
-        self.layout = tensors.layout
         self._ask("open", transport, side, name, config)
         self._open: dict[str, _Open] = {}
         self.pending_ids: frozenset[str] = frozenset()  # replaced, never mutated: any thread may read it
@@ -100,7 +98,8 @@ class RankHandoffs:
         self.tp.ask("xfer", "abort", request_id, reason)
 
     def poll(self) -> list[HandoffResult]:
-        """Merged results of the requests every holding rank has reported."""
+        """Merged results of the requests every rank has reported. While any is open this asks
+        every follower (a round trip on its command socket, each step of the engine loop)."""
         found = [(0, r) for r in self.local.poll()]
         if self._open:
             for rank, (ok, value) in enumerate(self.tp.ask("xfer", "poll"), start=1):
@@ -162,16 +161,14 @@ class RankHandoffs:
         return [value for _, value in answers]
 
     def _start(self, request_id: str, answers: list, silent: bool) -> None:
-        """Rank 0 holds the request; `answers` say which followers do too."""
-        self._open[request_id] = _Open({0} | {rank for rank, (ok, _) in enumerate(answers, start=1) if ok})
+        """Rank 0 holds the request; `answers` say which followers do too (the others failed)."""
+        opened = self._open[request_id] = _Open()
         self.pending_ids = frozenset(self._open)
         errors = {rank: value for rank, (ok, value) in enumerate(answers, start=1) if not ok}
         if not errors:
             return
-        opened = self._open[request_id]
         opened.silent = silent
         for rank, error in errors.items():
-            opened.holders.add(rank)
             self._record(request_id, rank, HandoffResult(request_id, False, self.side, error=error))
         if silent:
             raise RuntimeError(f"request {request_id}: the tensor-parallel ranks could not all take it: "
@@ -187,7 +184,7 @@ class RankHandoffs:
     def _take_finished(self) -> list[HandoffResult]:
         out = []
         for request_id, opened in list(self._open.items()):
-            if not opened.holders <= opened.results.keys():
+            if len(opened.results) < self.size:
                 continue
             del self._open[request_id]
             if not opened.silent:

@@ -180,24 +180,16 @@ class TPLeader:
         """Every forward goes through here: no liveness probe per call (a Ray rank's costs a
         round trip); the watchdog watches the ranks, and a dead rank's socket refuses the send."""
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for rank, conn in enumerate(self._conns, start=1):
-            try:
-                conn.send_bytes(data)
-            except OSError as e:
-                self._lost(rank, e)
-                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
+        for rank in range(1, len(self._conns) + 1):
+            self._send_to(rank, data)
 
     def ask(self, *command, each: list | None = None) -> list[tuple[bool, object]]:
         """Send a command every follower answers; their (ok, value or error text) in rank order
         (1..N-1). `each`: one more argument per follower (e.g. that rank's offer). Like send(),
         only from the thread that drives the engine: commands and answers share each socket."""
-        for i, (rank, conn) in enumerate(enumerate(self._conns, start=1)):
-            full = command if each is None else (*command, each[i])
-            try:
-                conn.send_bytes(pickle.dumps(full, protocol=pickle.HIGHEST_PROTOCOL))
-            except OSError as e:
-                self._lost(rank, e)
-                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
+        for rank in range(1, len(self._conns) + 1):
+            full = command if each is None else (*command, each[rank - 1])
+            self._send_to(rank, pickle.dumps(full, protocol=pickle.HIGHEST_PROTOCOL))
         answers = []
         for rank, conn in enumerate(self._conns, start=1):  # every answer is read: the sockets stay in step
             try:
@@ -206,6 +198,13 @@ class TPLeader:
                 self._lost(rank, e)
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
         return answers
+
+    def _send_to(self, rank: int, data: bytes) -> None:
+        try:
+            self._conns[rank - 1].send_bytes(data)
+        except OSError as e:
+            self._lost(rank, e)
+            raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
 
     def _lost(self, rank: int | None, why) -> None:
         if not self._closing.is_set() and self.on_rank_lost is not None:
