@@ -5,7 +5,9 @@ of torch ops than their arithmetic: each op is a full pass over [B, d_inner, d_s
 attention first copies every sequence's KV out of the pool. These run each row in one pass,
 reading the pool in place. Measured against the torch ops at Jamba/Granite-like decode shapes
 (64 rows) on 2 cores: state update 1.2 vs 1.8-3.7 ms, Mamba2 update 2.4 vs 10 ms, attention
-(context 129-256) 1.9-3.0 vs 11.5 ms. Not here, because they measured slower: the conv update
+(context 129-256) 1.9-3.0 vs 11.5 ms (on a later, slower day: 2.7-3.7 ms against 6.4 for the
+gather + SDPA path, and about twice that right after a torch op, whose OpenMP threads are still
+spinning when numba's start; end to end the two attention paths measured the same). Not here, because they measured slower: the conv update
 (too little work to pay a parallel launch) and the Mamba prefill scan (bound by its exps,
 which torch vectorises as well as anything here; engine.models.ssm.selective_scan).
 
