@@ -3,8 +3,11 @@
 `jamba` is Jamba-architecture at about 11M parameters (8 layers, attention at 2 and 6, MoE with
 4 experts top-2 on odd layers, d_inner 512, d_state 16); `llama` is attention-only at about
 8M; `granite4h` (Granite 4.0-H layout: Mamba2 with attention at 2 and 6, MoE + shared expert),
-`nemotron_h` (Mamba2 / attention / squared-ReLU MLP blocks) and `mamba2` are the Mamba2 (SSD)
-families at the same scale. Same vocabulary (8192) and hidden size (256), so their costs compare.
+`nemotron_h` (Mamba2 / attention / squared-ReLU MLP blocks), `mamba2`, `bamba`, `falcon_h1`
+(attention and Mamba2 side by side in every layer) and `zamba2` (one shared attention block) are
+the Mamba2 (SSD) families at the same scale; `qwen3_next` (Gated DeltaNet, gated attention at 2
+and 6, MoE + shared expert) and `lfm2` (short convolutions, attention at 2 and 6) the other
+recurrent kinds. Same vocabulary (8192) and hidden size (256), so their costs compare.
 """
 
 from __future__ import annotations
@@ -36,6 +39,30 @@ CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "mamba2": ("mamba2", dict(hidden_size=256, num_hidden_layers=8, num_heads=8, head_dim=64,
                               state_size=64, n_groups=1, expand=2, chunk_size=256,
                               tie_word_embeddings=True)),
+    "bamba": ("bamba", dict(
+        hidden_size=256, intermediate_size=384, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, attn_layer_indices=[2, 6], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
+        mamba_n_groups=1, mamba_chunk_size=256, tie_word_embeddings=True)),
+    "falcon_h1": ("falcon_h1", dict(
+        hidden_size=256, intermediate_size=384, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=8, mamba_n_groups=1,
+        mamba_d_state=64, mamba_chunk_size=256, mamba_rms_norm=True, tie_word_embeddings=True)),
+    "zamba2": ("zamba2", dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+        layers_block_type=["mamba", "mamba", "hybrid", "mamba"] * 2, num_attention_heads=8,
+        num_mem_blocks=1, n_mamba_heads=8, mamba_ngroups=1, mamba_d_state=64, chunk_size=256,
+        tie_word_embeddings=True)),
+    "qwen3_next": ("qwen3_next", dict(
+        hidden_size=256, intermediate_size=384, num_hidden_layers=8,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"] * 2,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=32, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=192, shared_expert_intermediate_size=256,
+        tie_word_embeddings=True)),
+    "lfm2": ("lfm2", dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=4, conv_L_cache=3, layer_types=["conv", "conv", "full_attention", "conv"] * 2,
+        block_auto_adjust_ff_dim=False, tie_word_embeddings=True)),
     # For tests: the same families, small enough to load in well under a second.
     "jamba-test": ("jamba", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                  num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
@@ -54,6 +81,11 @@ MODEL_CLASSES = {  # family -> (transformers config class, model class) names
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM"),
+    "bamba": ("BambaConfig", "BambaForCausalLM"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "zamba2": ("Zamba2Config", "Zamba2ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
 }
 
 
