@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 PROTOCOL_PREFIX = "@@vllm-peer "  # answer lines carry it: vLLM may print to stdout too
@@ -45,6 +47,10 @@ class VLLMPeer:
         self.preload = env.get("LD_PRELOAD", "")
         self._proc = subprocess.Popen([python, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+        # A thread reads stdout, so that waiting for an answer can time out even if vLLM hangs
+        # without printing (a blocking readline would wait forever).
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read_stdout, name="vllm-peer-stdout", daemon=True).start()
         try:
             self.version = self._ask({"op": "version"})["version"]
         except BaseException:
@@ -56,9 +62,14 @@ class VLLMPeer:
                    "max_num_batched_tokens": int(max_num_batched_tokens)})
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
-        """Greedy, ignore_eos, no prefix caching: {"wall_s", "output_tokens"}."""
-        return self._ask({"op": "run", "prompts": [list(map(int, p)) for p in prompts],
-                          "max_tokens": int(max_tokens)})
+        """Greedy, ignore_eos, no prefix caching: {"wall_s", "output_tokens"}. With ignore_eos every
+        prompt yields max_tokens tokens; any other count is an error, not a measurement."""
+        answer = self._ask({"op": "run", "prompts": [list(map(int, p)) for p in prompts],
+                            "max_tokens": int(max_tokens)})
+        if answer["output_tokens"] != len(prompts) * max_tokens:
+            raise VLLMPeerError(f"vLLM returned {answer['output_tokens']} output tokens for {len(prompts)} "
+                                f"prompts of max_tokens={max_tokens}, expected {len(prompts) * max_tokens}")
+        return answer
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -81,19 +92,28 @@ class VLLMPeer:
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
-            line = self._proc.stdout.readline()
-            if not line:
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._proc.kill()  # a late answer would be taken for the next request's
+                raise VLLMPeerError(f"no answer to {request['op']!r} within {self.timeout_s:.0f} s; "
+                                    f"the vLLM process was killed") from None
+            if line is None:
                 raise VLLMPeerError(f"the vLLM process exited (code {self._proc.wait()}) during "
                                     f"{request['op']!r}; its stderr says why")
-            if not line.startswith(PROTOCOL_PREFIX):  # vLLM's own output: pass it on
-                sys.stderr.write(line)
-                continue
             answer = json.loads(line[len(PROTOCOL_PREFIX):])
             if not answer.get("ok"):
                 raise VLLMPeerError(f"vLLM {request['op']}: {answer.get('error')}")
             return answer
-        raise VLLMPeerError(f"no answer to {request['op']!r} within {self.timeout_s:.0f} s")
+
+    def _read_stdout(self) -> None:
+        for line in self._proc.stdout:
+            if line.startswith(PROTOCOL_PREFIX):
+                self._lines.put(line)
+            else:  # vLLM's own output: pass it on
+                sys.stderr.write(line)
+        self._lines.put(None)
 
 
 # ----------------------------------------------------------------------------- the vLLM side

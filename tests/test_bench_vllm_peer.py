@@ -38,6 +38,21 @@ def test_errors_name_their_cause_and_the_peer_keeps_serving(stand_in, tmp_path):
         assert peer.run([[5]], 3)["output_tokens"] == 3
 
 
+def test_a_wrong_token_count_is_an_error_not_a_measurement(stand_in, tmp_path):
+    with VLLMPeer(sys.executable, env={**stand_in, "STAND_IN_SHORT": "1"}) as peer:
+        peer.load(tmp_path, 64, 64)
+        with pytest.raises(VLLMPeerError, match="returned 6 output tokens .* expected 9"):
+            peer.run([[5], [6], [7]], 3)
+
+
+def test_a_silent_hang_times_out_and_the_process_is_killed(stand_in, tmp_path):
+    with VLLMPeer(sys.executable, timeout_s=5, env={**stand_in, "STAND_IN_HANG": "1"}) as peer:
+        peer.load(tmp_path, 64, 64)
+        with pytest.raises(VLLMPeerError, match="no answer to 'run' within 5 s"):
+            peer.run([[5]], 1)
+        assert peer._proc.wait(timeout=10) is not None
+
+
 def test_an_interpreter_without_vllm_is_refused_by_name(tmp_path):
     broken = tmp_path / "site" / "vllm"
     broken.mkdir(parents=True)

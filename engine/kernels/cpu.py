@@ -7,9 +7,10 @@ reading the pool in place. Measured against the torch ops at Jamba/Granite-like 
 (64 rows) on 2 cores: state update 1.2 vs 1.8-3.7 ms, Mamba2 update 2.4 vs 10 ms, attention
 (context 129-256) 1.9-3.0 vs 11.5 ms (on a later, slower day: 2.7-3.7 ms against 6.4 for the
 gather + SDPA path, and about twice that right after a torch op, whose OpenMP threads are still
-spinning when numba's start; end to end the two attention paths measured the same). Not here, because they measured slower: the conv update
-(too little work to pay a parallel launch) and the Mamba prefill scan (bound by its exps,
-which torch vectorises as well as anything here; engine.models.ssm.selective_scan).
+spinning when numba's start; end to end the two attention paths measured the same). Not here,
+because they measured slower: the conv update (too little work to pay a parallel launch) and
+the Mamba prefill scan (bound by its exps, which torch vectorises as well as anything here;
+engine.models.ssm.selective_scan).
 
 Same contracts as the `*_ref` functions they stand for (engine.kernels.ssm_update,
 mamba2_update, paged_attention); float32 arithmetic.
