@@ -86,6 +86,15 @@ class HandoffSender(Endpoint):
         if channel is not None:
             channel.close()
 
+    def break_channel(self, peer: str, why: str) -> None:
+        """Close the channel to `peer` as a dead wire would: its hand-offs fail and the peer
+        stays known as broken (channel_errors) until connect() pairs it again."""
+        with self._lock:
+            channel = self._channels.get(peer)
+        if channel is not None:
+            channel.close()
+            self._channel_broken(channel, peer, ChannelClosedError(why))
+
     def begin(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float | None = None,
               *, first_token: int | None = None) -> OutgoingHandoff:
         """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked done.

@@ -142,6 +142,12 @@ class PrefillWorker(EngineEndpoint):
         as if the sender hung mid-transfer; both sides must time out and free."""
         self._stall_next = count
 
+    def inject_broken_channels(self) -> None:
+        """Fault injection for tests and drills: every channel to a decode worker breaks, as
+        when a timed-out hand-off closes its wire; the router must pair them again."""
+        for peer in sorted(self._peers - self._rank_peers):
+            self.sender.break_channel(peer, "broken by fault injection")
+
     def stats(self) -> dict:
         stats = self.engine.stats()
         stats.update(incarnation=self.incarnation, queued_prompt_tokens=sum(self._queued_tokens.values()),

@@ -254,6 +254,9 @@ class Cluster(ElasticPools):
                     return
                 log.warning("request %s: attempt %d failed (%s); retrying with %d tokens delivered",
                             tracked.request_id, tracked.attempt, failure.error, len(tracked.tokens))
+                if tracked.split:  # a broken channel fails every attempt on it until paired again
+                    with contextlib.suppress(Exception):
+                        await self.workers.repair_channels()
                 tracked.next_attempt()
                 self.retries += 1
                 break

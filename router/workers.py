@@ -50,6 +50,7 @@ class WorkerSet:
         self.transport = config.transport
         self._indices = {"prefill": itertools.count(), "decode": itertools.count()}
         self._route = None
+        self._repairing: asyncio.Lock | None = None  # made on the router's loop, on first use
 
     # ---- lifecycle ----
 
@@ -199,7 +200,15 @@ class WorkerSet:
         await prefill.handle.connect.remote(decode.name, offer)
 
     async def repair_channels(self) -> int:
-        """Reconnect every prefill -> decode channel that broke; returns how many were broken."""
+        """Reconnect every prefill -> decode channel that broke; returns how many were broken.
+        One repair at a time: two would pair the same workers twice, and the second connect
+        closes the channel the first just opened (failing whatever it carries)."""
+        if self._repairing is None:
+            self._repairing = asyncio.Lock()
+        async with self._repairing:
+            return await self._repair_channels()
+
+    async def _repair_channels(self) -> int:
         by_name = {d.name: d for d in self.decode}
         broken = 0
         for p in [w for w in self.prefill if w.alive]:

@@ -230,6 +230,21 @@ def test_stalled_handoff_is_retried_and_workers_keep_serving(cluster):
     assert failures >= 1
 
 
+def test_a_retry_after_a_broken_channel_waits_for_the_pair_to_be_repaired(cluster):
+    """Every prefill -> decode channel breaks at once (as a timed-out hand-off breaks its
+    wire): the router pairs the workers again before it retries, so the retries do not all
+    fail on the same broken channel within a few milliseconds (a CI failure of the stall test)."""
+    handle, path, hf, _ = cluster
+    handle._run(handle.workers.repair_channels())  # start from healthy channels
+    for p in handle.workers.prefill:
+        ray.get(p.handle.inject_broken_channels.remote())
+    prompts = [[9, 9, 9 + i] for i in range(4)]
+    for prompt, out in zip(prompts, handle.generate(prompts, GREEDY)):
+        assert out.error is None and out.finish_reason == "length", out
+        judge_greedy(hf, prompt, out.token_ids)
+    assert handle._run(handle.workers.repair_channels()) == 0
+
+
 def worker_stats(handle, key):
     time.sleep(0.6)  # let the router's stats refresh
     return {w["id"]: w.get(key, 0) for w in handle.status()["workers"]}
