@@ -33,7 +33,7 @@ QUICK_GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (64, 1024, 1024))
 DEFAULTS = dict(prefill_num=8, prefill_len=1024, decode_batch=64, decode_prompt=128, decode_output=128,
                 repeats=2)
 QUICK = dict(prefill_num=2, prefill_len=256, decode_batch=8, decode_prompt=32, decode_output=32, repeats=1)
-# "ours-torch": the same engine with its numba CPU kernels off (SPLITSERVE_DISABLE_NUMBA=1), i.e.
+# "ours-torch": the same engine with its C++ CPU kernels off (SPLITSERVE_DISABLE_CPU_KERNELS=1), i.e.
 # those loops as chains of torch ops: what the kernels buy, measured in the same run.
 SYSTEMS = ("ours", "ours-torch", "transformers")
 
@@ -169,15 +169,15 @@ def _vllm_walls(python: str, model_dir: str, prefill, decode, output_len: int, m
 @contextlib.contextmanager
 def _torch_ops():
     """The engine's CPU kernels off for the duration (engine.kernels reads this per call)."""
-    before = os.environ.get("SPLITSERVE_DISABLE_NUMBA")
-    os.environ["SPLITSERVE_DISABLE_NUMBA"] = "1"
+    before = os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS")
+    os.environ["SPLITSERVE_DISABLE_CPU_KERNELS"] = "1"
     try:
         yield
     finally:
         if before is None:
-            del os.environ["SPLITSERVE_DISABLE_NUMBA"]
+            del os.environ["SPLITSERVE_DISABLE_CPU_KERNELS"]
         else:
-            os.environ["SPLITSERVE_DISABLE_NUMBA"] = before
+            os.environ["SPLITSERVE_DISABLE_CPU_KERNELS"] = before
 
 
 def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | None = None) -> dict:

@@ -110,7 +110,7 @@ def test_public_function_routes_its_arguments(kernel_mode, monkeypatch):
         return [y, p, *kernels.selective_scan_varlen(x, dt, A, B, C, cu, h0)]
 
     monkeypatch.setenv("SPLITSERVE_DISABLE_TRITON", "1")
-    monkeypatch.setenv("SPLITSERVE_DISABLE_NUMBA", "1")  # the reference, not a CPU kernel
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")  # the reference, not a CPU kernel
     want = run_all()
     monkeypatch.delenv("SPLITSERVE_DISABLE_TRITON")
     monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")

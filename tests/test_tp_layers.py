@@ -403,7 +403,7 @@ def _gloo_rank(rank: int, path: str, rendezvous: str, out_dir: str):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["SPLITSERVE_DISABLE_NUMBA"] = "1"  # torch decode paths: no JIT compile per process
+    os.environ["SPLITSERVE_DISABLE_CPU_KERNELS"] = "1"  # torch decode paths: no JIT compile per process
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     model = shard_model(load_model(path), DistGroup())

@@ -7,7 +7,8 @@ module; the functions here pick one per call:
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
 - on CPU, for the operations engine.kernels.cpu covers (the Mamba and Mamba2 decode state
-  updates, decode attention), its numba kernels for float32 tensors, unless SPLITSERVE_DISABLE_NUMBA=1.
+  updates, decode attention), its C++ kernels for float32 tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1
+  (or no C++ compiler can build them here: engine.kernels.native).
 Triton stays optional: without it every CUDA call takes the reference path.
 """
 
@@ -50,8 +51,8 @@ def uses_triton(tensor: torch.Tensor) -> bool:
 
 
 def uses_cpu_kernel(tensor: torch.Tensor) -> bool:
-    """Whether an operation engine.kernels.cpu covers runs its numba kernel on `tensor`."""
-    if os.environ.get("SPLITSERVE_DISABLE_NUMBA", "0") not in ("", "0"):
+    """Whether an operation engine.kernels.cpu covers runs its C++ kernel on `tensor`."""
+    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
         return False
     return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
             and cpu.available())

@@ -1,0 +1,151 @@
+// CPU decode kernels, compiled on first use by engine/kernels/native.py and called through ctypes.
+//
+// Float32 everywhere except ids (int64); every array is contiguous (the Python side makes it so).
+// Loops run on OpenMP with the thread count torch uses: the library links libgomp, which resolves
+// to the copy torch has already loaded, so these loops run on torch's own worker threads instead
+// of a second pool competing with them for the same cores.
+//
+// Every row's arithmetic is the same sequence of operations whatever else the call holds, so a
+// request's result does not depend on its batch neighbours.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// Calls visit(block id, offset in the block, index from `first`) for positions first..context-1
+// of a sequence's paged table, one table lookup per block.
+template <typename Visit>
+inline void for_each_position(const int64_t* table, int64_t first, int64_t context, int64_t block_size,
+                              Visit&& visit) {
+  for (int64_t blk = first / block_size; blk * block_size < context; ++blk) {
+    const int64_t base = blk * block_size;
+    const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(context - base, block_size);
+    for (int64_t t = lo; t < hi; ++t) visit(table[blk], t, base + t - first);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Mamba decode step, per row (b, c) of h = state[slots[b], c] in place:
+// h = h * decay[b, c] + dt_x[b, c] * B[b] ; y[b, c] = h . C[b].
+// state [S, D, N]; decay [batch, D, N]; dt_x, y [batch, D]; B, C [batch, N].
+void ssm_state_update(float* state, const int64_t* slots, const float* decay, const float* dt_x,
+                      const float* B, const float* C, float* y, int64_t batch, int64_t d_inner,
+                      int64_t d_state, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < batch * d_inner; ++i) {
+    const int64_t b = i / d_inner, c = i - b * d_inner;
+    float* h = state + (slots[b] * d_inner + c) * d_state;
+    const float* a = decay + i * d_state;
+    const float* bb = B + b * d_state;
+    const float* cc = C + b * d_state;
+    const float u = dt_x[i];
+    float acc = 0.f;
+    for (int64_t n = 0; n < d_state; ++n) {
+      const float h_n = h[n] * a[n] + u * bb[n];
+      h[n] = h_n;
+      acc += h_n * cc[n];
+    }
+    y[i] = acc;
+  }
+}
+
+// Mamba2 decode step, per row (b, h, p) of the state in place (head h reads group h / (H / G)):
+// s = s * exp(dt[b, h] A[h]) + dt[b, h] x[b, h, p] B[b, g] ; y[b, h, p] = s . C[b, g].
+// state [S, H, P, N]; x, y [batch, H, P]; dt [batch, H] (final: bias, softplus, clamp done);
+// A [H]; B, C [batch, G, N].
+void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
+                         const float* A, const float* B, const float* C, float* y, int64_t batch,
+                         int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
+  const int64_t per_group = heads / groups;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < batch * heads * head_dim; ++i) {
+    const int64_t b = i / (heads * head_dim), rest = i - b * heads * head_dim;
+    const int64_t h = rest / head_dim, p = rest - h * head_dim, g = h / per_group;
+    float* row = state + ((slots[b] * heads + h) * head_dim + p) * d_state;
+    const float* bb = B + (b * groups + g) * d_state;
+    const float* cc = C + (b * groups + g) * d_state;
+    const float dt_v = dt[b * heads + h];
+    const float decay = std::exp(dt_v * A[h]);
+    const float dt_x = dt_v * x[i];
+    float acc = 0.f;
+    for (int64_t n = 0; n < d_state; ++n) {
+      const float s = row[n] * decay + dt_x * bb[n];
+      row[n] = s;
+      acc += s * cc[n];
+    }
+    y[i] = acc;
+  }
+}
+
+// One query per sequence over its paged KV (write-then-read: lens count the current token).
+// q, out [batch, H, Dh]; caches [blocks, block_size, KVH, Dh]; tables [batch, table_width];
+// window 0 = none. One sequence per iteration, reading each token's K row (all KV heads, one
+// contiguous run) once and then each V row once: the cache does not fit in the CPU's caches, and
+// this streams it at memory bandwidth where one (sequence, KV head) per iteration, reading a
+// quarter of each row at a time, ran at half of it.
+void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache,
+                            const int64_t* tables, int64_t table_width, const int64_t* lens,
+                            float* out, int64_t batch, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                            int threads) {
+  const int64_t group = heads / kv_heads, row = kv_heads * head_dim, block_elems = block_size * row;
+  int64_t longest = 1;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b]);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> probs(heads * longest);  // [H, n]: scores, then probabilities
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t context = lens[b];
+      const int64_t first = (window > 0 && context > window) ? context - window : 0;
+      const int64_t n = context - first;
+      const int64_t* table = tables + b * table_width;
+      const float* qb = q + b * heads * head_dim;
+      float* ob = out + b * heads * head_dim;
+      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m) {
+        const float* keys = k_cache + block * block_elems + t * row;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* key = keys + (h / group) * head_dim;
+          const float* qh = qb + h * head_dim;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_dim; ++d) s += qh[d] * key[d];
+          probs[h * n + m] = s * scale;
+        }
+      });
+      for (int64_t h = 0; h < heads; ++h) {
+        float* p = probs.data() + h * n;
+        float top = p[0];
+        for (int64_t m = 1; m < n; ++m) top = std::max(top, p[m]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t m = 0; m < n; ++m) {
+          p[m] = std::exp(p[m] - top);
+          total += p[m];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t m = 0; m < n; ++m) p[m] *= inv;
+        std::fill(ob + h * head_dim, ob + (h + 1) * head_dim, 0.f);
+      }
+      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m) {
+        const float* values = v_cache + block * block_elems + t * row;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* value = values + (h / group) * head_dim;
+          const float p = probs[h * n + m];
+          float* o = ob + h * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += p * value[d];
+        }
+      });
+    }
+  }
+}
+
+}  // extern "C"
