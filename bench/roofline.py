@@ -41,26 +41,39 @@ SYSTEMS = ("ours", "ours-torch", "transformers")
 # ----------------------------------------------------------------------------- the yardstick
 
 def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) -> dict:
-    """Best float32 torch.mm rate over `shapes`: {"gflops", "best_shape", "shapes", "threads"}."""
+    """Best float32 GEMM rate torch reaches over `shapes`, by torch.mm (MKL) or by oneDNN on a
+    packed weight (what the engine's CPU linears use: engine.models.packed_linear), whichever is
+    faster: {"gflops", "best_shape", "shapes", "by_backend", "threads"}."""
     import torch
 
-    per_shape = {}
-    for m, k, n in shapes:
-        a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
-        torch.mm(a, b, out=c)  # first call pays for allocation and dispatch
+    from engine.models.packed_linear import pack
+
+    def rate(run, flops: float) -> float:
+        run()  # the first call pays for allocation and dispatch
         start = time.perf_counter()
-        torch.mm(a, b, out=c)
+        run()
         inner = max(1, int(min_time_s / max(time.perf_counter() - start, 1e-6)))
         best = 0.0
         for _ in range(repeats):
             start = time.perf_counter()
             for _ in range(inner):
-                torch.mm(a, b, out=c)
-            best = max(best, 2.0 * m * k * n * inner / (time.perf_counter() - start))
-        per_shape[f"{m}x{k}x{n}"] = best / 1e9
+                run()
+            best = max(best, flops * inner / (time.perf_counter() - start))
+        return best / 1e9
+
+    per_shape, by_backend = {}, {}
+    for m, k, n in shapes:
+        a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        rates = {"mm": rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n)}
+        packed = pack(b.t().contiguous())
+        if packed is not None:
+            rates["onednn"] = rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
+                                   2.0 * m * k * n)
+        per_shape[f"{m}x{k}x{n}"] = max(rates.values())
+        by_backend[f"{m}x{k}x{n}"] = rates
     best_shape = max(per_shape, key=per_shape.get)
     return {"gflops": per_shape[best_shape], "best_shape": best_shape, "shapes": per_shape,
-            "threads": torch.get_num_threads()}
+            "by_backend": by_backend, "threads": torch.get_num_threads()}
 
 
 # ----------------------------------------------------------------------------- FLOP counting
@@ -243,13 +256,16 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
 
 
 def format_table(result: dict, label: str) -> str:
-    w = result["workload"]
+    w, gemm = result["workload"], result["gemm"]
+    rates = gemm["by_backend"][gemm["best_shape"]]
+    best_backend = max(rates, key=rates.get)
+    mm_peak = max(r["mm"] for r in gemm["by_backend"].values())
     work = {"prefill": f"{w['prefill_num']} x {w['prefill_len']}",
             "decode": f"{w['decode_batch']} x ({w['decode_prompt']}+{w['decode_output']})"}
     lines = [f"roofline: {label} ({result['model_type']}), torch {result['torch']}, "
              f"{result['threads']} threads, load avg {' '.join(f'{x:.2f}' for x in result['load_avg'])}",
-             f"peak fp32 GEMM {result['peak_gflops']:.1f} GFLOP/s (best shape {result['gemm']['best_shape']}; "
-             f"sweeps {' / '.join(f'{g:.1f}' for g in result['gemm_sweeps_gflops'])})",
+             f"peak fp32 GEMM {result['peak_gflops']:.1f} GFLOP/s (best shape {gemm['best_shape']} on {best_backend}; "
+             f"torch.mm alone {mm_peak:.1f}; sweeps {' / '.join(f'{g:.1f}' for g in result['gemm_sweeps_gflops'])})",
              f"{'phase':8} {'work':16} {'system':13} {'wall s':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'MFU':>7}"]
     for phase in ("prefill", "decode"):
         entry = result[phase]

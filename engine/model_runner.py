@@ -106,6 +106,7 @@ class ModelRunner:
                  device: torch.device | str, debug: bool, enforce_eager: bool = True,
                  max_model_len: int | None = None, tp=None):
         self.model = model
+        model.pack_for_cpu()  # weights are final here (loaded, sharded); a no-op off the CPU
         self.tp = tp  # engine.tp.ranks.TPLeader: the other ranks repeat every forward and cache copy
         self.cache = cache
         self.slots = slots

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.packed_linear import linear, pack, pack_linears
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class HybridLM(nn.Module):
         self.logits_divisor = logits_divisor
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.packed_lm_head = None
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed(batch.input_ids)
@@ -168,5 +170,16 @@ class HybridLM(nn.Module):
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a
         tensor-parallel model gathers its vocab shards here: engine.tp)."""
+        return self.vocab_logits(h)
+
+    def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of this model's vocab rows (all of them unless sharded)."""
         weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        return (h.to(weight.dtype) @ weight.t()).float()
+        return linear(h.to(weight.dtype), weight, None, self.packed_lm_head).float()
+
+    def pack_for_cpu(self) -> int:
+        """oneDNN-packed weights for the linears and the LM head (engine.models.packed_linear);
+        once the weights are final. Returns how many weights were packed."""
+        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        self.packed_lm_head = pack(weight)
+        return pack_linears(self) + (self.packed_lm_head is not None)

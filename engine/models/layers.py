@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.packed_linear import linear, pack_stacked
+
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "relu2": lambda x: torch.square(F.relu(x))}
@@ -102,6 +104,7 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
         self.act = activation(act)
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
@@ -110,9 +113,16 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
 
+    def pack_experts(self) -> int:
+        """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
+        gate_up, down = pack_stacked(self.gate_up), pack_stacked(self.down)
+        self.packed = (gate_up, down) if gate_up and down else None
+        return 2 * self.num_experts if self.packed else 0
+
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down[expert])
+        gate_up, down = self.packed or ((None,) * self.num_experts,) * 2
+        gate, up = linear(x, self.gate_up[expert], None, gate_up[expert]).chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down[expert], None, down[expert])
 
 
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

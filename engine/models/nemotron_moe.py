@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.models.checkpoint import ConfigReader
 from engine.models.layers import activation, dispatch_experts
+from engine.models.packed_linear import linear, pack_stacked
 
 
 class NemotronMLP(nn.Module):
@@ -44,6 +45,7 @@ class NemotronMoE(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.normalize, self.scaling = normalize, scaling
         self.act = activation(act)
+        self.packed = None
 
     @classmethod
     def from_config(cls, cfg: ConfigReader, hidden: int) -> NemotronMoE:
@@ -101,8 +103,15 @@ class NemotronMoE(nn.Module):
             routed = self.fc2_latent(routed)
         return routed + self.shared(x)
 
+    def pack_experts(self) -> int:
+        """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
+        up, down = pack_stacked(self.up), pack_stacked(self.down)
+        self.packed = (up, down) if up and down else None
+        return 2 * self.num_experts if self.packed else 0
+
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.act(F.linear(x, self.up[expert])), self.down[expert])
+        up, down = self.packed or ((None,) * self.num_experts,) * 2
+        return linear(self.act(linear(x, self.up[expert], None, up[expert])), self.down[expert], None, down[expert])
 
 
 def _experts(weights, p: str, part: str) -> torch.Tensor:

@@ -29,9 +29,7 @@ class TensorParallelLM:
     """Mixed into a sharded model's class: logits of the rank's vocab rows, all-gathered."""
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        local = (h.to(weight.dtype) @ weight.t()).float()
-        return self.tp_group.all_gather(local, -1)[..., : self.spec.vocab_size]
+        return self.tp_group.all_gather(self.vocab_logits(h), -1)[..., : self.spec.vocab_size]
 
 
 _TP_CLASSES: dict[type, type] = {}

@@ -1,0 +1,55 @@
+"""oneDNN-packed CPU linears (engine.models.packed_linear) against F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models import packed_linear
+from engine.models.packed_linear import MIN_ROWS, linear, pack, pack_linears
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("rows", [MIN_ROWS, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_matches_f_linear(rows, bias, monkeypatch):
+    torch.manual_seed(rows)
+    weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
+    x, x3 = torch.randn(rows, 40), torch.randn(2, rows, 40)  # any leading dims
+    expected, expected3 = F.linear(x, weight, b), F.linear(x3, weight, b)
+    monkeypatch.setattr(packed_linear, "F", None)  # the packed path must not fall back
+    torch.testing.assert_close(linear(x, weight, b, pack(weight)), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear(x3, weight, b, pack(weight)), expected3, atol=1e-4, rtol=1e-4)
+
+
+def test_small_calls_and_disabled_runs_take_f_linear_exactly(monkeypatch):
+    weight = torch.randn(32, 16)
+    packed = pack(weight)
+    small = torch.randn(MIN_ROWS - 1, 16)
+    assert torch.equal(linear(small, weight, None, packed), F.linear(small, weight))
+    big = torch.randn(64, 16)
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    assert torch.equal(linear(big, weight, None, packed), F.linear(big, weight))
+
+
+def test_only_float32_cpu_weights_are_packed():
+    assert pack(torch.randn(8, 8)) is not None
+    assert pack(torch.randn(8, 8).bfloat16()) is None
+    assert pack(torch.randn(8)) is None
+
+
+def test_pack_linears_routes_plain_linears_and_leaves_subclasses():
+    class Scaled(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Scaled(32, 16), nn.Linear(16, 8).bfloat16())
+    x = torch.randn(20, 16)
+    before = model[2](model[1](model[0](x)))
+    assert pack_linears(model) == 1
+    assert model[0].packed_weight is not None and not hasattr(model[2], "packed_weight")
+    torch.testing.assert_close(model[2](model[1](model[0](x))), before, atol=1e-4, rtol=1e-4)
+    assert "packed_weight" not in model.state_dict() and len(model.state_dict()) == 6
+    assert packed_linear.enabled()
