@@ -28,6 +28,7 @@ class EngineThread:
         self.engine = engine
         self.on_outputs = on_outputs
         self.after_step = after_step
+        self.step_delay_s = 0.0  # drills and tests: a pause after each step, as on a slow machine
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -63,6 +64,8 @@ class EngineThread:
                 outputs = self.engine.step()
                 if self.after_step is not None:
                     self.after_step(self.engine)
+                if self.step_delay_s:
+                    self._stop.wait(self.step_delay_s)
             except Exception:  # the engine already failed the requests it could not run
                 log.exception("engine step failed")
                 continue

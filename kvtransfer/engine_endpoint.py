@@ -51,6 +51,11 @@ class EngineEndpoint:
         """Processes of the other tensor-parallel ranks (drills and tests kill them)."""
         return self.engine.tp.pids if getattr(self.engine, "tp", None) is not None else []
 
+    def inject_slow_steps(self, seconds: float) -> None:
+        """Fault injection for tests and drills: every engine step takes `seconds` longer
+        (0 to stop), as on a loaded machine; outlasts redeploys however fast the engine is."""
+        self.thread.step_delay_s = max(0.0, float(seconds))
+
     def inject_crash(self, request_id: str, after: int = 0) -> None:
         """Fault injection for tests and drills: the process dies, as in a crash, at the
         (after+1)-th crash point that involves `request_id` (prefill: an engine step while it

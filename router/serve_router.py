@@ -55,6 +55,11 @@ class ClusterRouter:
     async def abort(self, request_id: str) -> bool:
         return await self.cluster.abort(request_id)
 
+    async def inject_slow_steps(self, seconds: float) -> None:
+        """Drills and tests: every worker's engine steps take `seconds` longer (0 to stop)."""
+        workers = self.cluster.workers.prefill + self.cluster.workers.decode
+        await asyncio.gather(*(w.handle.inject_slow_steps.remote(seconds) for w in workers))
+
 
 class RouterBackend:
     """router.backend.Backend over the ClusterRouter: what the front door in a replica serves."""

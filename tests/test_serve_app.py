@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+import ray
 
 from router.client import SplitServeClient
 from tests.test_api_support import MODEL_NAME, serving, wait_until
@@ -57,6 +58,13 @@ def _routers() -> set[str]:
     return _cluster_actors(("ClusterRouter",))
 
 
+def _router_handle(actor_id: str):
+    from ray.util.state import get_actor
+
+    state = get_actor(actor_id)
+    return ray.get_actor(state.name, namespace=state.ray_namespace)
+
+
 @pytest.fixture(scope="module")
 def deployed(serve_ports, api_model_path):
     _deploy(api_model_path)
@@ -90,7 +98,7 @@ def _ask_everything(http_port, grpc_port, model):
 
 
 SERVICE = "splitserve.v1.SplitServe"
-STREAMED = 1000  # the model's context is 1024
+STREAMED = 200
 TOKEN = "serve-test-token"
 
 
@@ -112,7 +120,10 @@ def test_redeploy_with_changed_options_lets_a_running_stream_finish(ray_nodes, s
     model = client.models.list().data[0].id
     head = client.completions.create(model=model, prompt="x = 1", max_tokens=8, **GREEDY).choices[0]
     routers_before = _routers()
-    # Long enough (top logprobs make each step slower) to outlast starting the new router and workers.
+    # Slowed down (200 tokens at 0.3 s a step or more) to outlast starting the new router and
+    # workers however fast the engine runs; back to full speed once they are up.
+    old_router = _router_handle(next(iter(routers_before)))
+    ray.get(old_router.inject_slow_steps.remote(0.3))
     stream = client.completions.create(model=model, prompt="x = 1", max_tokens=STREAMED, logprobs=5,
                                        stream=True, **GREEDY)
     chunks = []
@@ -125,6 +136,7 @@ def test_redeploy_with_changed_options_lets_a_running_stream_finish(ray_nodes, s
     redeploy.start()
     wait_until(lambda: len(_routers() - routers_before) == 1, 90, "the new deployment's router")
     assert reader.is_alive(), "the stream ended before the new deployment was up: nothing was tested"
+    ray.get(old_router.inject_slow_steps.remote(0))
     reader.join(timeout=120)
     redeploy.join(timeout=120)
     ids = [t for c in chunks for t in (c.choices[0].token_ids or [])]
