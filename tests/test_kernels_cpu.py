@@ -45,6 +45,23 @@ def test_ssm_update(d_inner, d_state, batch, fused):
     _outside_unchanged(ours, pool, slots)
 
 
+@pytest.mark.parametrize("length,d_inner,d_state", [(1, 16, 16), (37, 40, 16), (70, 33, 7)])
+def test_selective_scan(length, d_inner, d_state):
+    """One sequence's Mamba prefill from a non-zero state: y and the final state."""
+    from engine.models.ssm import selective_scan_ref
+
+    torch.manual_seed(length + d_inner)
+    x, dt = torch.randn(length, d_inner), torch.rand(length, d_inner) * 0.5
+    A = -torch.rand(d_inner, d_state) * 4
+    B, C, h0 = torch.randn(length, d_state), torch.randn(length, d_state), torch.randn(d_inner, d_state)
+    before = h0.clone()
+    y, h = cpu.selective_scan_cpu(x, dt, A, B, C, h0)
+    y_ref, h_ref = selective_scan_ref(x, dt, A, B, C, h0)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0, before)  # the caller's starting state is not written
+
+
 @pytest.mark.parametrize("heads,head_dim,groups,d_state,batch", [(8, 16, 1, 32, 5), (6, 3, 3, 5, 2)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):

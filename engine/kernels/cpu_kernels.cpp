@@ -55,6 +55,38 @@ void ssm_state_update(float* state, const int64_t* slots, const float* decay, co
   }
 }
 
+// Mamba prefill of one sequence: per channel c, from h = h0[c] (updated in place to h_L),
+// h_t = exp(dt[t, c] A[c]) h_{t-1} + dt[t, c] x[t, c] B[t] ; y[t, c] = C[t] . h_t.
+// x, dt, y [L, D]; A, h [D, N]; B, C [L, N]. Channels are split into chunks across threads;
+// within a chunk tokens go in order, each reading its chunk of x and dt contiguously.
+void selective_scan(const float* x, const float* dt, const float* A, const float* B, const float* C,
+                    float* h, float* y, int64_t length, int64_t d_inner, int64_t d_state, int threads) {
+  constexpr int64_t kChunk = 16;
+  const int64_t chunks = (d_inner + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t c0 = chunk * kChunk, c1 = std::min(c0 + kChunk, d_inner);
+    std::vector<float> state(h + c0 * d_state, h + c1 * d_state);  // this chunk's h, [c1 - c0, N]
+    for (int64_t t = 0; t < length; ++t) {
+      const float* bt = B + t * d_state;
+      const float* ct = C + t * d_state;
+      for (int64_t c = c0; c < c1; ++c) {
+        const float d = dt[t * d_inner + c], u = d * x[t * d_inner + c];
+        const float* a = A + c * d_state;
+        float* s = state.data() + (c - c0) * d_state;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < d_state; ++n) {
+          s[n] = std::exp(d * a[n]) * s[n] + u * bt[n];
+          acc += s[n] * ct[n];
+        }
+        y[t * d_inner + c] = acc;
+      }
+    }
+    std::copy(state.begin(), state.end(), h + c0 * d_state);
+  }
+}
+
 // Mamba2 decode step, per row (b, h, p) of the state in place (head h reads group h / (H / G)):
 // s = s * exp(dt[b, h] A[h]) + dt[b, h] x[b, h, p] B[b, g] ; y[b, h, p] = s . C[b, g].
 // state [S, H, P, N]; x, y [batch, H, P]; dt [batch, H] (final: bias, softplus, clamp done);

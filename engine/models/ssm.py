@@ -5,9 +5,10 @@ Per sequence, by phase (see engine.phase):
 - CONTINUED_PREFILL: starts from the slot's state (this request's own, checked by the runner).
 - DECODE: reads the slot's state, updates it with one token, writes it back.
 Prefill on CUDA scans every prefill row of the batch in one Triton launch
-(engine.kernels.selective_scan_varlen); elsewhere a blocked torch scan per row (`selective_scan`:
-whole-block ops plus one in-place [D, N] multiply-add per token; its exps dominate, and torch
-vectorises them). `selective_scan_ref` is the definition both are tested against.
+(engine.kernels.selective_scan_varlen); on CPU in float32 the C++ scan per row
+(engine.kernels.cpu.selective_scan_cpu); elsewhere a blocked torch scan per row (`selective_scan`:
+whole-block ops plus one in-place [D, N] multiply-add per token). `selective_scan_ref` is the
+definition all are tested against.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import causal_conv1d_update, selective_scan_varlen, selective_state_update, uses_triton
+from engine.kernels import (causal_conv1d_update, cpu, selective_scan_varlen, selective_state_update,
+                            uses_cpu_kernel, uses_triton)
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
@@ -135,8 +137,9 @@ class MambaMixer(nn.Module):
             slot = batch.state_slots[row]
             h0 = (torch.zeros(self.d_inner, self.d_state, device=x.device)
                   if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
-            y[start:end], h = selective_scan(x[start:end].float(), dt[start:end].float(), A,
-                                             B[start:end].float(), C[start:end].float(), h0)
+            scan = cpu.selective_scan_cpu if uses_cpu_kernel(x) else selective_scan
+            y[start:end], h = scan(x[start:end].float(), dt[start:end].float(), A,
+                                   B[start:end].float(), C[start:end].float(), h0)
             ssm_state[slot] = h.to(ssm_state.dtype)
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
