@@ -50,9 +50,8 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
         dt = torch.nn.functional.softplus(dt)
     y = torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
-        decay = torch.mul(dt[:, :, None], A.float()).exp_()  # [B, D, N]
-        native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(decay),
-                    _f32(dt * x.float()), _f32(B), _f32(C), y, *x.shape, ssm_state.shape[2])
+        native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
+                    _f32(A), _f32(B), _f32(C), y, *x.shape, ssm_state.shape[2])
     if D is not None:
         y = y + x.float() * D.float()
     if z is not None:

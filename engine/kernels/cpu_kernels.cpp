@@ -32,22 +32,23 @@ inline void for_each_position(const int64_t* table, int64_t first, int64_t conte
 extern "C" {
 
 // Mamba decode step, per row (b, c) of h = state[slots[b], c] in place:
-// h = h * decay[b, c] + dt_x[b, c] * B[b] ; y[b, c] = h . C[b].
-// state [S, D, N]; decay [batch, D, N]; dt_x, y [batch, D]; B, C [batch, N].
-void ssm_state_update(float* state, const int64_t* slots, const float* decay, const float* dt_x,
-                      const float* B, const float* C, float* y, int64_t batch, int64_t d_inner,
-                      int64_t d_state, int threads) {
+// h = h * exp(dt[b, c] A[c]) + dt[b, c] x[b, c] B[b] ; y[b, c] = h . C[b].
+// state [S, D, N]; x, dt (final: bias and softplus done), y [batch, D]; A [D, N]; B, C [batch, N].
+void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
+                      const float* A, const float* B, const float* C, float* y, int64_t batch,
+                      int64_t d_inner, int64_t d_state, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < batch * d_inner; ++i) {
     const int64_t b = i / d_inner, c = i - b * d_inner;
     float* h = state + (slots[b] * d_inner + c) * d_state;
-    const float* a = decay + i * d_state;
+    const float* a = A + c * d_state;
     const float* bb = B + b * d_state;
     const float* cc = C + b * d_state;
-    const float u = dt_x[i];
+    const float d = dt[i], u = d * x[i];
     float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
     for (int64_t n = 0; n < d_state; ++n) {
-      const float h_n = h[n] * a[n] + u * bb[n];
+      const float h_n = h[n] * std::exp(d * a[n]) + u * bb[n];
       h[n] = h_n;
       acc += h_n * cc[n];
     }

@@ -35,7 +35,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 LINK_FLAGS = ["-shared", "-fopenmp"]
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
-    "ssm_state_update": [P, P, P, P, P, P, P, I64, I64, I64, INT],
+    "ssm_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, INT],
     "selective_scan": [P, P, P, P, P, P, P, I64, I64, I64, INT],
     "mamba2_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, I64, INT],
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
