@@ -83,6 +83,28 @@ def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):
     _outside_unchanged(ours, pool, slots)
 
 
+@pytest.mark.parametrize("k_heads,heads,k_dim,v_dim,batch", [(2, 4, 16, 8, 3), (1, 1, 5, 7, 1), (2, 2, 32, 32, 6)])
+def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
+    from engine.kernels.gdn_scan import gated_delta_step_ref
+
+    torch.manual_seed(heads * k_dim + batch)
+    pool = torch.randn(batch + 3, heads, k_dim, v_dim)
+    pool[batch:] = NAN  # rows outside the batch: a read would show
+    slots = torch.randperm(batch + 3)[:batch]
+    pool[slots] = torch.randn(batch, heads, k_dim, v_dim)
+    q, k = torch.randn(batch, k_heads, k_dim), torch.randn(batch, k_heads, k_dim)
+    v, g, beta = torch.randn(batch, heads, v_dim), -torch.rand(batch, heads), torch.rand(batch, heads)
+    ours, ref = pool.clone(), pool.clone()
+    o = cpu.gated_delta_step_cpu(ours, slots, q, k, v, g, beta)
+    o_ref = gated_delta_step_ref(ref, slots, q, k, v, g, beta)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours[slots], ref[slots], atol=1e-5, rtol=1e-5)
+    outside = torch.ones(batch + 3, dtype=torch.bool)
+    outside[slots] = False
+    torch.testing.assert_close(ours[outside], pool[outside], atol=0, rtol=0, equal_nan=True)
+    assert kernels.uses_cpu_kernel(pool)  # so the engine's gated_delta_step takes this kernel
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_decode(heads, kv_heads, head_dim, block_size, window):

@@ -6,8 +6,8 @@ module; the functions here pick one per call:
 - SPLITSERVE_FORCE_TRITON=1: always Triton, CPU tensors included (with TRITON_INTERPRET=1
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
-- on CPU, for the operations engine.kernels.cpu covers (the Mamba and Mamba2 decode state
-  updates, decode attention), its C++ kernels for float32 tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1
+- on CPU, for the operations engine.kernels.cpu covers (the Mamba, Mamba2 and Gated DeltaNet
+  decode steps, decode attention), its C++ kernels for float32 tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1
   (or no C++ compiler can build them here: engine.kernels.native).
 Triton stays optional: without it every CUDA call takes the reference path.
 """
@@ -101,7 +101,7 @@ def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
 def gated_delta_step(state, slots, q, k, v, g, beta):
     """Gated DeltaNet decode step, in place at state[slots]; returns o [b, Hv, dv] float32.
     See engine.kernels.gdn_scan."""
-    impl = gated_delta_step_triton if uses_triton(state) else gated_delta_step_ref
+    impl = _pick(state, gated_delta_step_triton, cpu.gated_delta_step_cpu, gated_delta_step_ref)
     return impl(state, slots, q, k, v, g, beta)
 
 

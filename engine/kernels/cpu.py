@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import native
+from engine.kernels.gdn_scan import check_step, prepare_qk
 from engine.kernels.mamba2_update import NO_LIMIT, check_state_update, process_dt
 
 
@@ -89,6 +90,17 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
         return y
     out.copy_(y)
     return out
+
+
+def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
+    """See engine.kernels.gdn_scan.gated_delta_step_ref."""
+    check_step(state, slots, q, k, v, g, beta)
+    q, k = prepare_qk(q, k, v.shape[1])
+    o = torch.empty(v.shape, dtype=torch.float32)
+    if v.shape[0]:
+        native.call("gated_delta_step", _pool(state, "state"), _ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
+                    _f32(beta), o, v.shape[0], v.shape[1], q.shape[2], v.shape[2])
+    return o
 
 
 def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,

@@ -116,6 +116,51 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
   }
 }
 
+// Gated DeltaNet decode step, per row (b, h) of S = state[slots[b], h] ([dk, dv]) in place:
+// S *= exp(g) ; S += k (x) ((v - S^T k) * beta) ; o = S^T q. q, k [batch, H, dk] come in
+// prepared (L2-normalised, q scaled, key heads repeated to the value heads); v, o
+// [batch, H, dv]; g, beta [batch, H]. Two passes over S: decay and predict, then update and read.
+void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k,
+                      const float* v, const float* g, const float* beta, float* o, int64_t batch,
+                      int64_t heads, int64_t k_dim, int64_t v_dim, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> delta(v_dim);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < batch * heads; ++i) {
+      const int64_t b = i / heads, h = i - b * heads;
+      float* S = state + (slots[b] * heads + h) * k_dim * v_dim;
+      const float* qi = q + i * k_dim;
+      const float* ki = k + i * k_dim;
+      const float* vi = v + i * v_dim;
+      float* oi = o + i * v_dim;
+      const float decay = std::exp(g[i]), rate = beta[i];
+      std::fill(delta.begin(), delta.end(), 0.f);  // S^T k first
+      for (int64_t r = 0; r < k_dim; ++r) {
+        float* row = S + r * v_dim;
+        const float kr = ki[r];
+#pragma omp simd
+        for (int64_t j = 0; j < v_dim; ++j) {
+          row[j] *= decay;
+          delta[j] += row[j] * kr;
+        }
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < v_dim; ++j) delta[j] = (vi[j] - delta[j]) * rate;
+      std::fill(oi, oi + v_dim, 0.f);
+      for (int64_t r = 0; r < k_dim; ++r) {
+        float* row = S + r * v_dim;
+        const float kr = ki[r], qr = qi[r];
+#pragma omp simd
+        for (int64_t j = 0; j < v_dim; ++j) {
+          row[j] += kr * delta[j];
+          oi[j] += row[j] * qr;
+        }
+      }
+    }
+  }
+}
+
 // One query per sequence over its paged KV (write-then-read: lens count the current token).
 // q, out [batch, H, Dh]; caches [blocks, block_size, KVH, Dh]; tables [batch, table_width];
 // window 0 = none. One sequence per iteration, reading each token's K row (all KV heads, one
