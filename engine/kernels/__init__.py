@@ -94,8 +94,12 @@ def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None,
 def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     """Mamba2 prefill scan of one sequence from state h0; returns (y [L, H, P], h_L [H, P, N]).
     See engine.kernels.ssd_scan."""
-    impl = ssd_chunk_scan_triton if uses_triton(x) else ssd_chunk_scan_ref
-    return impl(x, dt, A, B, C, h0, chunk_size)
+    if uses_triton(x):
+        return ssd_chunk_scan_triton(x, dt, A, B, C, h0, chunk_size)
+    # x is often a view into the projection's output; the state says whether this is float32 on CPU.
+    if uses_cpu_kernel(h0):  # the reference, with its costliest piece (the chunks' decays) in C++
+        return ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size, segment_decays=cpu.segment_decays_cpu)
+    return ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size)
 
 
 def gated_delta_step(state, slots, q, k, v, g, beta):

@@ -92,6 +92,15 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
     return out
 
 
+def segment_decays_cpu(a):
+    """exp(engine.kernels.ssd_scan._segment_sums(a)) for a [c, l, H]: [c, H, l, l], 0 above the diagonal."""
+    chunks, length, heads = a.shape
+    out = torch.empty(chunks, heads, length, length, dtype=torch.float32)
+    if out.numel():
+        native.call("segment_decays", _f32(a), out, chunks, length, heads)
+    return out
+
+
 def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
     """See engine.kernels.gdn_scan.gated_delta_step_ref."""
     check_step(state, slots, q, k, v, g, beta)

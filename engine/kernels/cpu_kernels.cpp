@@ -116,6 +116,33 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
   }
 }
 
+// Decays between positions of the SSD scan's chunks: for a [chunks, l, H] of per-step log
+// decays, out [chunks, H, l, l] gets exp(a[j+1] + ... + a[i]) at (i, j) for j <= i (the sum
+// taken in that order, as the masked cumsum of engine.kernels.ssd_scan does) and 0 above the
+// diagonal. Sums go down each column; then one vectorised exp per row.
+void segment_decays(const float* a, float* out, int64_t chunks, int64_t length, int64_t heads, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t ch = 0; ch < chunks * heads; ++ch) {
+    const int64_t c = ch / heads, h = ch - c * heads;
+    const float* steps = a + c * length * heads + h;
+    float* block = out + ch * length * length;
+    for (int64_t j = 0; j < length; ++j) {
+      float run = 0.f;
+      block[j * length + j] = 0.f;
+      for (int64_t i = j + 1; i < length; ++i) {
+        run += steps[i * heads];
+        block[i * length + j] = run;
+      }
+    }
+    for (int64_t i = 0; i < length; ++i) {
+      float* row = block + i * length;
+#pragma omp simd
+      for (int64_t j = 0; j <= i; ++j) row[j] = std::exp(row[j]);
+      std::fill(row + i + 1, row + length, 0.f);
+    }
+  }
+}
+
 // Gated DeltaNet decode step, per row (b, h) of S = state[slots[b], h] ([dk, dv]) in place:
 // S *= exp(g) ; S += k (x) ((v - S^T k) * beta) ; o = S^T q. q, k [batch, H, dk] come in
 // prepared (L2-normalised, q scaled, key heads repeated to the value heads); v, o
