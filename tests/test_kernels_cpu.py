@@ -235,3 +235,23 @@ def test_ssd_chunk_scan_takes_the_kernel_and_matches_the_definition(monkeypatch)
     assert calls == [(3, 32, 4)]
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("channels,width,batch", [(64, 4, 5), (7, 2, 1)])
+def test_conv_update(activation, with_bias, channels, width, batch):
+    from engine.kernels.conv_update import causal_conv1d_update_ref
+
+    torch.manual_seed(channels + width + batch)
+    pool = torch.randn(batch + 3, channels, width)
+    slots = torch.randperm(batch + 3)[:batch]
+    x, weight = torch.randn(batch, channels), torch.randn(channels, width)
+    bias = torch.randn(channels) if with_bias else None
+    ours, ref = pool.clone(), pool.clone()
+    y = cpu.causal_conv1d_update_cpu(ours, slots, x, weight, bias, activation)
+    y_ref = causal_conv1d_update_ref(ref, slots, x, weight, bias, activation)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ours, ref)  # the state only shifts: bit for bit
+    _outside_unchanged(ours, pool, slots)
+    assert kernels.uses_cpu_kernel(pool)

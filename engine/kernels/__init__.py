@@ -7,7 +7,7 @@ module; the functions here pick one per call:
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
 - on CPU, for the operations engine.kernels.cpu covers (the Mamba, Mamba2 and Gated DeltaNet
-  decode steps, decode attention), its C++ kernels for float32 tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1
+  decode steps, the conv update, decode attention), its C++ kernels for float32 tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1
   (or no C++ compiler can build them here: engine.kernels.native).
 Triton stays optional: without it every CUDA call takes the reference path.
 """
@@ -119,7 +119,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):
     """Conv decode step, in place at conv_state[slots]; returns [B, D] in x's dtype.
     See engine.kernels.conv_update."""
-    impl = causal_conv1d_update_triton if uses_triton(conv_state) else causal_conv1d_update_ref
+    impl = _pick(conv_state, causal_conv1d_update_triton, cpu.causal_conv1d_update_cpu, causal_conv1d_update_ref)
     return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out)
 
 

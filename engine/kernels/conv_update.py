@@ -19,7 +19,7 @@ ACTIVATIONS = (None, "silu")
 def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None):
     """conv_state: [slots, D, K] (updated in place at rows `slots`); slots: int64 [B];
     x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu". Returns [B, D]."""
-    _check(conv_state, slots, x, weight, bias, activation)
+    check_conv_update(conv_state, slots, x, weight, bias, activation)
     window = torch.cat((conv_state.index_select(0, slots)[:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
     conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
     y = (window * weight.float()).sum(-1)
@@ -34,7 +34,7 @@ def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation
 
 
 def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None):
-    _check(conv_state, slots, x, weight, bias, activation)
+    check_conv_update(conv_state, slots, x, weight, bias, activation)
     batch, d_inner = x.shape
     d_conv = conv_state.shape[2]
     if out is None:
@@ -56,7 +56,7 @@ def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activat
     return out
 
 
-def _check(conv_state, slots, x, weight, bias, activation):
+def check_conv_update(conv_state, slots, x, weight, bias, activation):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if conv_state.dim() != 3 or x.dim() != 2 or weight.shape != conv_state.shape[1:]:

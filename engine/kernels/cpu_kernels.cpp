@@ -56,6 +56,29 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
   }
 }
 
+// Causal depthwise conv, one decode token: per row (b, c) of w = state[slots[b], c] ([K], oldest
+// first) in place: w = (w[1:], x[b, c]) ; y[b, c] = act(w . weight[c] + bias[c]) (silu: 1).
+// state [S, D, K]; x, y [batch, D]; weight [D, K]; bias [D] or null.
+void conv_update(float* state, const int64_t* slots, const float* x, const float* weight,
+                 const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
+                 int64_t silu, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < batch * channels; ++i) {
+    const int64_t b = i / channels, c = i - b * channels;
+    float* w = state + (slots[b] * channels + c) * width;
+    const float* k = weight + c * width;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < width; ++j) {
+      w[j] = w[j + 1];
+      acc += w[j] * k[j];
+    }
+    w[width - 1] = x[i];
+    acc += x[i] * k[width - 1];
+    if (bias != nullptr) acc += bias[c];
+    y[i] = silu ? acc / (1.f + std::exp(-acc)) : acc;
+  }
+}
+
 // Mamba prefill of one sequence: per channel c, from h = h0[c] (updated in place to h_L),
 // h_t = exp(dt[t, c] A[c]) h_{t-1} + dt[t, c] x[t, c] B[t] ; y[t, c] = C[t] . h_t.
 // x, dt, y [L, D]; A, h [D, N]; B, C [L, N]. Channels are split into chunks across threads;
