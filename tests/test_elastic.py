@@ -4,11 +4,13 @@ drain whose deadline forces a hand-over, and a rolling restart, with every strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import threading
 import time
 
 import pytest
+import ray
 
 from engine import LLM, SamplingParams
 from tests.oracle import assert_same_tokens, judge_greedy
@@ -100,9 +102,15 @@ def test_a_drain_deadline_hands_streams_over_without_a_gap(elastic):
         assert time.monotonic() < deadline, "the request was never placed"
         time.sleep(0.01)
     (holder, _), = handle.workers.owner.values()
-    time.sleep(0.5)  # some tokens out already
-    handle._run(scaling.drain(handle.workers, holder, handle._hand_over, timeout_s=0.2))
-    runner.join(timeout=120)
+    # Slowed, so that however fast the engine is the stream is still running at the deadline.
+    ray.get(holder.handle.inject_slow_steps.remote(0.02))
+    try:
+        time.sleep(0.5)  # some tokens out already
+        handle._run(scaling.drain(handle.workers, holder, handle._hand_over, timeout_s=0.2))
+        runner.join(timeout=120)
+    finally:
+        with contextlib.suppress(Exception):  # removed by the drain, unless it failed
+            ray.get(holder.handle.inject_slow_steps.remote(0), timeout=10)
     (out,) = result
     assert out.error is None and len(out.token_ids) == 300
     assert handle.retries - retries == 1  # handed over once, resumed from what was delivered

@@ -300,6 +300,9 @@ def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
     handle, _, _ = rcluster
     limit, long = 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     saved, handle.config.max_queued = handle.config.max_queued, limit
+    workers = handle.workers.prefill + handle.workers.decode
+    # Slowed (60 tokens take over a second), so the first requests are surely still in flight.
+    ray.get([w.handle.inject_slow_steps.remote(0.02) for w in workers])
 
     async def one(i):
         start = time.monotonic()
@@ -320,6 +323,7 @@ def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
         served, refused = asyncio.run(burst())
     finally:
         handle.config.max_queued = saved
+        ray.get([w.handle.inject_slow_steps.remote(0) for w in workers])
     assert [kind for kind, _ in served] == ["served"] * limit
     assert [kind for kind, _ in refused] == ["refused"] * 6
     assert max(took for _, took in refused) < 1.0  # answered at once, not queued
