@@ -32,7 +32,7 @@ from engine.kernels.ssm_update import selective_state_update_ref, selective_stat
 
 __all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "copy_rows", "gather_rows", "gated_delta_step",
            "mamba2_state_update", "paged_attention_decode", "scatter_rows", "selective_scan_varlen",
-           "selective_state_update", "ssd_chunk_scan", "triton_available", "uses_cpu_kernel", "uses_triton"]
+           "selective_state_update", "ssd_chunk_scan", "triton_available", "cpu_kernels_enabled", "uses_cpu_kernel", "uses_triton"]
 
 
 def triton_available() -> bool:
@@ -50,9 +50,15 @@ def uses_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _triton.available()
 
 
+def cpu_kernels_enabled() -> bool:
+    """SPLITSERVE_DISABLE_CPU_KERNELS unset or 0; read per call, so a benchmark can switch the
+    C++ kernels and the packed linears (engine.models.packed_linear) off between runs."""
+    return os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS", "0") in ("", "0")
+
+
 def uses_cpu_kernel(tensor: torch.Tensor) -> bool:
     """Whether an operation engine.kernels.cpu covers runs its C++ kernel on `tensor`."""
-    if os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS", "0") not in ("", "0"):
+    if not cpu_kernels_enabled():
         return False
     return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
             and cpu.available())

@@ -11,7 +11,8 @@ torch as a numba kernel (its launch cost more than the work), pays on torch's ow
 Jamba 64 x 128/128 at 2804-2957 output tok/s against 2426-2743.
 
 Same contracts as the `*_ref` functions they stand for (engine.kernels.ssm_update,
-mamba2_update, paged_attention); float32 arithmetic.
+conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan's segment decays, and
+engine.models.ssm.selective_scan_ref); float32 arithmetic.
 """
 
 from __future__ import annotations

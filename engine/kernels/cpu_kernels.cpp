@@ -1,4 +1,4 @@
-// CPU decode kernels, compiled on first use by engine/kernels/native.py and called through ctypes.
+// CPU kernels (decode steps, and the inner loops of two prefill scans), compiled on first use by engine/kernels/native.py and called through ctypes.
 //
 // Float32 everywhere except ids (int64); every array is contiguous (the Python side makes it so).
 // Loops run on OpenMP with the thread count torch uses: the library links libgomp, which resolves
@@ -27,6 +27,19 @@ inline void for_each_position(const int64_t* table, int64_t first, int64_t conte
   }
 }
 
+// One token of the Mamba recurrence for one channel, s [N] in place:
+// s = exp(dt a) s + u b (u = dt x) ; returns c . s.
+inline float mamba_step(float* s, const float* a, const float* b, const float* c, float dt, float u,
+                        int64_t d_state) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t n = 0; n < d_state; ++n) {
+    s[n] = std::exp(dt * a[n]) * s[n] + u * b[n];
+    acc += s[n] * c[n];
+  }
+  return acc;
+}
+
 }  // namespace
 
 extern "C" {
@@ -40,19 +53,8 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < batch * d_inner; ++i) {
     const int64_t b = i / d_inner, c = i - b * d_inner;
-    float* h = state + (slots[b] * d_inner + c) * d_state;
-    const float* a = A + c * d_state;
-    const float* bb = B + b * d_state;
-    const float* cc = C + b * d_state;
-    const float d = dt[i], u = d * x[i];
-    float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t n = 0; n < d_state; ++n) {
-      const float h_n = h[n] * std::exp(d * a[n]) + u * bb[n];
-      h[n] = h_n;
-      acc += h_n * cc[n];
-    }
-    y[i] = acc;
+    y[i] = mamba_step(state + (slots[b] * d_inner + c) * d_state, A + c * d_state, B + b * d_state,
+                      C + b * d_state, dt[i], dt[i] * x[i], d_state);
   }
 }
 
@@ -95,16 +97,9 @@ void selective_scan(const float* x, const float* dt, const float* A, const float
       const float* bt = B + t * d_state;
       const float* ct = C + t * d_state;
       for (int64_t c = c0; c < c1; ++c) {
-        const float d = dt[t * d_inner + c], u = d * x[t * d_inner + c];
-        const float* a = A + c * d_state;
-        float* s = state.data() + (c - c0) * d_state;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t n = 0; n < d_state; ++n) {
-          s[n] = std::exp(d * a[n]) * s[n] + u * bt[n];
-          acc += s[n] * ct[n];
-        }
-        y[t * d_inner + c] = acc;
+        const float d = dt[t * d_inner + c];
+        y[t * d_inner + c] = mamba_step(state.data() + (c - c0) * d_state, A + c * d_state, bt, ct, d,
+                                        d * x[t * d_inner + c], d_state);
       }
     }
     std::copy(state.begin(), state.end(), h + c0 * d_state);

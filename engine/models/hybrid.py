@@ -174,12 +174,14 @@ class HybridLM(nn.Module):
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of this model's vocab rows (all of them unless sharded)."""
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
+        weight = self._vocab_weight()
         return linear(h.to(weight.dtype), weight, None, self.packed_lm_head).float()
+
+    def _vocab_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.tie_embeddings else self.lm_head.weight
 
     def pack_for_cpu(self) -> int:
         """oneDNN-packed weights for the linears and the LM head (engine.models.packed_linear);
         once the weights are final. Returns how many weights were packed."""
-        weight = self.embed.weight if self.tie_embeddings else self.lm_head.weight
-        self.packed_lm_head = pack(weight)
+        self.packed_lm_head = pack(self._vocab_weight())
         return pack_linears(self) + (self.packed_lm_head is not None)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.packed_linear import linear, pack_stacked
+from engine.models.packed_linear import linear, pack_per_expert
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -115,14 +115,13 @@ class SparseMoE(nn.Module):
 
     def pack_experts(self) -> int:
         """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
-        gate_up, down = pack_stacked(self.gate_up), pack_stacked(self.down)
-        self.packed = (gate_up, down) if gate_up and down else None
+        self.packed = pack_per_expert(self.gate_up, self.down)
         return 2 * self.num_experts if self.packed else 0
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.packed or ((None,) * self.num_experts,) * 2
-        gate, up = linear(x, self.gate_up[expert], None, gate_up[expert]).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.down[expert], None, down[expert])
+        gate_up, down = self.packed[expert] if self.packed else (None, None)
+        gate, up = linear(x, self.gate_up[expert], None, gate_up).chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down[expert], None, down)
 
 
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.checkpoint import ConfigReader
 from engine.models.layers import activation, dispatch_experts
-from engine.models.packed_linear import linear, pack_stacked
+from engine.models.packed_linear import linear, pack_per_expert
 
 
 class NemotronMLP(nn.Module):
@@ -105,13 +105,12 @@ class NemotronMoE(nn.Module):
 
     def pack_experts(self) -> int:
         """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
-        up, down = pack_stacked(self.up), pack_stacked(self.down)
-        self.packed = (up, down) if up and down else None
+        self.packed = pack_per_expert(self.up, self.down)
         return 2 * self.num_experts if self.packed else 0
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        up, down = self.packed or ((None,) * self.num_experts,) * 2
-        return linear(self.act(linear(x, self.up[expert], None, up[expert])), self.down[expert], None, down[expert])
+        up, down = self.packed[expert] if self.packed else (None, None)
+        return linear(self.act(linear(x, self.up[expert], None, up)), self.down[expert], None, down)
 
 
 def _experts(weights, p: str, part: str) -> torch.Tensor:

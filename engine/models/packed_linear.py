@@ -15,11 +15,12 @@ order); the transformers judge compares tokens as for any kernel change.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_kernels_enabled as enabled
 
 MIN_ROWS = 8
 PACK_HINT_ROWS = 64  # oneDNN picks the packed layout for this batch; any row count runs on it
@@ -30,11 +31,6 @@ def supported(weight: torch.Tensor) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def enabled() -> bool:
-    """Checked per call, so a benchmark can switch it off between runs of one engine."""
-    return os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS", "0") in ("", "0")
-
-
 def pack(weight: torch.Tensor):
     """oneDNN's packed copy of a [out, in] weight, or None where it does not apply."""
     if not supported(weight):
@@ -42,11 +38,12 @@ def pack(weight: torch.Tensor):
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
 
 
-def pack_stacked(weights: torch.Tensor) -> list | None:
-    """Packed copies of each [out, in] slice of stacked expert weights [experts, out, in]."""
-    if weights.dim() != 3 or not supported(weights[0]):
+def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
+    """For each expert, the packed copies of its [out, in] slice of every stacked weight
+    [experts, out, in] given; None where packing does not apply."""
+    if any(s.dim() != 3 or not supported(s[0]) for s in stacks):
         return None
-    return [pack(w) for w in weights]
+    return list(zip(*([pack(w) for w in s] for s in stacks)))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
