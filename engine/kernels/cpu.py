@@ -142,3 +142,81 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
         return result.to(q.dtype)
     out.copy_(result)
     return out
+
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim of a contiguous float32 x. With
+    `add` (same shape, contiguous), x += add first, in place, and the sum is what gets
+    normalised: the residual add and the next norm in one pass."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    if add is not None and add.shape != x.shape:
+        raise ValueError(f"rms_norm: add's shape {tuple(add.shape)} differs from x's {tuple(x.shape)}")
+    if not x.is_contiguous() or (add is not None and not add.is_contiguous()):
+        raise ValueError("rms_norm: x and add must be contiguous")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if rows:
+        native.call("rms_norm", x, add, _f32(weight), out, rows, cols, cols, float(eps))
+    return out
+
+
+def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for [rows, cols] float32 gate and up with unit column stride and one row
+    stride (two contiguous projections, or the halves of one gate-up projection read in place)."""
+    rows, cols = gate.shape
+    if up.shape != gate.shape or up.stride() != gate.stride() or gate.stride(1) != 1:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)}/{gate.stride()} and up "
+                         f"{tuple(up.shape)}/{up.stride()} need one shape, unit column stride, one row stride")
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    if out.numel():
+        native.call("silu_mul", gate, up, out, rows, cols, gate.stride(0))
+    return out
+
+
+def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of contiguous x [tokens, heads, head_dim] in place on its first
+    cos.shape[1] dims, cos and sin [tokens, rotary_dim] contiguous float32; returns x."""
+    tokens, heads, head_dim = x.shape
+    if cos.shape != sin.shape or cos.shape[0] != tokens or cos.shape[1] > head_dim or cos.shape[1] % 2:
+        raise ValueError(f"rotary: tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if x.numel():
+        native.call("rotary", x, cos, sin, tokens, heads, head_dim, cos.shape[1])
+    return x
+
+
+def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Mamba's (y + x * D) * silu(z), written into contiguous float32 y [rows, cols] and returned;
+    x and z float32 with unit column stride (views into the projections are fine)."""
+    rows, cols = y.shape
+    if not y.is_contiguous() or x.shape != y.shape or z.shape != y.shape or x.stride(1) != 1 or z.stride(1) != 1:
+        raise ValueError(f"gated_skip: y {tuple(y.shape)} contiguous, x and z of its shape with unit column stride")
+    if y.numel():
+        native.call("gated_skip", y, x, x.stride(0), _f32(D), z, z.stride(0), y, rows, cols)
+    return y
+
+
+def bias_softplus_cpu(dt: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """softplus(dt + bias) into contiguous float32 dt [rows, cols], returned."""
+    if not dt.is_contiguous() or dt.dim() != 2 or bias.shape != dt.shape[1:]:
+        raise ValueError(f"bias_softplus: dt {tuple(dt.shape)} contiguous 2-D, bias {tuple(bias.shape)} one per column")
+    if dt.numel():
+        native.call("bias_softplus", dt, _f32(bias), *dt.shape)
+    return dt
+
+
+def causal_conv_prefill_cpu(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                            fresh: bool, silu: bool, out: torch.Tensor) -> torch.Tensor:
+    """One sequence's causal depthwise conv (see engine.models.ssm.varlen_causal_conv), its
+    state [channels, width] (the last width inputs, oldest first; read unless `fresh`) updated in
+    place; x [length, channels] with unit column stride, out contiguous; silu applied if asked."""
+    length, channels = x.shape
+    width = weight.shape[1]
+    if (x.stride(1) != 1 or state.shape != (channels, width) or not state.is_contiguous()
+            or out.shape != x.shape or not out.is_contiguous()):
+        raise ValueError(f"causal_conv_prefill: x {tuple(x.shape)}, state {tuple(state.shape)}, "
+                         f"out {tuple(out.shape)} do not fit weight {tuple(weight.shape)}")
+    if length:
+        native.call("causal_conv_prefill", x, x.stride(0), _pool(state, "conv state"), _f32(weight),
+                    _f32(bias) if bias is not None else None, out, length, channels, width, int(fresh), int(silu))
+    return out

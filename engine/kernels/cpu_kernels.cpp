@@ -1,6 +1,7 @@
-// CPU kernels (decode steps, and the inner loops of two prefill scans), compiled on first use by engine/kernels/native.py and called through ctypes.
+// CPU kernels (decode steps, the inner loops of two prefill scans, elementwise epilogues), compiled on first use by engine/kernels/native.py and called through ctypes.
 //
-// Float32 everywhere except ids (int64); every array is contiguous (the Python side makes it so).
+// Float32 everywhere except ids (int64); every array is contiguous (the Python side makes it so)
+// or has the row stride it is passed with.
 // Loops run on OpenMP with the thread count torch uses: the library links libgomp, which resolves
 // to the copy torch has already loaded, so these loops run on torch's own worker threads instead
 // of a second pool competing with them for the same cores.
@@ -268,6 +269,139 @@ void paged_attention_decode(const float* q, const float* k_cache, const float* v
         }
       });
     }
+  }
+}
+
+// ---- Elementwise epilogues (any model) -------------------------------------------------------
+// Each replaces a chain of torch ops that each read and write the whole tensor; in decode the
+// tensors are small and the chain costs its per-op dispatch more than its arithmetic.
+
+// RMSNorm of each row: out = weight * x * (mean(x^2) + eps)^-1/2. With `add` non-null, x is
+// first replaced in place by x + add (the residual stream) and that sum is normalised.
+// x, add, out [rows, cols] (rows `x_stride` apart in x and add, `cols` apart in out).
+void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
+              int64_t x_stride, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    float* xr = x + r * x_stride;
+    float sum = 0.f;
+    if (add != nullptr) {
+      const float* ar = add + r * x_stride;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) {
+        xr[c] += ar[c];
+        sum += xr[c] * xr[c];
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+    float* o = out + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) o[c] = weight[c] * (xr[c] * inv);
+  }
+}
+
+// SwiGLU's product: out[r, c] = silu(gate[r, c]) * up[r, c]; gate and up rows are `in_stride`
+// apart (one [rows, 2 * cols] projection read in place: up = gate + cols), out rows `cols` apart.
+void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int64_t cols, int64_t in_stride,
+              int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * in_stride;
+    const float* u = up + r * in_stride;
+    float* o = out + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) o[c] = g[c] / (1.f + std::exp(-g[c])) * u[c];
+  }
+}
+
+// Rotary embedding in place, rotate-half style, on the first rotary_dim of each head:
+// x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (halves of rotary_dim), cos and sin [tokens,
+// rotary_dim] per token (scaling already applied). x [tokens, heads, head_dim], contiguous.
+void rotary(float* x, const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
+            int64_t rotary_dim, int threads) {
+  const int64_t half = rotary_dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * head_dim >= 32768)
+  for (int64_t i = 0; i < tokens * heads; ++i) {
+    const int64_t t = i / heads;
+    float* v = x + i * head_dim;
+    const float* ct = cos + t * rotary_dim;
+    const float* st = sin + t * rotary_dim;
+#pragma omp simd
+    for (int64_t j = 0; j < half; ++j) {
+      const float a = v[j], b = v[j + half];
+      v[j] = a * ct[j] - b * st[j];
+      v[j + half] = b * ct[j + half] + a * st[j + half];
+    }
+  }
+}
+
+// Mamba's output gate with the skip: out[t, c] = (y[t, c] + x[t, c] D[c]) * silu(z[t, c]); x and z
+// rows `x_stride` and `z_stride` apart (z read in place from the input projection), y and out
+// contiguous (out may be y).
+void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
+                int64_t z_stride, float* out, int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    const float* zr = z + r * z_stride;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c)
+      out[r * cols + c] = (y[r * cols + c] + xr[c] * D[c]) * (zr[c] / (1.f + std::exp(-zr[c])));
+  }
+}
+
+// dt = softplus(dt + bias) in place (torch's threshold: above 20, softplus(v) = v); dt [rows, cols].
+void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = dt[r * cols + c] + bias[c];
+      dt[r * cols + c] = v > 20.f ? v : std::log1p(std::exp(v));
+    }
+  }
+}
+
+// Causal depthwise conv over one sequence's prefill, continuing from its state (the last `width`
+// inputs before it, oldest first; zeros when `fresh`): out[t, c] = act(bias[c] + sum_j
+// weight[c, j] in[t - width + 1 + j, c]), `in` being the state then x. The state becomes the last
+// `width` inputs. x rows `x_stride` apart; out [length, channels]; state [channels, width].
+void causal_conv_prefill(const float* x, int64_t x_stride, float* state, const float* weight, const float* bias,
+                         float* out, int64_t length, int64_t channels, int64_t width, int64_t fresh,
+                         int64_t silu, int threads) {
+  constexpr int64_t kChunk = 16;
+  const int64_t chunks = (channels + kChunk - 1) / kChunk;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int64_t c0 = chunk * kChunk, n = std::min(kChunk, channels - c0);
+    // Per tap j, this chunk's weights and its history (position j - width, oldest first).
+    std::vector<float> w(width * kChunk), history(width * kChunk, 0.f);
+    for (int64_t cc = 0; cc < n; ++cc)
+      for (int64_t j = 0; j < width; ++j) {
+        w[j * kChunk + cc] = weight[(c0 + cc) * width + j];
+        if (!fresh) history[j * kChunk + cc] = state[(c0 + cc) * width + j];
+      }
+    auto row = [&](int64_t pos) {  // this chunk's inputs at position pos (from -width)
+      return pos < 0 ? history.data() + (pos + width) * kChunk : x + pos * x_stride + c0;
+    };
+    for (int64_t t = 0; t < length; ++t) {
+      float acc[kChunk];
+      for (int64_t cc = 0; cc < kChunk; ++cc) acc[cc] = bias != nullptr && cc < n ? bias[c0 + cc] : 0.f;
+      for (int64_t j = 0; j < width; ++j) {
+        const float* in = row(t - width + 1 + j);
+        const float* wj = w.data() + j * kChunk;
+#pragma omp simd
+        for (int64_t cc = 0; cc < n; ++cc) acc[cc] += wj[cc] * in[cc];
+      }
+      float* o = out + t * channels + c0;
+#pragma omp simd
+      for (int64_t cc = 0; cc < n; ++cc) o[cc] = silu ? acc[cc] / (1.f + std::exp(-acc[cc])) : acc[cc];
+    }
+    for (int64_t cc = 0; cc < n; ++cc)
+      for (int64_t j = 0; j < width; ++j) state[(c0 + cc) * width + j] = row(length - width + j)[cc];
   }
 }
 

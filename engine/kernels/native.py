@@ -42,6 +42,12 @@ SIGNATURES = {
     "segment_decays": [P, P, I64, I64, I64, INT],
     "gated_delta_step": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
+    "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
+    "silu_mul": [P, P, P, I64, I64, I64, INT],
+    "rotary": [P, P, P, I64, I64, I64, I64, INT],
+    "gated_skip": [P, P, I64, P, P, I64, P, I64, I64, INT],
+    "bias_softplus": [P, P, I64, I64, INT],
+    "causal_conv_prefill": [P, I64, P, P, P, P, I64, I64, I64, I64, I64, INT],
 }
 
 

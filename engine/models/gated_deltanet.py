@@ -22,7 +22,7 @@ from engine.kernels import chunk_gated_delta_rule, gated_delta_step
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
-from engine.models.ssm import varlen_causal_conv
+from engine.models.ssm import conv_then_act
 from engine.phase import Phase
 
 
@@ -92,7 +92,7 @@ class GatedDeltaNetMixer(nn.Module):
         conv_state, recurrent_state = state
         tokens = hidden.shape[0]
         qkv, z, b, a = self.split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        qkv = self.act(varlen_causal_conv(qkv, batch, conv_state, self.conv_weight, None))
+        qkv = conv_then_act(self.act, qkv, batch, conv_state, self.conv_weight, None)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_head_dim)
         k = k.view(tokens, self.num_k_heads, self.k_head_dim)

@@ -130,11 +130,17 @@ class DecoderLayer(nn.Module):
         cache = caches.kv[index] if self.uses_kv else caches.state[index]
         residual = h.float() if self.residual_fp32 else h
         mixed = self.mixer(self.input_norm(h.to(self.input_norm.weight.dtype)), batch, cache)
-        h = residual + (mixed if self.residual_scale == 1.0 else mixed * self.residual_scale)
-        if self.ffn is not None:
-            out = self.ffn(self.ffn_norm(h))
-            h = h + (out if self.residual_scale == 1.0 else out * self.residual_scale)
-        return h
+        if self.residual_scale != 1.0:
+            mixed = mixed * self.residual_scale
+        if self.ffn is None:
+            return residual + mixed
+        if hasattr(self.ffn_norm, "add_and_norm"):  # the add and the norm in one pass (a CPU kernel)
+            h, normed = self.ffn_norm.add_and_norm(mixed, residual)
+        else:
+            h = residual + mixed
+            normed = self.ffn_norm(h)
+        out = self.ffn(normed)
+        return h + (out if self.residual_scale == 1.0 else out * self.residual_scale)
 
 
 class HybridLM(nn.Module):

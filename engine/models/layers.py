@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu, uses_cpu_kernel
 from engine.models.packed_linear import linear, pack_per_expert
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -28,10 +29,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._runs_kernel(x):
+            return cpu.rms_norm_cpu(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm). On the CPU kernel path one pass does both and the sum is
+        written into x, so x must be the caller's own (a mixer's fresh output)."""
+        if x.shape == residual.shape and self._runs_kernel(x) and uses_cpu_kernel(residual):
+            return x, cpu.rms_norm_cpu(x, self.weight, self.eps, add=residual)
+        h = residual + x
+        return h, self(h)
+
+    def _runs_kernel(self, x: torch.Tensor) -> bool:
+        return self.weight.dtype == torch.float32 and uses_cpu_kernel(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -70,7 +84,10 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.act is F.silu and uses_cpu_kernel(gate) and uses_cpu_kernel(up):
+            return self.down_proj(cpu.silu_mul_cpu(gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class SummedFFN(nn.Module):
@@ -120,7 +137,10 @@ class SparseMoE(nn.Module):
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.packed[expert] if self.packed else (None, None)
-        gate, up = linear(x, self.gate_up[expert], None, gate_up).chunk(2, dim=-1)
+        projected = linear(x, self.gate_up[expert], None, gate_up)
+        gate, up = projected.chunk(2, dim=-1)
+        if self.act is F.silu and uses_cpu_kernel(projected):
+            return linear(cpu.silu_mul_cpu(gate, up), self.down[expert], None, down)
         return linear(self.act(gate) * up, self.down[expert], None, down)
 
 
@@ -179,16 +199,34 @@ class RotaryEmbedding(nn.Module):
                              "dynamic, llama3, yarn)")
         self.rotary_dim = 2 * inv_freq.shape[0]  # as transformers: an odd rotary_dim rounds up
         self.inv_freq = inv_freq
+        self._tables_for = (None, None)  # (a copy of the positions, (cos, sin))
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> rotated copies."""
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> rotated. On the CPU kernel
+        path q and k are rotated in place (callers pass their fresh projections)."""
+        cos, sin = self._tables(positions, q.dtype)
+        if uses_cpu_kernel(q) and uses_cpu_kernel(k) and uses_cpu_kernel(cos):
+            return cpu.rotary_cpu(q, cos, sin), cpu.rotary_cpu(k, cos, sin)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and sin [T, rotary_dim] of these positions. One instance serves every layer of a
+        model, so on CPU they are computed once per forward and kept, with a copy of the positions
+        they are for, while the positions asked for are equal. Not on GPUs, where a CUDA graph
+        capture must record the computation itself."""
+        cached, tables = self._tables_for
+        if (cached is not None and cached.shape == positions.shape and positions.device.type == "cpu"
+                and tables[0].dtype == dtype and torch.equal(cached, positions)):
+            return tables
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(q.dtype)[:, None, :]
-        sin = (emb.sin() * self.attention_scaling).to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
+        tables = ((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype))
+        if positions.device.type == "cpu":
+            self._tables_for = (positions.clone(), tables)
+        return tables
 
 
 def _rotate(x, cos, sin, rotary_dim):

@@ -22,7 +22,7 @@ from engine.kernels.mamba2_update import process_dt
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
-from engine.models.ssm import varlen_causal_conv
+from engine.models.ssm import conv_then_act
 from engine.phase import Phase
 
 
@@ -62,7 +62,7 @@ class Mamba2Mixer(nn.Module):
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         conv_state, ssm_state = state
         z, xbc, dt = self.split_projection(self.in_proj(hidden))
-        xbc = self.act(varlen_causal_conv(xbc, batch, conv_state, self.conv_weight, self.conv_bias))
+        xbc = conv_then_act(self.act, xbc, batch, conv_state, self.conv_weight, self.conv_bias)
         x, B, C = torch.split(xbc, [self.d_ssm, self.n_groups * self.d_state,
                                     self.n_groups * self.d_state], dim=-1)
         tokens = x.shape[0]

@@ -107,7 +107,11 @@ class MambaMixer(nn.Module):
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.dt_norm is not None:
             dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
-        dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
+        dt = dt @ self.dt_proj.weight.t()
+        if uses_cpu_kernel(dt):
+            cpu.bias_softplus_cpu(dt, self.dt_proj.bias)
+        else:
+            dt = F.softplus(dt + self.dt_proj.bias.float())
         A = -torch.exp(self.A_log.float())
         y = torch.empty_like(x, dtype=torch.float32)
         if batch.prefill_rows:
@@ -116,7 +120,10 @@ class MambaMixer(nn.Module):
             idx, slots = batch.decode_token_index, batch.decode_slots
             y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
                                             B[idx].float(), C[idx].float())
-        y = (y + x * self.D) * F.silu(gate)
+        if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
+            y = cpu.gated_skip_cpu(y, x, self.D, gate)
+        else:
+            y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
@@ -143,31 +150,46 @@ class MambaMixer(nn.Module):
             ssm_state[slot] = h.to(ssm_state.dtype)
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
-        return self.act(varlen_causal_conv(x, batch, conv_state, self.conv_weight, self.conv_bias))
+        return conv_then_act(self.act, x, batch, conv_state, self.conv_weight, self.conv_bias)
+
+
+def conv_then_act(act, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """act(varlen_causal_conv(...)), with SiLU fused into the conv where it is SiLU."""
+    if act is F.silu:
+        return varlen_causal_conv(x, batch, conv_state, weight, bias, silu=True)
+    return act(varlen_causal_conv(x, batch, conv_state, weight, bias))
 
 
 def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
-                       weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Causal depthwise conv over each sequence (no activation), continuing from and updating
-    its state: conv_state[slot] holds the sequence's last d_conv inputs, oldest first.
+                       weight: torch.Tensor, bias: torch.Tensor | None, silu: bool = False) -> torch.Tensor:
+    """Causal depthwise conv over each sequence (then SiLU if `silu`), continuing from and
+    updating its state: conv_state[slot] holds the sequence's last d_conv inputs, oldest first.
 
     x: [T, channels]; weight: [channels, d_conv]. FRESH_PREFILL rows start from explicit zeros
-    and only write their slot; other rows read it.
+    and only write their slot; other rows read it. On CPU in float32 each prefill row is one
+    C++ pass (engine.kernels.cpu.causal_conv_prefill_cpu) instead of a concat, a conv and copies.
     """
     channels, d_conv = weight.shape
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    kernel = uses_cpu_kernel(conv_state) and x.dtype == torch.float32 and x.stride(-1) == 1
     for row in batch.prefill_rows:
         start, end = batch.query_starts[row], batch.query_starts[row + 1]
         slot = batch.state_slots[row]
-        if batch.phases[row] is Phase.FRESH_PREFILL:
+        fresh = batch.phases[row] is Phase.FRESH_PREFILL
+        if kernel:
+            cpu.causal_conv_prefill_cpu(x[start:end], conv_state[slot], weight, bias, fresh, silu, out[start:end])
+            continue
+        if fresh:
             history = torch.zeros(channels, d_conv, dtype=x.dtype, device=x.device)
         else:
             history = conv_state[slot].to(x.dtype)
         window = torch.cat((history, x[start:end].t()), dim=1)  # [channels, d_conv + L]
         conv = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)
-        out[start:end] = conv[0, :, -(end - start):].t()
+        conv = conv[0, :, -(end - start):].t()
+        out[start:end] = F.silu(conv) if silu else conv
         conv_state[slot] = window[:, -d_conv:].to(conv_state.dtype)
     if batch.decode_rows:
         idx, slots = batch.decode_token_index, batch.decode_slots
-        out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias)
+        out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation="silu" if silu else None)
     return out

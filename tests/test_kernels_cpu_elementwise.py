@@ -1,0 +1,169 @@
+"""The C++ elementwise epilogues (RMSNorm with the residual add, SwiGLU's product, rotary) against
+the torch code they replace, both as kernels and through the layers that dispatch to them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import cpu
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, _rotate
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler here")
+
+
+def _reference_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (5, 256), (300, 200), (3, 4, 32)])
+def test_rms_norm(shape):
+    torch.manual_seed(sum(shape))
+    x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    before = x.clone()
+    out = cpu.rms_norm_cpu(x, weight, 1e-6)
+    torch.testing.assert_close(out, _reference_norm(x, weight, 1e-6), atol=1e-5, rtol=1e-5)
+    assert torch.equal(x, before), "the norm without `add` wrote into its input"
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8), (64, 256), (300, 200)])
+def test_rms_norm_with_the_residual_add(rows, cols):
+    torch.manual_seed(rows)
+    x, residual, weight = torch.randn(rows, cols), torch.randn(rows, cols), torch.randn(cols)
+    residual_before = residual.clone()
+    expected_sum = residual + x
+    out = cpu.rms_norm_cpu(x, weight, 1e-5, add=residual)
+    assert torch.equal(x, expected_sum), "the sum must be exactly residual + x"
+    assert torch.equal(residual, residual_before)
+    torch.testing.assert_close(out, _reference_norm(expected_sum, weight, 1e-5), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="shape"):
+        cpu.rms_norm_cpu(x, weight, 1e-5, add=residual[:, 1:])
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 3), (64, 768), (129, 100)])
+def test_silu_mul_on_two_tensors_and_on_the_halves_of_one(rows, cols):
+    torch.manual_seed(cols)
+    gate_up = torch.randn(rows, 2 * cols) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(cpu.silu_mul_cpu(gate, up), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.silu_mul_cpu(gate.contiguous(), up.contiguous()), expected,
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="stride"):
+        cpu.silu_mul_cpu(gate, torch.randn(rows, cols + 1)[:, :cols])  # another row stride
+
+
+@pytest.mark.parametrize("heads,head_dim,rotary_dim", [(8, 32, 32), (3, 16, 8), (1, 10, 10)])
+def test_rotary_in_place(heads, head_dim, rotary_dim):
+    torch.manual_seed(heads * head_dim)
+    tokens = 7
+    x = torch.randn(tokens, heads, head_dim)
+    angles = torch.rand(tokens, rotary_dim // 2) * 50
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    expected = _rotate(x, cos[:, None, :], sin[:, None, :], rotary_dim)
+    out = cpu.rotary_cpu(x, cos, sin)
+    assert out is x
+    torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="tables"):
+        cpu.rotary_cpu(x, cos[:-1], sin[:-1])
+
+
+def _with_and_without_kernels(monkeypatch, run):
+    ours = run()
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    reference = run()
+    monkeypatch.delenv("SPLITSERVE_DISABLE_CPU_KERNELS")
+    return ours, reference
+
+
+def test_layers_take_the_kernels_and_agree_with_their_torch_paths(monkeypatch):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-6)
+    norm.weight.data = torch.randn(64)
+    x, residual = torch.randn(9, 64), torch.randn(9, 64)
+    calls = []
+    for name in ("rms_norm_cpu", "silu_mul_cpu", "rotary_cpu"):
+        original = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+
+    ours, ref = _with_and_without_kernels(monkeypatch, lambda: norm(x))
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    (h, normed), (h_ref, normed_ref) = _with_and_without_kernels(
+        monkeypatch, lambda: norm.add_and_norm(x.clone(), residual))
+    assert torch.equal(h, h_ref)
+    torch.testing.assert_close(normed, normed_ref, atol=1e-5, rtol=1e-5)
+
+    mlp = GatedMLP(64, 96, "silu")
+    moe = SparseMoE(64, 48, num_experts=4, top_k=2, act="silu", normalize_top_k=True)
+    for p in moe.parameters():
+        p.data = torch.randn_like(p) * 0.2
+    for module in (mlp, moe):
+        ours, ref = _with_and_without_kernels(monkeypatch, lambda: module(x))
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+    rotary = RotaryEmbedding(16, 16, 10000.0, None, 4096)
+    q, k = torch.randn(9, 4, 16), torch.randn(9, 2, 16)
+    positions = torch.arange(100, 109)
+    ours, ref = _with_and_without_kernels(monkeypatch, lambda: rotary(positions, q.clone(), k.clone()))
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert calls.count("rms_norm_cpu") == 2 and "silu_mul_cpu" in calls and calls.count("rotary_cpu") == 2
+
+
+def test_rotary_tables_are_reused_only_for_equal_positions():
+    rotary = RotaryEmbedding(8, 8, 10000.0, None, 4096)
+    positions = torch.tensor([3, 4, 5])
+    first = rotary._tables(positions, torch.float32)
+    assert rotary._tables(positions.clone(), torch.float32) is first  # the next layer, same step
+    positions[1] = 40  # a buffer refilled in place for the next step must not see stale tables
+    refreshed = rotary._tables(positions, torch.float32)
+    assert refreshed is not first
+    emb = positions.float()[:, None] * rotary.inv_freq[None, :]
+    torch.testing.assert_close(refreshed[0], torch.cat((emb, emb), dim=-1).cos())
+    assert rotary._tables(torch.tensor([3, 40]), torch.float32)[0].shape[0] == 2
+
+
+def test_gated_skip_and_bias_softplus():
+    torch.manual_seed(1)
+    projected = torch.randn(33, 80) * 3
+    x, z = torch.randn(33, 40), projected[:, 40:]
+    y, D = torch.randn(33, 40), torch.randn(40)
+    expected = (y + x * D) * F.silu(z)
+    assert cpu.gated_skip_cpu(y, x, D, z) is y
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+    dt, bias = torch.randn(17, 40) * 15, torch.randn(40) * 10  # both sides of the threshold at 20
+    expected = F.softplus(dt + bias)
+    torch.testing.assert_close(cpu.bias_softplus_cpu(dt, bias), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="gated_skip"):
+        cpu.gated_skip_cpu(y.t(), x.t(), D, z.t())
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("length,channels,width", [(1, 5, 4), (3, 20, 4), (40, 37, 2), (9, 16, 1)])
+def test_causal_conv_prefill_matches_varlen_conv(fresh, silu, length, channels, width):
+    """Against the torch path of engine.models.ssm.varlen_causal_conv, on a view of a wider
+    projection, from a NaN-poisoned slot when fresh (it must read zeros, not the slot)."""
+    from engine.models.ssm import varlen_causal_conv
+    from engine.phase import Phase
+
+    class OneRow:
+        prefill_rows, decode_rows, query_starts, state_slots = [0], [], [0, length], [1]
+        phases = [Phase.FRESH_PREFILL if fresh else Phase.CONTINUED_PREFILL]
+
+    torch.manual_seed(length * channels + width)
+    x = torch.randn(length, channels + 3)[:, 1:channels + 1]
+    weight, bias = torch.randn(channels, width), torch.randn(channels)
+    pool = torch.randn(3, channels, width)
+    if fresh:
+        pool[1] = float("nan")
+    ours_pool, ref_pool = pool.clone(), pool.clone()
+    out = torch.full((length, channels), float("nan"))
+    cpu.causal_conv_prefill_cpu(x, ours_pool[1], weight, bias, fresh, silu, out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+        expected = varlen_causal_conv(x, OneRow, ref_pool, weight, bias, silu=silu)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_pool, ref_pool, atol=0, rtol=0, equal_nan=True)
