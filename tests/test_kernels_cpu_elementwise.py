@@ -68,6 +68,15 @@ def test_rotary_in_place(heads, head_dim, rotary_dim):
     torch.testing.assert_close(x, expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="tables"):
         cpu.rotary_cpu(x, cos[:-1], sin[:-1])
+    # A column block of a wider projection (q of a fused q/k/v): rotated in place, neighbours untouched.
+    fused = torch.randn(tokens, heads * head_dim + 5)
+    block = fused[:, : heads * head_dim].view(tokens, heads, head_dim)
+    expected, tail = _rotate(block, cos[:, None, :], sin[:, None, :], rotary_dim), fused[:, -5:].clone()
+    cpu.rotary_cpu(block, cos, sin)
+    torch.testing.assert_close(block, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fused[:, -5:], tail)
+    with pytest.raises(ValueError, match="heads contiguous"):
+        cpu.rotary_cpu(torch.randn(tokens, head_dim, heads).transpose(1, 2), cos, sin)
 
 
 def _with_and_without_kernels(monkeypatch, run):

@@ -53,3 +53,34 @@ def test_pack_linears_routes_plain_linears_and_leaves_subclasses():
     torch.testing.assert_close(model[2](model[1](model[0](x))), before, atol=1e-4, rtol=1e-4)
     assert "packed_weight" not in model.state_dict() and len(model.state_dict()) == 6
     assert packed_linear.enabled()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_projections_match_their_linears(bias):
+    """q/k/v (or gate/up) as one packed GEMM: column views equal to each linear's own output;
+    pack_linears packs the fused set once and leaves its members unpacked; few rows and
+    disabled kernels take the linears one by one, exactly."""
+    from engine.models.attention import PagedAttention
+    from engine.models.layers import GatedMLP
+    from engine.models.packed_linear import fused_linear, pack_fused
+
+    torch.manual_seed(3)
+    parts = [nn.Linear(32, n, bias=bias) for n in (48, 16, 16)]
+    x = torch.randn(40, 32)
+    fused = pack_fused(*parts)
+    outputs = fused_linear(x, fused, *parts)
+    for out, part in zip(outputs, parts):
+        assert out.shape == (40, part.out_features)
+        torch.testing.assert_close(out, F.linear(x, part.weight, part.bias), atol=1e-4, rtol=1e-4)
+    small = x[: MIN_ROWS - 1]
+    for out, part in zip(fused_linear(small, fused, *parts), parts):
+        assert torch.equal(out, F.linear(small, part.weight, part.bias))
+    assert pack_fused(nn.Linear(32, 8), nn.Linear(16, 8)) is None  # different inputs
+    assert pack_fused(nn.Linear(32, 8), nn.Linear(32, 8, bias=False)) is None
+
+    attention = PagedAttention(32, 4, 2, 8, qkv_bias=bias, out_bias=False, rotary=None)
+    mlp = GatedMLP(32, 24, "silu")
+    model = nn.ModuleList([attention, mlp])
+    assert pack_linears(model) == 2 + 2  # qkv, gate-up; o_proj and down_proj on their own
+    assert attention.qkv_fused is not None and mlp.gate_up_fused is not None
+    assert not hasattr(attention.q_proj, "packed_weight") and hasattr(attention.o_proj, "packed_weight")

@@ -175,14 +175,23 @@ def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of contiguous x [tokens, heads, head_dim] in place on its first
-    cos.shape[1] dims, cos and sin [tokens, rotary_dim] contiguous float32; returns x."""
+    """Rotate-half RoPE of float32 x [tokens, heads, head_dim] in place on its first
+    cos.shape[1] dims (each token's heads contiguous, any token stride: a column block of a
+    fused projection will do), cos and sin [tokens, rotary_dim] contiguous float32; returns x."""
     tokens, heads, head_dim = x.shape
     if cos.shape != sin.shape or cos.shape[0] != tokens or cos.shape[1] > head_dim or cos.shape[1] % 2:
         raise ValueError(f"rotary: tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if not rows_of_heads(x) or not cos.is_contiguous() or not sin.is_contiguous():
+        raise ValueError(f"rotary: x {tuple(x.shape)} with strides {x.stride()} needs each token's heads contiguous")
     if x.numel():
-        native.call("rotary", x, cos, sin, tokens, heads, head_dim, cos.shape[1])
+        native.call("rotary", x, x.stride(0), cos, sin, tokens, heads, head_dim, cos.shape[1])
     return x
+
+
+def rows_of_heads(x: torch.Tensor) -> bool:
+    """A float32 CPU [tokens, heads, head_dim] whose tokens each hold their heads contiguously."""
+    return (x.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2])
 
 
 def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:

@@ -359,14 +359,15 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int6
 
 // Rotary embedding in place, rotate-half style, on the first rotary_dim of each head:
 // x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin (halves of rotary_dim), cos and sin [tokens,
-// rotary_dim] per token (scaling already applied). x [tokens, heads, head_dim], contiguous.
-void rotary(float* x, const float* cos, const float* sin, int64_t tokens, int64_t heads, int64_t head_dim,
-            int64_t rotary_dim, int threads) {
+// rotary_dim] per token (scaling already applied). x [tokens, heads, head_dim], tokens `x_stride`
+// apart (q, k and v may be column blocks of one projection), each token's heads contiguous.
+void rotary(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+            int64_t head_dim, int64_t rotary_dim, int threads) {
   const int64_t half = rotary_dim / 2;
 #pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * head_dim >= 32768)
   for (int64_t i = 0; i < tokens * heads; ++i) {
     const int64_t t = i / heads;
-    float* v = x + i * head_dim;
+    float* v = x + t * x_stride + (i - t * heads) * head_dim;
     const float* ct = cos + t * rotary_dim;
     const float* st = sin + t * rotary_dim;
 #pragma omp simd

@@ -44,7 +44,7 @@ SIGNATURES = {
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
     "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
     "silu_mul": [P, P, P, I64, I64, I64, INT],
-    "rotary": [P, P, P, I64, I64, I64, I64, INT],
+    "rotary": [P, I64, P, P, I64, I64, I64, I64, INT],
     "gated_skip": [P, P, I64, P, P, I64, P, I64, I64, INT],
     "bias_softplus": [P, P, I64, I64, INT],
     "causal_conv_prefill": [P, I64, P, P, P, P, I64, I64, I64, I64, I64, INT],

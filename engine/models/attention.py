@@ -15,6 +15,7 @@ from engine.kernels import paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
+from engine.models.packed_linear import fused_linear, pack_fused
 
 
 class PagedAttention(nn.Module):
@@ -33,6 +34,15 @@ class PagedAttention(nn.Module):
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5 if scale is None else scale
+        self.qkv_fused = None
+
+    def pack_weights(self) -> int:
+        """q, k and v as one packed GEMM on CPU (engine.models.packed_linear.pack_fused), where
+        the projections run through `project` as defined here."""
+        if type(self).forward is not PagedAttention.forward or type(self).project is not PagedAttention.project:
+            return 0
+        self.qkv_fused = pack_fused(self.q_proj, self.k_proj, self.v_proj)
+        return int(self.qkv_fused is not None)
 
     def kv_spec(self) -> KVSpec:
         return KVSpec(self.num_kv_heads, self.head_dim)
@@ -45,9 +55,10 @@ class PagedAttention(nn.Module):
     def project(self, x: torch.Tensor, batch: ForwardBatch):
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied."""
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = fused_linear(x, self.qkv_fused, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
         return q, k, v

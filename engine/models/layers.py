@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, uses_cpu_kernel
-from engine.models.packed_linear import linear, pack_per_expert
+from engine.models.packed_linear import fused_linear, linear, pack_fused, pack_per_expert
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -82,12 +82,20 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
+        self.gate_up_fused = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.act is F.silu and uses_cpu_kernel(gate) and uses_cpu_kernel(up):
+        gate, up = fused_linear(x, self.gate_up_fused, self.gate_proj, self.up_proj)
+        if self.act is F.silu and uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride() == up.stride():
             return self.down_proj(cpu.silu_mul_cpu(gate, up))
         return self.down_proj(self.act(gate) * up)
+
+    def pack_weights(self) -> int:
+        """gate and up as one packed GEMM on CPU (engine.models.packed_linear.pack_fused)."""
+        if type(self).forward is not GatedMLP.forward:
+            return 0
+        self.gate_up_fused = pack_fused(self.gate_proj, self.up_proj)
+        return int(self.gate_up_fused is not None)
 
 
 class SummedFFN(nn.Module):
@@ -130,7 +138,7 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
 
-    def pack_experts(self) -> int:
+    def pack_weights(self) -> int:
         """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
         self.packed = pack_per_expert(self.gate_up, self.down)
         return 2 * self.num_experts if self.packed else 0
@@ -205,7 +213,7 @@ class RotaryEmbedding(nn.Module):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> rotated. On the CPU kernel
         path q and k are rotated in place (callers pass their fresh projections)."""
         cos, sin = self._tables(positions, q.dtype)
-        if uses_cpu_kernel(q) and uses_cpu_kernel(k) and uses_cpu_kernel(cos):
+        if uses_cpu_kernel(cos) and cpu.rows_of_heads(q) and cpu.rows_of_heads(k):
             return cpu.rotary_cpu(q, cos, sin), cpu.rotary_cpu(k, cos, sin)
         cos, sin = cos[:, None, :], sin[:, None, :]
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)

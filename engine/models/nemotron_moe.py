@@ -103,7 +103,7 @@ class NemotronMoE(nn.Module):
             routed = self.fc2_latent(routed)
         return routed + self.shared(x)
 
-    def pack_experts(self) -> int:
+    def pack_weights(self) -> int:
         """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
         self.packed = pack_per_expert(self.up, self.down)
         return 2 * self.num_experts if self.packed else 0

@@ -57,17 +57,44 @@ def _packed_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias, module.packed_weight)
 
 
+def pack_fused(*linears: nn.Module):
+    """One packed weight for several plain nn.Linear that read the same input (q, k and v; gate and
+    up): one GEMM instead of several small ones, the outputs its column blocks. Marks the linears
+    so pack_linears does not pack them again. None where it does not apply."""
+    if not linears or any(type(m) is not nn.Linear for m in linears):
+        return None
+    if len({m.in_features for m in linears}) != 1 or len({m.bias is None for m in linears}) != 1:
+        return None
+    packed = pack(torch.cat([m.weight.detach() for m in linears]))
+    if packed is None:
+        return None
+    for module in linears:
+        module.fused_elsewhere = True
+    bias = None if linears[0].bias is None else torch.cat([m.bias.detach() for m in linears])
+    return packed, bias, [m.out_features for m in linears]
+
+
+def fused_linear(x: torch.Tensor, fused, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """The outputs of `linears` on x: column views of one GEMM on their pack_fused weight when
+    the call is big enough for packing, else each linear on its own."""
+    if fused is not None and x.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1] and enabled():
+        packed, bias, sizes = fused
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(sizes, dim=-1)
+    return tuple(m(x) for m in linears)
+
+
 def pack_linears(model: nn.Module) -> int:
     """Give every plain nn.Linear of `model` a packed weight and route its forward through it,
-    and let modules with stacked expert weights pack theirs (a `pack_experts()` method that
-    returns how many it packed); returns how many weights were packed. Call once the weights
-    are final (loaded, sharded)."""
+    and let modules that pack weights of their own (stacked experts, fused projections) do so
+    first (a `pack_weights()` method that returns how many it packed); returns how many weights
+    were packed. Call once the weights are final (loaded, sharded)."""
     count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and (packed := pack(module.weight)) is not None:
+    for module in model.modules():  # parents come before their children
+        if hasattr(module, "pack_weights"):
+            count += module.pack_weights()
+        elif (type(module) is nn.Linear and not getattr(module, "fused_elsewhere", False)
+              and (packed := pack(module.weight)) is not None):
             module.packed_weight = packed
             module.forward = functools.partial(_packed_forward, module)
             count += 1
-        elif hasattr(module, "pack_experts"):
-            count += module.pack_experts()
     return count
