@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import ModelCache
+from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graphs import StaticDecode
 from engine.models import ForwardBatch, HybridLM
 from engine.phase import Phase
@@ -107,6 +108,8 @@ class ModelRunner:
                  max_model_len: int | None = None, tp=None):
         self.model = model
         model.pack_for_cpu()  # weights are final here (loaded, sharded); a no-op off the CPU
+        if torch.device(device).type == "cpu":
+            keep_freed_memory()  # engine.cpu_malloc: no page faults for each step's big activations
         self.tp = tp  # engine.tp.ranks.TPLeader: the other ranks repeat every forward and cache copy
         self.cache = cache
         self.slots = slots
