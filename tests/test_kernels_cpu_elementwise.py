@@ -176,3 +176,28 @@ def test_causal_conv_prefill_matches_varlen_conv(fresh, silu, length, channels, 
         expected = varlen_causal_conv(x, OneRow, ref_pool, weight, bias, silu=silu)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours_pool, ref_pool, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("n,context,heads,kv_heads,head_dim,window", [
+    (1, 1, 2, 1, 8, None), (37, 37, 8, 4, 32, None), (5, 40, 4, 2, 16, None), (33, 33, 2, 2, 24, 7),
+    (9, 50, 4, 1, 8, 12), (70, 70, 3, 3, 64, None)])
+def test_prefill_attention_matches_sdpa(n, context, heads, kv_heads, head_dim, window):
+    """Against SDPA with an explicit mask (whole prompts, chunks continuing a context, sliding
+    windows, GQA), on strided views as a fused q/k/v projection gives them."""
+    torch.manual_seed(n + context + head_dim)
+    fused = torch.randn(context, (heads + 2 * kv_heads) * head_dim + 3)
+    q = fused[-n:, : heads * head_dim].view(n, heads, head_dim)
+    k = fused[:, heads * head_dim: (heads + kv_heads) * head_dim].view(context, kv_heads, head_dim)
+    v = fused[:, (heads + kv_heads) * head_dim: -3].view(context, kv_heads, head_dim)
+    scale = head_dim ** -0.5
+    ours = cpu.prefill_attention_cpu(q, k, v, scale, window)
+    q_pos, k_pos = torch.arange(context - n, context)[:, None], torch.arange(context)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        scale=scale, enable_gqa=heads != kv_heads)[0].transpose(0, 1)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        cpu.prefill_attention_cpu(q, k[:, :1].expand(-1, 3, -1), v, scale)

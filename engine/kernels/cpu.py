@@ -229,3 +229,25 @@ def causal_conv_prefill_cpu(x: torch.Tensor, state: torch.Tensor, weight: torch.
         native.call("causal_conv_prefill", x, x.stride(0), _pool(state, "conv state"), _f32(weight),
                     _f32(bias) if bias is not None else None, out, length, channels, width, int(fresh), int(silu))
     return out
+
+
+def prefill_attention_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                          sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of a sequence's last n queries q [n, H, Dh] over its context's keys and
+    values [context, KVH, Dh] (float32, each token's heads contiguous, any token stride): the
+    query at row i sits at position context - n + i. Returns [n, H, Dh] float32."""
+    n, heads, head_dim = q.shape
+    context, kv_heads = keys.shape[0], keys.shape[1]
+    if not (rows_of_heads(q) and rows_of_heads(keys) and rows_of_heads(values)) or heads % kv_heads \
+            or keys.shape != values.shape or keys.shape[2] != head_dim or n > context:
+        raise ValueError(f"prefill_attention: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)} do not fit")
+    out = torch.empty(n, heads, head_dim, dtype=torch.float32)
+    if n:
+        # Keys transposed, [KVH, Dh, context padded to 16]: scores vectorise across keys.
+        padded = -(-context // 16) * 16
+        kt = torch.zeros(kv_heads, head_dim, padded, dtype=torch.float32)
+        kt[:, :, :context] = keys.permute(1, 2, 0)
+        native.call("prefill_attention", q, q.stride(0), kt, padded, values, values.stride(0), out, n, context,
+                    heads, kv_heads, head_dim, float(scale), int(sliding_window or 0))
+    return out

@@ -446,4 +446,84 @@ void causal_conv_prefill(const float* x, int64_t x_stride, float* state, const f
   }
 }
 
+// Causal attention of one sequence's last n queries over its `context` keys (a whole prompt, or a
+// chunk continuing one), the query at row i being position context - n + i; window 0 = none.
+// q [n, H, Dh] (tokens q_stride apart), kt [KVH, Dh, padded] (keys transposed, each row padded to a
+// multiple of 16 keys), v [context, KVH, Dh] (tokens v_stride apart), out [n, H, Dh] contiguous.
+// A task is R query rows of one head: scores 16 keys at a time with the R rows' accumulators in
+// registers (each key vector loaded once for all R), the softmax per row, then 16 output
+// channels at a time, each value vector loaded once for the R rows.
+void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_t padded, const float* v,
+                       int64_t v_stride, float* out, int64_t n, int64_t context, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, float scale, int64_t window, int threads) {
+  constexpr int64_t R = 8, W = 16;
+  const int64_t group = heads / kv_heads, row_groups = (n + R - 1) / R, offset = context - n;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores(R * (padded + W)), qs(R * head_dim);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < heads * row_groups; ++task) {
+      const int64_t rg = row_groups - 1 - task / heads, h = task % heads;  // longest rows first
+      const int64_t r0 = rg * R, rows = std::min(R, n - r0);
+      const int64_t first_pos = offset + r0, hi = first_pos + rows;  // keys [lo, hi) cover all R
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / W * W : 0;
+      const int64_t len = hi - lo, stride = (len + W - 1) / W * W;  // scores row r at r * stride
+      const float* ktg = kt + (h / group) * head_dim * padded + lo;
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qs[r * head_dim + d] = r < rows ? q[(r0 + r) * q_stride + h * head_dim + d] * scale : 0.f;
+      for (int64_t j0 = 0; j0 < len; j0 += W) {
+        float a[R][W] = {};
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float* kr = ktg + d * padded + j0;
+          for (int64_t r = 0; r < R; ++r) {
+            const float qd = qs[r * head_dim + d];
+#pragma omp simd
+            for (int64_t jj = 0; jj < W; ++jj) a[r][jj] += qd * kr[jj];
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + W, scores.data() + r * stride + j0);
+      }
+      for (int64_t r = 0; r < R; ++r) {  // softmax over the keys row r sees, 0 elsewhere
+        float* sr = scores.data() + r * stride;
+        const int64_t pos = first_pos + r;
+        const int64_t a = r < rows ? (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - lo : 0;
+        const int64_t b = r < rows ? pos + 1 - lo : 0;
+        float top = -INFINITY;
+        for (int64_t j = a; j < b; ++j) top = std::max(top, sr[j]);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = a; j < b; ++j) {
+          sr[j] = fast_exp(sr[j] - top);
+          total += sr[j];
+        }
+        const float inv = b > a ? 1.f / total : 0.f;
+        std::fill(sr, sr + a, 0.f);
+        std::fill(sr + b, sr + stride, 0.f);
+#pragma omp simd
+        for (int64_t j = a; j < b; ++j) sr[j] *= inv;
+      }
+      const float* vg = v + (h / group) * head_dim;
+      for (int64_t d0 = 0; d0 < head_dim; d0 += W) {
+        const int64_t width = std::min(W, head_dim - d0);
+        float o[R][W] = {};
+        for (int64_t j = 0; j < len; ++j) {
+          const float* value = vg + (lo + j) * v_stride + d0;
+          if (width == W) {
+            for (int64_t r = 0; r < R; ++r) {
+              const float p = scores[r * stride + j];
+#pragma omp simd
+              for (int64_t dd = 0; dd < W; ++dd) o[r][dd] += p * value[dd];
+            }
+          } else {
+            for (int64_t r = 0; r < R; ++r)
+              for (int64_t dd = 0; dd < width; ++dd) o[r][dd] += scores[r * stride + j] * value[dd];
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) std::copy(o[r], o[r] + width, out + ((r0 + r) * heads + h) * head_dim + d0);
+      }
+    }
+  }
+}
+
 }  // extern "C"

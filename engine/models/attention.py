@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import paged_attention_decode, uses_cpu_kernel, uses_triton
+from engine.kernels import cpu, cpu_kernels_enabled, paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
@@ -94,6 +94,8 @@ class PagedAttention(nn.Module):
 
     def _attend_one(self, q, keys, values, context):
         """q: [n, H, D] for the last n positions of a sequence whose cache holds `context` tokens."""
+        if cpu_kernels_enabled() and cpu.available() and all(map(cpu.rows_of_heads, (q, keys, values))):
+            return cpu.prefill_attention_cpu(q, keys, values, self.scale, self.sliding_window)
         n = q.shape[0]
         mask = None
         # A whole causal prompt needs no mask: SDPA then skips the blocks above the diagonal.
