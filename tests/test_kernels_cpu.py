@@ -60,6 +60,10 @@ def test_selective_scan(length, d_inner, d_state):
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(h0, before)  # the caller's starting state is not written
+    out = torch.full((length + 2, d_inner), NAN)  # written in place: a slice of the layer's y
+    y_out, _ = cpu.selective_scan_cpu(x, dt, A, B, C, h0, out=out[1:-1])
+    assert y_out.data_ptr() == out[1:-1].data_ptr() and torch.equal(out[1:-1], y)
+    assert out[0].isnan().all() and out[-1].isnan().all()
 
 
 @pytest.mark.parametrize("heads,head_dim,groups,d_state,batch", [(8, 16, 1, 32, 5), (6, 3, 3, 5, 2)])

@@ -80,11 +80,11 @@ def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation
     return out
 
 
-def selective_scan_cpu(x, dt, A, B, C, h0):
+def selective_scan_cpu(x, dt, A, B, C, h0, out=None):
     """See engine.models.ssm.selective_scan_ref: one sequence's Mamba prefill from h0 [D, N];
-    returns y [L, D] and h_L [D, N], float32."""
+    returns y [L, D] (into `out` if given: contiguous float32) and h_L [D, N], float32."""
     length, d_inner = x.shape
-    y = torch.empty(length, d_inner, dtype=torch.float32)
+    y = torch.empty(length, d_inner, dtype=torch.float32) if out is None else _pool(out, "out")
     h = h0.detach().float().clone().contiguous()
     if length:
         native.call("selective_scan", _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), h, y,

@@ -144,9 +144,11 @@ class MambaMixer(nn.Module):
             slot = batch.state_slots[row]
             h0 = (torch.zeros(self.d_inner, self.d_state, device=x.device)
                   if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
-            scan = cpu.selective_scan_cpu if uses_cpu_kernel(x) else selective_scan
-            y[start:end], h = scan(x[start:end].float(), dt[start:end].float(), A,
-                                   B[start:end].float(), C[start:end].float(), h0)
+            args = (x[start:end].float(), dt[start:end].float(), A, B[start:end].float(), C[start:end].float(), h0)
+            if uses_cpu_kernel(x):
+                _, h = cpu.selective_scan_cpu(*args, out=y[start:end])
+            else:
+                y[start:end], h = selective_scan(*args)
             ssm_state[slot] = h.to(ssm_state.dtype)
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
