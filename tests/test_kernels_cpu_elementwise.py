@@ -144,7 +144,8 @@ def test_gated_skip_and_bias_softplus():
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
     dt, bias = torch.randn(17, 40) * 15, torch.randn(40) * 10  # both sides of the threshold at 20
     expected = F.softplus(dt + bias)
-    torch.testing.assert_close(cpu.bias_softplus_cpu(dt, bias), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.bias_softplus_cpu(dt.clone(), bias), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cpu.bias_softplus_cpu(dt.clone(), None), F.softplus(dt), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="gated_skip"):
         cpu.gated_skip_cpu(y.t(), x.t(), D, z.t())
 

@@ -205,12 +205,12 @@ def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.T
     return y
 
 
-def bias_softplus_cpu(dt: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """softplus(dt + bias) into contiguous float32 dt [rows, cols], returned."""
-    if not dt.is_contiguous() or dt.dim() != 2 or bias.shape != dt.shape[1:]:
-        raise ValueError(f"bias_softplus: dt {tuple(dt.shape)} contiguous 2-D, bias {tuple(bias.shape)} one per column")
+def bias_softplus_cpu(dt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """softplus(dt + bias) (bias None: softplus(dt)) into contiguous float32 dt [rows, cols], returned."""
+    if not dt.is_contiguous() or dt.dim() != 2 or (bias is not None and bias.shape != dt.shape[1:]):
+        raise ValueError(f"bias_softplus: dt {tuple(dt.shape)} contiguous 2-D, bias one per column")
     if dt.numel():
-        native.call("bias_softplus", dt, _f32(bias), *dt.shape)
+        native.call("bias_softplus", dt, None if bias is None else _f32(bias), *dt.shape)
     return dt
 
 

@@ -394,13 +394,14 @@ void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D
   }
 }
 
-// dt = softplus(dt + bias) in place (torch's threshold: above 20, softplus(v) = v); dt [rows, cols].
+// dt = softplus(dt + bias) in place (bias null: softplus(dt); torch's threshold: above 20,
+// softplus(v) = v); dt [rows, cols].
 void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
   for (int64_t r = 0; r < rows; ++r) {
 #pragma omp simd
     for (int64_t c = 0; c < cols; ++c) {
-      const float v = dt[r * cols + c] + bias[c];
+      const float v = bias != nullptr ? dt[r * cols + c] + bias[c] : dt[r * cols + c];
       dt[r * cols + c] = v > 20.f ? v : std::log1p(std::exp(v));
     }
   }
@@ -413,37 +414,34 @@ void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int
 void causal_conv_prefill(const float* x, int64_t x_stride, float* state, const float* weight, const float* bias,
                          float* out, int64_t length, int64_t channels, int64_t width, int64_t fresh,
                          int64_t silu, int threads) {
-  constexpr int64_t kChunk = 16;
-  const int64_t chunks = (channels + kChunk - 1) / kChunk;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t c0 = chunk * kChunk, n = std::min(kChunk, channels - c0);
-    // Per tap j, this chunk's weights and its history (position j - width, oldest first).
-    std::vector<float> w(width * kChunk), history(width * kChunk, 0.f);
-    for (int64_t cc = 0; cc < n; ++cc)
-      for (int64_t j = 0; j < width; ++j) {
-        w[j * kChunk + cc] = weight[(c0 + cc) * width + j];
-        if (!fresh) history[j * kChunk + cc] = state[(c0 + cc) * width + j];
-      }
-    auto row = [&](int64_t pos) {  // this chunk's inputs at position pos (from -width)
-      return pos < 0 ? history.data() + (pos + width) * kChunk : x + pos * x_stride + c0;
-    };
-    for (int64_t t = 0; t < length; ++t) {
-      float acc[kChunk];
-      for (int64_t cc = 0; cc < kChunk; ++cc) acc[cc] = bias != nullptr && cc < n ? bias[c0 + cc] : 0.f;
-      for (int64_t j = 0; j < width; ++j) {
-        const float* in = row(t - width + 1 + j);
-        const float* wj = w.data() + j * kChunk;
-#pragma omp simd
-        for (int64_t cc = 0; cc < n; ++cc) acc[cc] += wj[cc] * in[cc];
-      }
-      float* o = out + t * channels + c0;
-#pragma omp simd
-      for (int64_t cc = 0; cc < n; ++cc) o[cc] = silu ? acc[cc] / (1.f + fast_exp(-acc[cc])) : acc[cc];
+  // Taps and history transposed to [width][channels], so each output row is a few passes over
+  // contiguous rows (inputs, taps) that vectorise across channels; threads split the tokens.
+  std::vector<float> taps(width * channels), history(width * channels, 0.f);
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t j = 0; j < width; ++j) {
+      taps[j * channels + c] = weight[c * width + j];
+      if (!fresh) history[j * channels + c] = state[c * width + j];
     }
-    for (int64_t cc = 0; cc < n; ++cc)
-      for (int64_t j = 0; j < width; ++j) state[(c0 + cc) * width + j] = row(length - width + j)[cc];
+  auto row = [&](int64_t pos) {  // the inputs at position pos (from -width: the history)
+    return pos < 0 ? history.data() + (pos + width) * channels : x + pos * x_stride;
+  };
+#pragma omp parallel for num_threads(threads) schedule(static) if (length * channels * width >= 65536)
+  for (int64_t t = 0; t < length; ++t) {
+    float* o = out + t * channels;
+    for (int64_t c = 0; c < channels; ++c) o[c] = bias != nullptr ? bias[c] : 0.f;
+    for (int64_t j = 0; j < width; ++j) {
+      const float* in = row(t - width + 1 + j);
+      const float* tap = taps.data() + j * channels;
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) o[c] += tap[c] * in[c];
+    }
+    if (silu) {
+#pragma omp simd
+      for (int64_t c = 0; c < channels; ++c) o[c] = o[c] / (1.f + fast_exp(-o[c]));
+    }
   }
+  for (int64_t c = 0; c < channels; ++c)
+    for (int64_t j = 0; j < width; ++j) state[c * width + j] = row(length - width + j)[c];
 }
 
 // Causal attention of one sequence's last n queries over its `context` keys (a whole prompt, or a

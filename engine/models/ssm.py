@@ -107,11 +107,10 @@ class MambaMixer(nn.Module):
         dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
         if self.dt_norm is not None:
             dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
-        dt = dt @ self.dt_proj.weight.t()
-        if uses_cpu_kernel(dt):
-            cpu.bias_softplus_cpu(dt, self.dt_proj.bias)
+        if uses_cpu_kernel(self.dt_proj.weight):  # the packed linear with its bias, softplus in place
+            dt = cpu.bias_softplus_cpu(self.dt_proj(dt), None)
         else:
-            dt = F.softplus(dt + self.dt_proj.bias.float())
+            dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
         A = -torch.exp(self.A_log.float())
         y = torch.empty_like(x, dtype=torch.float32)
         if batch.prefill_rows:
