@@ -202,3 +202,14 @@ def test_prefill_attention_matches_sdpa(n, context, heads, kv_heads, head_dim, w
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="prefill_attention"):
         cpu.prefill_attention_cpu(q, k[:, :1].expand(-1, 3, -1), v, scale)
+
+
+@pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (9, 2, 64), (50, 3, 40)])
+def test_moe_combine(tokens, top_k, hidden):
+    torch.manual_seed(tokens * top_k)
+    picks, weights = torch.randn(tokens * top_k, hidden), torch.rand(tokens, top_k)
+    position = torch.randperm(tokens * top_k)
+    expected = (picks[position].view(tokens, top_k, hidden) * weights[:, :, None]).sum(dim=1)
+    torch.testing.assert_close(cpu.moe_combine_cpu(picks, position, weights), expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="moe_combine"):
+        cpu.moe_combine_cpu(picks[1:], position, weights)

@@ -251,3 +251,17 @@ def prefill_attention_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         native.call("prefill_attention", q, q.stride(0), kt, padded, values, values.stride(0), out, n, context,
                     heads, kv_heads, head_dim, float(scale), int(sliding_window or 0))
     return out
+
+
+def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * picks[position[t * top_k + k]] (k in order) for picks
+    [tokens * top_k, hidden] (the experts' outputs grouped by expert) and weights [tokens, top_k]."""
+    tokens, top_k = weights.shape
+    hidden = picks.shape[1]
+    if picks.shape[0] != tokens * top_k or position.shape != (tokens * top_k,):
+        raise ValueError(f"moe_combine: picks {tuple(picks.shape)}, position {tuple(position.shape)} "
+                         f"do not fit weights {tuple(weights.shape)}")
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    if out.numel():
+        native.call("moe_combine", _f32(picks), _ids(position), _f32(weights), out, tokens, top_k, hidden)
+    return out

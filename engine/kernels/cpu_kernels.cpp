@@ -524,4 +524,25 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
   }
 }
 
+// Mixture-of-experts combine: out[t] = sum over k (in order) of weights[t, k] * picks[position[t * top_k + k]],
+// picks [tokens * top_k, hidden] being the experts' outputs grouped by expert; out [tokens, hidden].
+void moe_combine(const float* picks, const int64_t* position, const float* weights, float* out, int64_t tokens,
+                 int64_t top_k, int64_t hidden, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * top_k * hidden >= 65536)
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* o = out + t * hidden;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const float* y = picks + position[t * top_k + k] * hidden;
+      const float w = weights[t * top_k + k];
+      if (k == 0) {
+#pragma omp simd
+        for (int64_t c = 0; c < hidden; ++c) o[c] = w * y[c];
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < hidden; ++c) o[c] += w * y[c];
+      }
+    }
+  }
+}
+
 }  // extern "C"

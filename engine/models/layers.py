@@ -160,23 +160,35 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Each (token, k) pick's weighted output is copied to its own row of a [T, k, hidden] buffer
     and the k rows summed: copies, not index_add_, whose CPU kernel runs 2-50x slower at these
     sizes (it parallelises a few KB of work). For top_k <= 2 the sum equals the sequential one
-    bit for bit (addition is commutative)."""
+    bit for bit (addition is commutative). On CPU in float32 the outputs stay grouped by expert
+    and one C++ pass weights, gathers and sums them (engine.kernels.cpu.moe_combine_cpu)."""
     tokens, top_k = experts.shape
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
     counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
     routed = x.index_select(0, order // top_k)  # inputs grouped by expert
+    if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # outputs stay grouped; one weighted gather-sum
+        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
+        for expert, start, end in _expert_ranges(counts):
+            grouped[start:end] = expert_fn(expert, routed[start:end])
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.shape[0])
+        return cpu.moe_combine_cpu(grouped, position, weights)
     flat_weights = weights.flatten().index_select(0, order)
     picks = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
+    for expert, start, end in _expert_ranges(counts):
         y = expert_fn(expert, routed[start:end])
         picks.index_copy_(0, order[start:end], (y * flat_weights[start:end, None]).to(x.dtype))
-        start = end
     return picks.view(tokens, top_k, -1).sum(dim=1)
+
+
+def _expert_ranges(counts: list[int]):
+    """(expert, start, end) of each hit expert's rows in the expert-grouped order."""
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            yield expert, start, start + count
+            start += count
 
 
 class RotaryEmbedding(nn.Module):
