@@ -1,18 +1,21 @@
-"""CPU decode kernels: the torch-facing side of engine/kernels/cpu_kernels.cpp (engine.kernels.native).
+"""CPU kernels: the torch-facing side of engine/kernels/cpu_kernels.cpp (engine.kernels.native).
 
 In decode, the Mamba and Mamba2 state updates and attention over paged KV cost more as chains
 of torch ops than their arithmetic: each op is a full pass over [B, d_inner, d_state], and
 attention first copies every sequence's KV out of the pool. These run each row in one pass,
-reading the pool in place. The Mamba prefill scan keeps each channel's state in registers
-across tokens instead of writing [block, d_inner, d_state] tensors per op: Jamba prefill of
-8 x 1024 tokens took 0.88-0.96 s against 1.16-1.24 s with the blocked torch scan
-(engine.models.ssm.selective_scan, alternating runs on the 2-core box). The conv update, slower than
-torch as a numba kernel (its launch cost more than the work), pays on torch's own threads:
-Jamba 64 x 128/128 at 2804-2957 output tok/s against 2426-2743.
+reading the pool in place. The Mamba prefill scan holds a block of 16 channels' states
+transposed in vector registers across tokens, with an inlined exp; the prefill conv streams
+token rows; prefill attention scores 8 query rows against 16 keys at a time.
 
-Same contracts as the `*_ref` functions they stand for (engine.kernels.ssm_update,
-conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan's segment decays, and
-engine.models.ssm.selective_scan_ref); float32 arithmetic.
+The elementwise epilogues (RMSNorm with the residual add, SwiGLU's product, rotary in place,
+Mamba's gate and skip, softplus, the MoE combine) replace chains of torch ops, each a full pass
+over its tensor in prefill and a dispatch of its own in decode. Measured against the commits
+before them in docs/benchmarks.md ("2026-12-02, later").
+
+Same contracts as the `*_ref` functions or torch code they stand for (engine.kernels.ssm_update,
+conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan's segment decays,
+engine.models.ssm.selective_scan_ref and varlen_causal_conv, engine.models.layers), to float32
+rounding: the transformers parity tests judge every model on them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (cpu_kernels.cpp): compiled on first use, cached on disk, called by ctypes.
+"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_kernels.h): compiled on first use into
+one library, cached on disk, called by ctypes.
 
 Compiled with the machine's C++ compiler for the machine's own CPU (-march=native), so the
 cached library is keyed by the source, the flags, the compiler and the CPU. A worker that finds
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch  # first: its libgomp must be the one the library's libgomp.so.1 resolves to
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused.cpp")]
+HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
@@ -83,7 +85,7 @@ def _cpu_flags() -> str:
 
 def _library_path(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(COMPILE_FLAGS + LINK_FLAGS), version,
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in SOURCES + HEADERS), " ".join(COMPILE_FLAGS + LINK_FLAGS), version,
                                     platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     return cache_dir() / f"cpu_kernels-{key}.so"
 
@@ -93,9 +95,10 @@ def _build(compiler: str, target: Path) -> None:
     one node may all build, and none may load a half-written library."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        obj, lib = Path(scratch) / "k.o", Path(scratch) / "k.so"
-        for command in ([compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [compiler, *LINK_FLAGS, str(obj), "-o", str(lib)]):
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        lib = Path(scratch) / "k.so"
+        commands = [[compiler, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)] for source, obj in zip(SOURCES, objects)]
+        for command in commands + [[compiler, *LINK_FLAGS, *map(str, objects), "-o", str(lib)]]:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode:
                 raise RuntimeError(f"{' '.join(command)} failed: {done.stderr.strip()[-2000:]}")
