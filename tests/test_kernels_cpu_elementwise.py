@@ -37,8 +37,15 @@ def test_rms_norm_with_the_residual_add(rows, cols):
     assert torch.equal(x, expected_sum), "the sum must be exactly residual + x"
     assert torch.equal(residual, residual_before)
     torch.testing.assert_close(out, _reference_norm(expected_sum, weight, 1e-5), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(ValueError, match="differs"):
         cpu.rms_norm_cpu(x, weight, 1e-5, add=residual[:, 1:])
+    # A column block of a wider projection (Jamba's dt/B/C norms), read in place.
+    wide = torch.randn(rows, cols + 7)
+    block = wide[:, 3:3 + cols]
+    torch.testing.assert_close(cpu.rms_norm_cpu(block, weight, 1e-5), _reference_norm(block, weight, 1e-5),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cpu.rms_norm_cpu(torch.randn(rows, 2 * cols)[:, ::2], weight, 1e-5)
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 3), (64, 768), (129, 100)])

@@ -149,19 +149,28 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
-    """weight * x / sqrt(mean(x^2) + eps) over the last dim of a contiguous float32 x. With
-    `add` (same shape, contiguous), x += add first, in place, and the sum is what gets
-    normalised: the residual add and the next norm in one pass."""
+    """weight * x / sqrt(mean(x^2) + eps) over the last dim of float32 x: contiguous, or a matrix
+    with its own row stride (a column block of a projection). With `add` (same shape and
+    strides), x += add first, in place, and the sum is what gets normalised: the residual add and
+    the next norm in one pass. Returns a new contiguous tensor."""
+    if not rows_with_stride(x) and not x.is_contiguous():
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} with strides {x.stride()} is neither contiguous "
+                         "nor a matrix with contiguous rows")
+    if add is not None and (add.shape != x.shape or add.stride() != x.stride()):
+        raise ValueError(f"rms_norm: add {tuple(add.shape)}/{add.stride()} differs from x "
+                         f"{tuple(x.shape)}/{x.stride()}")
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
-    if add is not None and add.shape != x.shape:
-        raise ValueError(f"rms_norm: add's shape {tuple(add.shape)} differs from x's {tuple(x.shape)}")
-    if not x.is_contiguous() or (add is not None and not add.is_contiguous()):
-        raise ValueError("rms_norm: x and add must be contiguous")
+    row_stride = x.stride(0) if x.dim() == 2 else cols
     out = torch.empty(x.shape, dtype=torch.float32)
     if rows:
-        native.call("rms_norm", x, add, _f32(weight), out, rows, cols, cols, float(eps))
+        native.call("rms_norm", x, add, _f32(weight), out, rows, cols, row_stride, float(eps))
     return out
+
+
+def rows_with_stride(x: torch.Tensor) -> bool:
+    """A float32 CPU matrix whose rows are each contiguous (any row stride)."""
+    return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1
 
 
 def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

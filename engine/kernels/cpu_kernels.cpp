@@ -65,23 +65,41 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 // Causal depthwise conv, one decode token: per row (b, c) of w = state[slots[b], c] ([K], oldest
 // first) in place: w = (w[1:], x[b, c]) ; y[b, c] = act(w . weight[c] + bias[c]) (silu: 1).
 // state [S, D, K]; x, y [batch, D]; weight [D, K]; bias [D] or null.
+// One batch row's channels; `Width` > 0 fixes the window width at compile time, so the loop over
+// channels vectorises (the common widths), 0 takes it at run time.
+extern "C++" template <int64_t Width>
+inline void conv_update_row(float* w, const float* weight, const float* x, const float* bias, float* y,
+                            int64_t channels, int64_t runtime_width, int64_t silu) {
+  const int64_t width = Width > 0 ? Width : runtime_width;
+#pragma omp simd
+  for (int64_t c = 0; c < channels; ++c) {
+    float* wc = w + c * width;
+    const float* k = weight + c * width;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < width; ++j) {
+      wc[j] = wc[j + 1];
+      acc += wc[j] * k[j];
+    }
+    wc[width - 1] = x[c];
+    acc += x[c] * k[width - 1];
+    if (bias != nullptr) acc += bias[c];
+    y[c] = silu ? acc / (1.f + fast_exp(-acc)) : acc;
+  }
+}
+
 void conv_update(float* state, const int64_t* slots, const float* x, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
                  int64_t silu, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < batch * channels; ++i) {
-    const int64_t b = i / channels, c = i - b * channels;
-    float* w = state + (slots[b] * channels + c) * width;
-    const float* k = weight + c * width;
-    float acc = 0.f;
-    for (int64_t j = 0; j + 1 < width; ++j) {
-      w[j] = w[j + 1];
-      acc += w[j] * k[j];
+  for (int64_t b = 0; b < batch; ++b) {
+    float* w = state + slots[b] * channels * width;
+    const float* xb = x + b * channels;
+    float* yb = y + b * channels;
+    if (width == 4) {
+      conv_update_row<4>(w, weight, xb, bias, yb, channels, width, silu);
+    } else {
+      conv_update_row<0>(w, weight, xb, bias, yb, channels, width, silu);
     }
-    w[width - 1] = x[i];
-    acc += x[i] * k[width - 1];
-    if (bias != nullptr) acc += bias[c];
-    y[i] = silu ? acc / (1.f + fast_exp(-acc)) : acc;
   }
 }
 
