@@ -54,3 +54,23 @@ def test_status_order():
     assert RequestStatus.WAITING < RequestStatus.DECODING < RequestStatus.FINISHED_STOPPED
     assert all(s.finished for s in RequestStatus if s >= RequestStatus.FINISHED_STOPPED)
     assert not any(s.finished for s in RequestStatus if s < RequestStatus.FINISHED_STOPPED)
+
+
+def test_decode_tokens_are_a_slice_only_when_every_token_is_a_decode_rows():
+    """Mixers index decode tokens with batch.decode_tokens: the whole batch as a slice (views,
+    no gathers) only when it holds decode rows alone; any prefill row makes it the index."""
+    import torch
+
+    from engine.models.batch import ForwardBatch
+
+    def batch(phases, starts):
+        n = len(phases)
+        return ForwardBatch(
+            input_ids=torch.zeros(starts[-1], dtype=torch.long), positions=torch.zeros(starts[-1], dtype=torch.long),
+            query_starts=starts, context_lens=[4] * n, phases=phases, state_slots=list(range(n)),
+            block_tables=torch.zeros(n, 1, dtype=torch.long), kv_write_index=torch.zeros(starts[-1], dtype=torch.long),
+            block_size=16, logits_indices=torch.tensor(starts[1:]) - 1)
+
+    assert batch([Phase.DECODE] * 3, [0, 1, 2, 3]).decode_tokens == slice(None)
+    mixed = batch([Phase.DECODE, Phase.FRESH_PREFILL, Phase.DECODE], [0, 1, 4, 5])
+    assert torch.equal(mixed.decode_tokens, torch.tensor([0, 4]))

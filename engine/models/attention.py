@@ -82,7 +82,7 @@ class PagedAttention(nn.Module):
                 keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
             out[start:end] = self._attend_one(q[start:end], keys, values, context)
         if batch.decode_rows:
-            out[batch.decode_token_index] = self._attend_decodes(q[batch.decode_token_index],
+            out[batch.decode_tokens] = self._attend_decodes(q[batch.decode_tokens],
                                                                  k_cache, v_cache, batch)
         return out
 

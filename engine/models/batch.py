@@ -34,10 +34,17 @@ class ForwardBatch:
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
     decode_rows: list[int] = field(init=False)
     prefill_rows: list[int] = field(init=False)
+    # Where the decode rows' tokens sit: decode_token_index, or on CPU, when every token is a
+    # decode row's, slice(None) (views and copies instead of a gather and a scatter per use).
+    decode_tokens: torch.Tensor | slice = field(init=False)
 
     def __post_init__(self):
         self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
         self.prefill_rows = [i for i, p in enumerate(self.phases) if p is not Phase.DECODE]
+        self.decode_tokens = self.decode_token_index
+        if (not self.prefill_rows and len(self.decode_rows) == self.input_ids.shape[0]
+                and self.input_ids.device.type == "cpu"):
+            self.decode_tokens = slice(None)
         if self.decode_token_index is not None:
             return
         device = self.input_ids.device
@@ -46,6 +53,8 @@ class ForwardBatch:
         self.decode_slots = torch.tensor(self.state_slots, dtype=torch.long)[rows].to(device)
         self.decode_context_lens = torch.tensor(self.context_lens, dtype=torch.long)[rows].to(device)
         self.decode_block_tables = self.block_tables.index_select(0, rows.to(self.block_tables.device))
+        if not isinstance(self.decode_tokens, slice):
+            self.decode_tokens = self.decode_token_index
 
     @property
     def num_seqs(self) -> int:

@@ -110,7 +110,7 @@ class GatedDeltaNetMixer(nn.Module):
                                                        g[start:end], beta[start:end], h0, self.chunk_size)
             recurrent_state[slot] = h.to(recurrent_state.dtype)
         if batch.decode_rows:  # read each slot's state, update it with one token, write it back
-            idx = batch.decode_token_index
+            idx = batch.decode_tokens
             out[idx] = gated_delta_step(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
                                         g[idx], beta[idx])
         y = self.norm(out.to(hidden.dtype), z)

@@ -82,7 +82,7 @@ class Mamba2Mixer(nn.Module):
                                              C[start:end], h0, self.chunk_size)
             ssm_state[slot] = h.to(ssm_state.dtype)
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
-            idx, slots = batch.decode_token_index, batch.decode_slots
+            idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         y = (y + x.float() * self.D.float()[:, None]).reshape(tokens, self.d_ssm)

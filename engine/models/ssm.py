@@ -116,7 +116,7 @@ class MambaMixer(nn.Module):
         if batch.prefill_rows:
             self._prefill_scan(x, dt, A, B, C, batch, ssm_state, y)
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
-            idx, slots = batch.decode_token_index, batch.decode_slots
+            idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
                                             B[idx].float(), C[idx].float())
         if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
@@ -191,6 +191,6 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
         out[start:end] = F.silu(conv) if silu else conv
         conv_state[slot] = window[:, -d_conv:].to(conv_state.dtype)
     if batch.decode_rows:
-        idx, slots = batch.decode_token_index, batch.decode_slots
+        idx, slots = batch.decode_tokens, batch.decode_slots
         out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation="silu" if silu else None)
     return out
