@@ -220,3 +220,15 @@ def test_moe_combine(tokens, top_k, hidden):
     torch.testing.assert_close(cpu.moe_combine_cpu(picks, position, weights), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="moe_combine"):
         cpu.moe_combine_cpu(picks[1:], position, weights)
+
+
+def test_tensors_passed_as_they_are_must_be_float32():
+    """Kernels that write in place or read through strides get no conversion: another dtype
+    would be misread as float32 memory, so it is refused by name."""
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="silu_mul: needs float32"):
+        cpu.silu_mul_cpu(x, x)
+    with pytest.raises(ValueError, match="rms_norm: needs float32"):
+        cpu.rms_norm_cpu(x.bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="bias_softplus: needs float32"):
+        cpu.bias_softplus_cpu(x, None)

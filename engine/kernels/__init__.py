@@ -34,7 +34,8 @@ from engine.kernels.ssm_update import selective_state_update_ref, selective_stat
 
 __all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "copy_rows", "gather_rows", "gated_delta_step",
            "mamba2_state_update", "paged_attention_decode", "scatter_rows", "selective_scan_varlen",
-           "selective_state_update", "ssd_chunk_scan", "triton_available", "cpu_kernels_enabled", "uses_cpu_kernel", "uses_triton"]
+           "selective_state_update", "ssd_chunk_scan", "triton_available", "cpu_kernels_enabled", "cpu_kernels_ready", "uses_cpu_kernel",
+           "uses_triton"]
 
 
 def triton_available() -> bool:
@@ -58,12 +59,16 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("SPLITSERVE_DISABLE_CPU_KERNELS", "0") in ("", "0")
 
 
+def cpu_kernels_ready() -> bool:
+    """The C++ kernels are switched on and built here; callers whose kernels take strided
+    inputs check the layout themselves (engine.kernels.cpu.rows_of_heads, rows_with_stride)."""
+    return cpu_kernels_enabled() and cpu.available()
+
+
 def uses_cpu_kernel(tensor: torch.Tensor) -> bool:
     """Whether an operation engine.kernels.cpu covers runs its C++ kernel on `tensor`."""
-    if not cpu_kernels_enabled():
-        return False
     return (tensor.device.type == "cpu" and tensor.dtype == torch.float32 and tensor.is_contiguous()
-            and cpu.available())
+            and cpu_kernels_ready())
 
 
 def _pick(tensor: torch.Tensor, triton_impl, cpu_impl, ref_impl):

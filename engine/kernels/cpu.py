@@ -40,6 +40,14 @@ def _ids(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.int64).contiguous()
 
 
+def _in_place(name: str, *tensors: torch.Tensor | None) -> None:
+    """Tensors handed to a kernel as they are (written in place, or read through strides, so
+    not converted by _f32) must be float32 on the CPU: anything else would be misread."""
+    for t in tensors:
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            raise ValueError(f"{name}: needs float32 CPU tensors, got {t.dtype} on {t.device}")
+
+
 def _pool(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.dtype != torch.float32 or not t.is_contiguous():
         raise ValueError(f"{name}: the CPU kernel updates it in place and needs a contiguous "
@@ -147,12 +155,12 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     return out
 
 
-
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
     """weight * x / sqrt(mean(x^2) + eps) over the last dim of float32 x: contiguous, or a matrix
     with its own row stride (a column block of a projection). With `add` (same shape and
     strides), x += add first, in place, and the sum is what gets normalised: the residual add and
     the next norm in one pass. Returns a new contiguous tensor."""
+    _in_place("rms_norm", x, add)
     if not rows_with_stride(x) and not x.is_contiguous():
         raise ValueError(f"rms_norm: x {tuple(x.shape)} with strides {x.stride()} is neither contiguous "
                          "nor a matrix with contiguous rows")
@@ -176,6 +184,7 @@ def rows_with_stride(x: torch.Tensor) -> bool:
 def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for [rows, cols] float32 gate and up with unit column stride and one row
     stride (two contiguous projections, or the halves of one gate-up projection read in place)."""
+    _in_place("silu_mul", gate, up)
     rows, cols = gate.shape
     if up.shape != gate.shape or up.stride() != gate.stride() or gate.stride(1) != 1:
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)}/{gate.stride()} and up "
@@ -190,6 +199,7 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate-half RoPE of float32 x [tokens, heads, head_dim] in place on its first
     cos.shape[1] dims (each token's heads contiguous, any token stride: a column block of a
     fused projection will do), cos and sin [tokens, rotary_dim] contiguous float32; returns x."""
+    _in_place("rotary", x, cos, sin)
     tokens, heads, head_dim = x.shape
     if cos.shape != sin.shape or cos.shape[0] != tokens or cos.shape[1] > head_dim or cos.shape[1] % 2:
         raise ValueError(f"rotary: tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
@@ -209,6 +219,7 @@ def rows_of_heads(x: torch.Tensor) -> bool:
 def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Mamba's (y + x * D) * silu(z), written into contiguous float32 y [rows, cols] and returned;
     x and z float32 with unit column stride (views into the projections are fine)."""
+    _in_place("gated_skip", y, x, z)
     rows, cols = y.shape
     if not y.is_contiguous() or x.shape != y.shape or z.shape != y.shape or x.stride(1) != 1 or z.stride(1) != 1:
         raise ValueError(f"gated_skip: y {tuple(y.shape)} contiguous, x and z of its shape with unit column stride")
@@ -219,6 +230,7 @@ def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.T
 
 def bias_softplus_cpu(dt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """softplus(dt + bias) (bias None: softplus(dt)) into contiguous float32 dt [rows, cols], returned."""
+    _in_place("bias_softplus", dt)
     if not dt.is_contiguous() or dt.dim() != 2 or (bias is not None and bias.shape != dt.shape[1:]):
         raise ValueError(f"bias_softplus: dt {tuple(dt.shape)} contiguous 2-D, bias one per column")
     if dt.numel():
@@ -231,6 +243,7 @@ def causal_conv_prefill_cpu(x: torch.Tensor, state: torch.Tensor, weight: torch.
     """One sequence's causal depthwise conv (see engine.models.ssm.varlen_causal_conv), its
     state [channels, width] (the last width inputs, oldest first; read unless `fresh`) updated in
     place; x [length, channels] with unit column stride, out contiguous; silu applied if asked."""
+    _in_place("causal_conv_prefill", x, out)
     length, channels = x.shape
     width = weight.shape[1]
     if (x.stride(1) != 1 or state.shape != (channels, width) or not state.is_contiguous()

@@ -30,7 +30,6 @@ inline void for_each_position(const int64_t* table, int64_t first, int64_t conte
   }
 }
 
-
 // One token of the Mamba recurrence for one channel, s [N] in place:
 // s = exp(dt a) s + u b (u = dt x) ; returns c . s.
 inline float mamba_step(float* s, const float* a, const float* b, const float* c, float dt, float u,
@@ -42,6 +41,28 @@ inline float mamba_step(float* s, const float* a, const float* b, const float* c
     acc += s[n] * c[n];
   }
   return acc;
+}
+
+// The conv update (below) for one batch row's channels. `Width` > 0 fixes the window width at
+// compile time, so the loop over channels vectorises (the common widths); 0 takes it at run time.
+template <int64_t Width>
+inline void conv_update_row(float* w, const float* weight, const float* x, const float* bias, float* y,
+                            int64_t channels, int64_t runtime_width, int64_t silu) {
+  const int64_t width = Width > 0 ? Width : runtime_width;
+#pragma omp simd
+  for (int64_t c = 0; c < channels; ++c) {
+    float* wc = w + c * width;
+    const float* k = weight + c * width;
+    float acc = 0.f;
+    for (int64_t j = 0; j + 1 < width; ++j) {
+      wc[j] = wc[j + 1];
+      acc += wc[j] * k[j];
+    }
+    wc[width - 1] = x[c];
+    acc += x[c] * k[width - 1];
+    if (bias != nullptr) acc += bias[c];
+    y[c] = silu ? acc / (1.f + fast_exp(-acc)) : acc;
+  }
 }
 
 }  // namespace
@@ -65,28 +86,6 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 // Causal depthwise conv, one decode token: per row (b, c) of w = state[slots[b], c] ([K], oldest
 // first) in place: w = (w[1:], x[b, c]) ; y[b, c] = act(w . weight[c] + bias[c]) (silu: 1).
 // state [S, D, K]; x, y [batch, D]; weight [D, K]; bias [D] or null.
-// One batch row's channels; `Width` > 0 fixes the window width at compile time, so the loop over
-// channels vectorises (the common widths), 0 takes it at run time.
-extern "C++" template <int64_t Width>
-inline void conv_update_row(float* w, const float* weight, const float* x, const float* bias, float* y,
-                            int64_t channels, int64_t runtime_width, int64_t silu) {
-  const int64_t width = Width > 0 ? Width : runtime_width;
-#pragma omp simd
-  for (int64_t c = 0; c < channels; ++c) {
-    float* wc = w + c * width;
-    const float* k = weight + c * width;
-    float acc = 0.f;
-    for (int64_t j = 0; j + 1 < width; ++j) {
-      wc[j] = wc[j + 1];
-      acc += wc[j] * k[j];
-    }
-    wc[width - 1] = x[c];
-    acc += x[c] * k[width - 1];
-    if (bias != nullptr) acc += bias[c];
-    y[c] = silu ? acc / (1.f + fast_exp(-acc)) : acc;
-  }
-}
-
 void conv_update(float* state, const int64_t* slots, const float* x, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
                  int64_t silu, int threads) {

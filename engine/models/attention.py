@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_enabled, paged_attention_decode, uses_cpu_kernel, uses_triton
+from engine.kernels import cpu, cpu_kernels_ready, paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
@@ -82,8 +82,7 @@ class PagedAttention(nn.Module):
                 keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
             out[start:end] = self._attend_one(q[start:end], keys, values, context)
         if batch.decode_rows:
-            out[batch.decode_tokens] = self._attend_decodes(q[batch.decode_tokens],
-                                                                 k_cache, v_cache, batch)
+            out[batch.decode_tokens] = self._attend_decodes(q[batch.decode_tokens], k_cache, v_cache, batch)
         return out
 
     def _gather(self, k_cache, v_cache, block_table, context):
@@ -94,7 +93,7 @@ class PagedAttention(nn.Module):
 
     def _attend_one(self, q, keys, values, context):
         """q: [n, H, D] for the last n positions of a sequence whose cache holds `context` tokens."""
-        if cpu_kernels_enabled() and cpu.available() and all(map(cpu.rows_of_heads, (q, keys, values))):
+        if cpu_kernels_ready() and all(map(cpu.rows_of_heads, (q, keys, values))):
             return cpu.prefill_attention_cpu(q, keys, values, self.scale, self.sliding_window)
         n = q.shape[0]
         mask = None

@@ -41,20 +41,16 @@ class ForwardBatch:
     def __post_init__(self):
         self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
         self.prefill_rows = [i for i, p in enumerate(self.phases) if p is not Phase.DECODE]
-        self.decode_tokens = self.decode_token_index
-        if (not self.prefill_rows and len(self.decode_rows) == self.input_ids.shape[0]
-                and self.input_ids.device.type == "cpu"):
-            self.decode_tokens = slice(None)
-        if self.decode_token_index is not None:
-            return
-        device = self.input_ids.device
-        rows = torch.tensor(self.decode_rows, dtype=torch.long)
-        self.decode_token_index = torch.tensor(self.query_starts[:-1], dtype=torch.long)[rows].to(device)
-        self.decode_slots = torch.tensor(self.state_slots, dtype=torch.long)[rows].to(device)
-        self.decode_context_lens = torch.tensor(self.context_lens, dtype=torch.long)[rows].to(device)
-        self.decode_block_tables = self.block_tables.index_select(0, rows.to(self.block_tables.device))
-        if not isinstance(self.decode_tokens, slice):
-            self.decode_tokens = self.decode_token_index
+        if self.decode_token_index is None:
+            device = self.input_ids.device
+            rows = torch.tensor(self.decode_rows, dtype=torch.long)
+            self.decode_token_index = torch.tensor(self.query_starts[:-1], dtype=torch.long)[rows].to(device)
+            self.decode_slots = torch.tensor(self.state_slots, dtype=torch.long)[rows].to(device)
+            self.decode_context_lens = torch.tensor(self.context_lens, dtype=torch.long)[rows].to(device)
+            self.decode_block_tables = self.block_tables.index_select(0, rows.to(self.block_tables.device))
+        only_decodes = not self.prefill_rows and len(self.decode_rows) == self.input_ids.shape[0]
+        on_cpu = self.input_ids.device.type == "cpu"
+        self.decode_tokens = slice(None) if only_decodes and on_cpu else self.decode_token_index
 
     @property
     def num_seqs(self) -> int:

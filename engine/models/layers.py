@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_enabled, uses_cpu_kernel
+from engine.kernels import cpu, cpu_kernels_ready, uses_cpu_kernel
 from engine.models.packed_linear import fused_linear, linear, pack_fused, pack_per_expert
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -39,15 +39,15 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + x, its norm). On the CPU kernel path one pass does both and the sum is
         written into x, so x must be the caller's own (a mixer's fresh output)."""
-        if x.shape == residual.shape and self._runs_kernel(x) and uses_cpu_kernel(x) and uses_cpu_kernel(residual):
+        if (x.shape == residual.shape and self.weight.dtype == torch.float32 and uses_cpu_kernel(x)
+                and uses_cpu_kernel(residual)):
             return x, cpu.rms_norm_cpu(x, self.weight, self.eps, add=residual)
         h = residual + x
         return h, self(h)
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
-        if self.weight.dtype != torch.float32:
-            return False
-        return uses_cpu_kernel(x) or (cpu.rows_with_stride(x) and cpu_kernels_enabled() and cpu.available())
+        return self.weight.dtype == torch.float32 and (
+            uses_cpu_kernel(x) or (cpu.rows_with_stride(x) and cpu_kernels_ready()))
 
 
 class GatedRMSNorm(nn.Module):

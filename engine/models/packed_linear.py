@@ -46,10 +46,19 @@ def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
     return list(zip(*([pack(w) for w in s] for s in stacks)))
 
 
+def _runs_packed(x: torch.Tensor, packed) -> bool:
+    """A packed weight exists and the call is float32 and big enough for it (MIN_ROWS)."""
+    return packed is not None and x.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1] and enabled()
+
+
+def _packed_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
     """F.linear, on the packed weight when there is one and the call is big enough."""
-    if packed is not None and x.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1] and enabled():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if _runs_packed(x, packed):
+        return _packed_matmul(x, packed, bias)
     return F.linear(x, weight, bias)
 
 
@@ -77,9 +86,9 @@ def pack_fused(*linears: nn.Module):
 def fused_linear(x: torch.Tensor, fused, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """The outputs of `linears` on x: column views of one GEMM on their pack_fused weight when
     the call is big enough for packing, else each linear on its own."""
-    if fused is not None and x.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1] and enabled():
+    if fused is not None and _runs_packed(x, fused[0]):
         packed, bias, sizes = fused
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "").split(sizes, dim=-1)
+        return _packed_matmul(x, packed, bias).split(sizes, dim=-1)
     return tuple(m(x) for m in linears)
 
 
