@@ -188,7 +188,7 @@ def test_causal_conv_prefill_matches_varlen_conv(fresh, silu, length, channels, 
 
 @pytest.mark.parametrize("n,context,heads,kv_heads,head_dim,window", [
     (1, 1, 2, 1, 8, None), (37, 37, 8, 4, 32, None), (5, 40, 4, 2, 16, None), (33, 33, 2, 2, 24, 7),
-    (9, 50, 4, 1, 8, 12), (70, 70, 3, 3, 64, None)])
+    (9, 50, 4, 1, 8, 12), (70, 70, 3, 3, 64, None), (20, 130, 4, 2, 80, 40), (130, 130, 2, 1, 48, None)])
 def test_prefill_attention_matches_sdpa(n, context, heads, kv_heads, head_dim, window):
     """Against SDPA with an explicit mask (whole prompts, chunks continuing a context, sliding
     windows, GQA), on strided views as a fused q/k/v projection gives them."""

@@ -143,19 +143,27 @@ void causal_conv_prefill(const float* x, int64_t x_stride, float* state, const f
 
 // Causal attention of one sequence's last n queries over its `context` keys (a whole prompt, or a
 // chunk continuing one), the query at row i being position context - n + i; window 0 = none.
-// q [n, H, Dh] (tokens q_stride apart), kt [KVH, Dh, padded] (keys transposed, each row padded to a
-// multiple of 16 keys), v [context, KVH, Dh] (tokens v_stride apart), out [n, H, Dh] contiguous.
-// A task is R query rows of one head: scores 16 keys at a time with the R rows' accumulators in
-// registers (each key vector loaded once for all R), the softmax per row, then 16 output
-// channels at a time, each value vector loaded once for the R rows.
+// q [n, H, Dh] (tokens q_stride apart), kt [KVH, Dh, padded] (keys transposed, each row padded with
+// zeros to a multiple of 32 keys), v [context, KVH, Dh] (tokens v_stride apart), out [n, H, Dh].
+// A task is R query rows of one head: scores kAttnKeys keys at a time with the R rows'
+// accumulators in registers (each key vector loaded once for all R), the softmax per row, then
+// kAttnKeys output channels at a time, each value vector loaded once for the R rows. R x kAttnKeys
+// accumulators take 24 of AVX-512's 32 vector registers and 12 of AVX2's 16.
+#ifdef __AVX512F__
+constexpr int64_t kAttnRows = 12, kAttnKeys = 32;
+#else
+constexpr int64_t kAttnRows = 6, kAttnKeys = 16;
+#endif
+
 void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_t padded, const float* v,
                        int64_t v_stride, float* out, int64_t n, int64_t context, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, float scale, int64_t window, int threads) {
-  constexpr int64_t R = 8, W = 16;
+  constexpr int64_t R = kAttnRows, W = kAttnKeys;
   const int64_t group = heads / kv_heads, row_groups = (n + R - 1) / R, offset = context - n;
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> scores(R * (padded + W)), qs(R * head_dim);
+    float inv[R];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < heads * row_groups; ++task) {
       const int64_t rg = row_groups - 1 - task / heads, h = task % heads;  // longest rows first
@@ -179,12 +187,13 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
         }
         for (int64_t r = 0; r < R; ++r) std::copy(a[r], a[r] + W, scores.data() + r * stride + j0);
       }
-      for (int64_t r = 0; r < R; ++r) {  // softmax over the keys row r sees, 0 elsewhere
+      for (int64_t r = 0; r < R; ++r) {  // unnormalised softmax over the keys row r sees, 0 elsewhere
         float* sr = scores.data() + r * stride;
         const int64_t pos = first_pos + r;
         const int64_t a = r < rows ? (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - lo : 0;
         const int64_t b = r < rows ? pos + 1 - lo : 0;
         float top = -INFINITY;
+#pragma omp simd reduction(max : top)
         for (int64_t j = a; j < b; ++j) top = std::max(top, sr[j]);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
@@ -192,11 +201,9 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
           sr[j] = fast_exp(sr[j] - top);
           total += sr[j];
         }
-        const float inv = b > a ? 1.f / total : 0.f;
+        inv[r] = b > a ? 1.f / total : 0.f;
         std::fill(sr, sr + a, 0.f);
         std::fill(sr + b, sr + stride, 0.f);
-#pragma omp simd
-        for (int64_t j = a; j < b; ++j) sr[j] *= inv;
       }
       const float* vg = v + (h / group) * head_dim;
       for (int64_t d0 = 0; d0 < head_dim; d0 += W) {
@@ -215,7 +222,10 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
               for (int64_t dd = 0; dd < width; ++dd) o[r][dd] += scores[r * stride + j] * value[dd];
           }
         }
-        for (int64_t r = 0; r < rows; ++r) std::copy(o[r], o[r] + width, out + ((r0 + r) * heads + h) * head_dim + d0);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = out + ((r0 + r) * heads + h) * head_dim + d0;
+          for (int64_t dd = 0; dd < width; ++dd) dst[dd] = o[r][dd] * inv[r];
+        }
       }
     }
   }
