@@ -33,6 +33,8 @@ def available() -> bool:
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.float32 and t.is_contiguous():  # the usual case (weights): no torch calls
+        return t
     return t.detach().float().contiguous()
 
 
