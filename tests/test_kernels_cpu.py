@@ -213,32 +213,31 @@ def test_a_failed_build_falls_back_to_the_references(monkeypatch, tmp_path):
     assert native.available()
 
 
-@pytest.mark.parametrize("chunks,length,heads", [(1, 1, 1), (3, 17, 4), (2, 64, 3)])
-def test_segment_decays(chunks, length, heads):
-    """The SSD scan's within-chunk decays: the same sums in the same order as the masked cumsum."""
-    from engine.kernels.ssd_scan import segment_decays_ref
-
-    torch.manual_seed(chunks * length + heads)
-    a = -torch.rand(chunks, length, heads) * 0.5
-    ours = cpu.segment_decays_cpu(a)
-    torch.testing.assert_close(ours, segment_decays_ref(a), atol=1e-6, rtol=1e-5)
-    assert torch.equal(ours.triu(1), torch.zeros_like(ours))
-
-
-def test_ssd_chunk_scan_takes_the_kernel_and_matches_the_definition(monkeypatch):
+@pytest.mark.parametrize("length,heads,head_dim,groups,d_state", [
+    (1, 1, 1, 1, 1), (70, 4, 8, 2, 6), (37, 6, 20, 3, 16), (50, 2, 64, 1, 128)])
+def test_ssd_scan_matches_the_definition_on_projection_views(monkeypatch, length, heads, head_dim, groups, d_state):
+    """The Mamba2 prefill scan against the token-by-token definition, reading x, B and C as
+    column blocks of one projection (as the model hands them over), through the dispatcher."""
     from engine.kernels.ssd_scan import ssd_scan_ref
 
-    torch.manual_seed(5)
-    x, dt = torch.randn(70, 4, 8), torch.rand(70, 4) * 0.3
-    A, B, C, h0 = -torch.rand(4) * 2, torch.randn(70, 2, 6), torch.randn(70, 2, 6), torch.randn(4, 8, 6)
-    calls = []
-    kernel = cpu.segment_decays_cpu
-    monkeypatch.setattr(cpu, "segment_decays_cpu", lambda a: calls.append(a.shape) or kernel(a))
+    torch.manual_seed(length + heads + d_state)
+    width = heads * head_dim + 2 * groups * d_state
+    xbc = torch.randn(length, width + 5)
+    x = xbc[:, : heads * head_dim].view(length, heads, head_dim)
+    B = xbc[:, heads * head_dim: heads * head_dim + groups * d_state].view(length, groups, d_state)
+    C = xbc[:, heads * head_dim + groups * d_state: width].view(length, groups, d_state)
+    dt, A, h0 = torch.rand(length, heads) * 0.3, -torch.rand(heads) * 2, torch.randn(heads, head_dim, d_state)
+    h0_before, calls = h0.clone(), []
+    kernel = cpu.ssd_scan_cpu
+    monkeypatch.setattr(cpu, "ssd_scan_cpu", lambda *a: calls.append(a[0].shape) or kernel(*a))
     y, h = kernels.ssd_chunk_scan(x, dt, A, B, C, h0, 32)
     y_ref, h_ref = ssd_scan_ref(x, dt, A, B, C, h0)
-    assert calls == [(3, 32, 4)]
+    assert calls == [(length, heads, head_dim)]
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0, h0_before)  # the caller's state is not written
+    with pytest.raises(ValueError, match="shape"):
+        cpu.ssd_scan_cpu(x, dt[:-1], A, B, C, h0)
 
 
 @pytest.mark.parametrize("activation", [None, "silu"])

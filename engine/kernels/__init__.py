@@ -110,8 +110,8 @@ def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     if uses_triton(x):
         return ssd_chunk_scan_triton(x, dt, A, B, C, h0, chunk_size)
     # x is often a view into the projection's output; the state says whether this is float32 on CPU.
-    if uses_cpu_kernel(h0):  # the reference, with its costliest piece (the chunks' decays) in C++
-        return ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size, segment_decays=cpu.segment_decays_cpu)
+    if uses_cpu_kernel(h0):  # the recurrence itself: on a CPU it is cheaper than the chunked form
+        return cpu.ssd_scan_cpu(x, dt, A, B, C, h0)
     return ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size)
 
 

@@ -13,7 +13,7 @@ over its tensor in prefill and a dispatch of its own in decode. Measured against
 before them in docs/benchmarks.md ("2026-12-02, later").
 
 Same contracts as the `*_ref` functions or torch code they stand for (engine.kernels.ssm_update,
-conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan's segment decays,
+conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan,
 engine.models.ssm.selective_scan_ref and varlen_causal_conv, engine.models.layers), to float32
 rounding: the transformers parity tests judge every model on them.
 """
@@ -26,6 +26,7 @@ from engine.kernels import native
 from engine.kernels.conv_update import check_conv_update
 from engine.kernels.gdn_scan import check_step, prepare_qk
 from engine.kernels.mamba2_update import NO_LIMIT, check_state_update, process_dt
+from engine.kernels.ssd_scan import check_chunk_scan
 
 
 def available() -> bool:
@@ -122,13 +123,21 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
     return out
 
 
-def segment_decays_cpu(a):
-    """exp(engine.kernels.ssd_scan._segment_sums(a)) for a [c, l, H]: [c, H, l, l], 0 above the diagonal."""
-    chunks, length, heads = a.shape
-    out = torch.empty(chunks, heads, length, length, dtype=torch.float32)
-    if out.numel():
-        native.call("segment_decays", _f32(a), out, chunks, length, heads)
-    return out
+def ssd_scan_cpu(x, dt, A, B, C, h0):
+    """See engine.kernels.ssd_scan.ssd_scan_ref: one sequence's Mamba2 prefill from h0 [H, P, N],
+    one token at a time; returns y [L, H, P] and h_L [H, P, N], float32. x [L, H, P] and B, C
+    [L, G, N] may be column blocks of the projection (any token stride, heads contiguous)."""
+    check_chunk_scan(x, dt, A, B, C, h0)
+    x, B, C = (t if rows_of_heads(t) else t.float().contiguous() for t in (x, B, C))
+    if B.stride(0) != C.stride(0):
+        B, C = B.contiguous(), C.contiguous()
+    length, heads, head_dim = x.shape
+    y = torch.empty(length, heads, head_dim, dtype=torch.float32)
+    h = h0.detach().float().clone().contiguous()
+    if length:
+        native.call("ssd_scan", x, x.stride(0), _f32(dt), _f32(A), B, C, B.stride(0), h, y,
+                    length, heads, head_dim, B.shape[1], B.shape[2])
+    return y, h
 
 
 def gated_delta_step_cpu(state, slots, q, k, v, g, beta):

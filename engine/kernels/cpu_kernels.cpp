@@ -185,29 +185,49 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
   }
 }
 
-// Decays between positions of the SSD scan's chunks: for a [chunks, l, H] of per-step log
-// decays, out [chunks, H, l, l] gets exp(a[j+1] + ... + a[i]) at (i, j) for j <= i (the sum
-// taken in that order, as the masked cumsum of engine.kernels.ssd_scan does) and 0 above the
-// diagonal. Sums go down each column; then one vectorised exp per row.
-void segment_decays(const float* a, float* out, int64_t chunks, int64_t length, int64_t heads, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t ch = 0; ch < chunks * heads; ++ch) {
-    const int64_t c = ch / heads, h = ch - c * heads;
-    const float* steps = a + c * length * heads + h;
-    float* block = out + ch * length * length;
-    for (int64_t j = 0; j < length; ++j) {
-      float run = 0.f;
-      block[j * length + j] = 0.f;
-      for (int64_t i = j + 1; i < length; ++i) {
-        run += steps[i * heads];
-        block[i * length + j] = run;
-      }
-    }
-    for (int64_t i = 0; i < length; ++i) {
-      float* row = block + i * length;
+// Mamba2 prefill of one sequence, the recurrence one token at a time, per head h of group
+// g = h / (H / G), from h = state[h] (updated in place to h_L):
+// s_t = exp(dt[t, h] A[h]) s_{t-1} + dt[t, h] x[t, h] (outer) B[t, g] ; y[t, h] = s_t . C[t, g].
+// x [L, H, P] (tokens x_stride apart), dt [L, H] (final: bias, softplus, clamp done), A [H],
+// B, C [L, G, N] (tokens bc_stride apart), state [H, P, N], y [L, H, P]. The decay is one scalar
+// per head and token, so a token costs 2 P N multiply-adds per head; the chunked (SSD) form
+// trades more arithmetic for matrix products, which pays on tensor cores, not here. A head's
+// state is held transposed, [N][P], so each of the N steps is vectors across P, no reduction.
+void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A, const float* B,
+              const float* C, int64_t bc_stride, float* state, float* y, int64_t length, int64_t heads,
+              int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
+  const int64_t per_group = heads / groups, lanes = (head_dim + 15) / 16 * 16;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> s(d_state * lanes), u(lanes), acc(lanes);
+#pragma omp for schedule(static)
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      const int64_t g = hd / per_group;
+      float* sh = state + hd * head_dim * d_state;
+      std::fill(s.begin(), s.end(), 0.f);
+      std::fill(u.begin(), u.end(), 0.f);
+      for (int64_t p = 0; p < head_dim; ++p)
+        for (int64_t n = 0; n < d_state; ++n) s[n * lanes + p] = sh[p * d_state + n];
+      for (int64_t t = 0; t < length; ++t) {
+        const float d = dt[t * heads + hd], decay = std::exp(d * A[hd]);
+        const float* xt = x + t * x_stride + hd * head_dim;
+        const float* bt = B + t * bc_stride + g * d_state;
+        const float* ct = C + t * bc_stride + g * d_state;
+        for (int64_t p = 0; p < head_dim; ++p) u[p] = d * xt[p];
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t n = 0; n < d_state; ++n) {
+          const float bn = bt[n], cn = ct[n];
+          float* sn = s.data() + n * lanes;
 #pragma omp simd
-      for (int64_t j = 0; j <= i; ++j) row[j] = fast_exp(row[j]);
-      std::fill(row + i + 1, row + length, 0.f);
+          for (int64_t p = 0; p < lanes; ++p) {
+            sn[p] = sn[p] * decay + u[p] * bn;
+            acc[p] += sn[p] * cn;
+          }
+        }
+        std::copy(acc.begin(), acc.begin() + head_dim, y + (t * heads + hd) * head_dim);
+      }
+      for (int64_t p = 0; p < head_dim; ++p)
+        for (int64_t n = 0; n < d_state; ++n) sh[p * d_state + n] = s[n * lanes + p];
     }
   }
 }

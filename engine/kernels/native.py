@@ -41,7 +41,7 @@ SIGNATURES = {
     "conv_update": [P, P, P, P, P, P, I64, I64, I64, I64, INT],
     "selective_scan": [P, P, P, P, P, P, P, I64, I64, I64, INT],
     "mamba2_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, I64, INT],
-    "segment_decays": [P, P, I64, I64, I64, INT],
+    "ssd_scan": [P, I64, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, INT],
     "gated_delta_step": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
     "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
