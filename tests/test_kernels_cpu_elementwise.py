@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE, _rotate
+from engine.models.layers import GatedMLP, GatedRMSNorm, RMSNorm, RotaryEmbedding, SparseMoE, _rotate
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler here")
 
@@ -126,6 +126,17 @@ def test_layers_take_the_kernels_and_agree_with_their_torch_paths(monkeypatch):
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert calls.count("rms_norm_cpu") == 2 and "silu_mul_cpu" in calls and calls.count("rotary_cpu") == 2
+
+
+@pytest.mark.parametrize("group_size", [48, 16])
+def test_gated_norm_of_a_gated_input_equals_the_norm_with_its_gate(group_size):
+    """Mamba2's fused CPU epilogue gates first (gated_skip) and then normalises alone."""
+    torch.manual_seed(group_size)
+    norm = GatedRMSNorm(48, group_size, 1e-5)
+    norm.weight.data = torch.randn(48)
+    y, z = torch.randn(7, 48), torch.randn(7, 48)
+    gated = cpu.gated_skip_cpu(y.clone(), torch.zeros(7, 48), torch.zeros(48), z)
+    torch.testing.assert_close(norm.normalise_gated(gated), norm(y, z), atol=1e-5, rtol=1e-5)
 
 
 def test_rotary_tables_are_reused_only_for_equal_positions():

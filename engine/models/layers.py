@@ -69,12 +69,21 @@ class GatedRMSNorm(nn.Module):
         y = y.float()
         if not self.norm_before_gate:
             y = y * F.silu(z.float())
-        groups = y.view(*y.shape[:-1], -1, self.group_size)
-        y = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(y.shape)
-        y = self.weight * y.to(dtype)
+        y = self.weight * self._group_rms(y).to(dtype)
         if self.norm_before_gate:
             y = y * F.silu(z.to(y.dtype))
         return y
+
+    def normalise_gated(self, gated: torch.Tensor) -> torch.Tensor:
+        """The norm alone, for a float32 y * silu(z) computed elsewhere (norm_before_gate=False);
+        one C++ pass on CPU when the whole row is one group."""
+        if self.group_size == gated.shape[-1] and uses_cpu_kernel(gated) and gated.is_contiguous():
+            return cpu.rms_norm_cpu(gated, self.weight, self.eps)
+        return self.weight * self._group_rms(gated)
+
+    def _group_rms(self, y: torch.Tensor) -> torch.Tensor:
+        groups = y.view(*y.shape[:-1], -1, self.group_size)
+        return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(y.shape)
 
 
 class GatedMLP(nn.Module):
