@@ -196,10 +196,13 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
 void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A, const float* B,
               const float* C, int64_t bc_stride, float* state, float* y, int64_t length, int64_t heads,
               int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
-  const int64_t per_group = heads / groups, lanes = (head_dim + 15) / 16 * 16;
+  // W channels at a time: their accumulators and inputs stay in registers across the N steps,
+  // and four vectors give four independent chains of multiply-adds, not one waiting on the last.
+  constexpr int64_t W = 64, kAhead = 8;
+  const int64_t per_group = heads / groups, lanes = (head_dim + W - 1) / W * W;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> s(d_state * lanes), u(lanes), acc(lanes);
+    std::vector<float> s(d_state * lanes), u(lanes);
 #pragma omp for schedule(static)
     for (int64_t hd = 0; hd < heads; ++hd) {
       const int64_t g = hd / per_group;
@@ -213,18 +216,26 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
         const float* xt = x + t * x_stride + hd * head_dim;
         const float* bt = B + t * bc_stride + g * d_state;
         const float* ct = C + t * bc_stride + g * d_state;
-        for (int64_t p = 0; p < head_dim; ++p) u[p] = d * xt[p];
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t n = 0; n < d_state; ++n) {
-          const float bn = bt[n], cn = ct[n];
-          float* sn = s.data() + n * lanes;
-#pragma omp simd
-          for (int64_t p = 0; p < lanes; ++p) {
-            sn[p] = sn[p] * decay + u[p] * bn;
-            acc[p] += sn[p] * cn;
-          }
+        float* yt = y + (t * heads + hd) * head_dim;
+        if (t + kAhead < length) {  // rows x_stride apart, rarely still in cache
+          prefetch_floats(xt + kAhead * x_stride, head_dim);
+          for (int64_t p = 0; p < head_dim; p += 16) __builtin_prefetch(yt + kAhead * heads * head_dim + p, 1);
         }
-        std::copy(acc.begin(), acc.begin() + head_dim, y + (t * heads + hd) * head_dim);
+        for (int64_t p = 0; p < head_dim; ++p) u[p] = d * xt[p];
+        for (int64_t p0 = 0; p0 < lanes; p0 += W) {
+          float acc[W] = {}, uw[W];
+          std::copy(u.begin() + p0, u.begin() + p0 + W, uw);
+          for (int64_t n = 0; n < d_state; ++n) {
+            const float bn = bt[n], cn = ct[n];
+            float* sn = s.data() + n * lanes + p0;
+#pragma omp simd
+            for (int64_t p = 0; p < W; ++p) {
+              sn[p] = sn[p] * decay + uw[p] * bn;
+              acc[p] += sn[p] * cn;
+            }
+          }
+          std::copy(acc, acc + std::min(W, head_dim - p0), yt + p0);
+        }
       }
       for (int64_t p = 0; p < head_dim; ++p)
         for (int64_t n = 0; n < d_state; ++n) sh[p * d_state + n] = s[n * lanes + p];
