@@ -61,3 +61,19 @@ def test_greedy_batch_matches_transformers(name, model_factory):
         judge_greedy(hf, prompt, out.token_ids)
     llm.engine.check_integrity()
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
+
+
+@pytest.mark.parametrize("name", ["bamba", "falcon_h1_nonorm", "nemotron_h"])
+def test_mamba2_families_take_the_fused_cpu_epilogue(name, model_factory, monkeypatch):
+    """The gated skip and the norm alone run as C++ passes on the projection's views (one
+    group, several groups, no norm), and the logits still match transformers."""
+    from engine.kernels import cpu
+
+    path, hf = model_factory(name)
+    ours = load_model(path)
+    calls = []
+    kernel = cpu.gated_skip_cpu
+    monkeypatch.setattr(cpu, "gated_skip_cpu", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    ids = [random.Random(name).randrange(ours.spec.vocab_size) for _ in range(40)]
+    err = (our_prompt_logits(ours, ids) - hf_logits(hf, ids)).abs().max().item()
+    assert calls and err < LOGIT_ATOL, f"{name}: {len(calls)} fused calls, max |logit diff| {err}"

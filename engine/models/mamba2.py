@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, mamba2_state_update, ssd_chunk_scan, uses_cpu_kernel
+from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, ssd_chunk_scan
 from engine.kernels.mamba2_update import process_dt
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
@@ -85,10 +85,12 @@ class Mamba2Mixer(nn.Module):
             idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
-        if uses_cpu_kernel(x) and uses_cpu_kernel(z) and (self.norm is None or not self.norm.norm_before_gate):
+        x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
+        if (cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
+                and (self.norm is None or not self.norm.norm_before_gate)):
             # (y + x D) * silu(z) in one pass over y, then the norm alone
             D = self.D.float().repeat_interleave(self.head_dim)
-            y = cpu.gated_skip_cpu(y.view(tokens, self.d_ssm), x.reshape(tokens, self.d_ssm), D, z)
+            y = cpu.gated_skip_cpu(y.view(tokens, self.d_ssm), x_rows, D, z)
             y = self.norm.normalise_gated(y) if self.norm is not None else y
         else:
             y = (y + x.float() * self.D.float()[:, None]).reshape(tokens, self.d_ssm)
