@@ -109,6 +109,30 @@ def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
     assert kernels.uses_cpu_kernel(pool)  # so the engine's gated_delta_step takes this kernel
 
 
+@pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim", [(1, 1, 1, 5, 7), (70, 2, 4, 16, 8), (130, 4, 8, 32, 32)])
+def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_heads, heads, k_dim, v_dim):
+    """The token-by-token CPU prefill, through the dispatcher, on strided views of one projection."""
+    from engine.kernels.gdn_scan import gated_delta_rule_ref
+
+    torch.manual_seed(length + heads)
+    qkv = torch.randn(length, 2 * k_heads * k_dim + heads * v_dim + 3)
+    q = qkv[:, : k_heads * k_dim].view(length, k_heads, k_dim)
+    k = qkv[:, k_heads * k_dim: 2 * k_heads * k_dim].view(length, k_heads, k_dim)
+    v = qkv[:, 2 * k_heads * k_dim: -3].view(length, heads, v_dim)
+    g, beta, h0 = -torch.rand(length, heads), torch.rand(length, heads), torch.randn(heads, k_dim, v_dim)
+    h0_before, calls = h0.clone(), []
+    kernel = cpu.gated_delta_rule_cpu
+    monkeypatch.setattr(cpu, "gated_delta_rule_cpu", lambda *a: calls.append(a[2].shape) or kernel(*a))
+    o, S = kernels.chunk_gated_delta_rule(q, k, v, g, beta, h0, 64)
+    o_ref, S_ref = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    assert calls == [(length, heads, v_dim)]
+    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(S, S_ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0, h0_before)
+    with pytest.raises(ValueError):
+        cpu.gated_delta_rule_cpu(q, k, v, g[:-1], beta, h0)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_decode(heads, kv_heads, head_dim, block_size, window):

@@ -125,8 +125,11 @@ def gated_delta_step(state, slots, q, k, v, g, beta):
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
     See engine.kernels.gdn_scan."""
-    impl = chunk_gated_delta_rule_triton if uses_triton(v) else chunk_gated_delta_rule_ref
-    return impl(q, k, v, g, beta, h0, chunk_size)
+    if uses_triton(v):
+        return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
+    if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
+        return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
 
 
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):

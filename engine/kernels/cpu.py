@@ -24,7 +24,7 @@ import torch
 
 from engine.kernels import native
 from engine.kernels.conv_update import check_conv_update
-from engine.kernels.gdn_scan import check_step, prepare_qk
+from engine.kernels.gdn_scan import check_rule, check_step, prepare_qk
 from engine.kernels.mamba2_update import NO_LIMIT, check_state_update, process_dt
 from engine.kernels.ssd_scan import check_chunk_scan
 
@@ -149,6 +149,20 @@ def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
         native.call("gated_delta_step", _pool(state, "state"), _ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
                     _f32(beta), o, v.shape[0], v.shape[1], q.shape[2], v.shape[2])
     return o
+
+
+def gated_delta_rule_cpu(q, k, v, g, beta, h0):
+    """See engine.kernels.gdn_scan.gated_delta_rule_ref: one sequence's prefill from h0
+    [Hv, dk, dv], one token at a time; returns o [L, Hv, dv] and S_L, float32."""
+    check_rule(q, k, v, g, beta, h0)
+    q, k = prepare_qk(q, k, v.shape[1])
+    length, heads, v_dim = v.shape
+    o = torch.empty(length, heads, v_dim, dtype=torch.float32)
+    S = h0.detach().float().clone().contiguous()
+    if length:
+        native.call("gated_delta_scan", S, _f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), o,
+                    length, heads, q.shape[2], v_dim)
+    return o, S
 
 
 def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, scale,

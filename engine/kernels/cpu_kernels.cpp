@@ -72,6 +72,35 @@ inline void conv_update_row(float* w, const float* weight, const float* x, const
   }
 }
 
+// One token of the gated delta rule on one head's S [dk, dv] in place: S *= exp(g) ;
+// S += k (x) ((v - S^T k) * beta) ; o = S^T q. Two passes over S: decay and predict, then
+// update and read. `delta` is scratch of v_dim floats.
+inline void delta_rule_step(float* S, const float* q, const float* k, const float* v, float* o, float decay,
+                            float rate, float* delta, int64_t k_dim, int64_t v_dim) {
+  std::fill(delta, delta + v_dim, 0.f);  // S^T k first
+  for (int64_t r = 0; r < k_dim; ++r) {
+    float* row = S + r * v_dim;
+    const float kr = k[r];
+#pragma omp simd
+    for (int64_t j = 0; j < v_dim; ++j) {
+      row[j] *= decay;
+      delta[j] += row[j] * kr;
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < v_dim; ++j) delta[j] = (v[j] - delta[j]) * rate;
+  std::fill(o, o + v_dim, 0.f);
+  for (int64_t r = 0; r < k_dim; ++r) {
+    float* row = S + r * v_dim;
+    const float kr = k[r], qr = q[r];
+#pragma omp simd
+    for (int64_t j = 0; j < v_dim; ++j) {
+      row[j] += kr * delta[j];
+      o[j] += row[j] * qr;
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -243,10 +272,9 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
   }
 }
 
-// Gated DeltaNet decode step, per row (b, h) of S = state[slots[b], h] ([dk, dv]) in place:
-// S *= exp(g) ; S += k (x) ((v - S^T k) * beta) ; o = S^T q. q, k [batch, H, dk] come in
-// prepared (L2-normalised, q scaled, key heads repeated to the value heads); v, o
-// [batch, H, dv]; g, beta [batch, H]. Two passes over S: decay and predict, then update and read.
+// Gated DeltaNet decode step, per row (b, h) of S = state[slots[b], h] ([dk, dv]) in place.
+// q, k [batch, H, dk] come in prepared (L2-normalised, q scaled, key heads repeated to the
+// value heads); v, o [batch, H, dv]; g, beta [batch, H].
 void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k,
                       const float* v, const float* g, const float* beta, float* o, int64_t batch,
                       int64_t heads, int64_t k_dim, int64_t v_dim, int threads) {
@@ -256,33 +284,29 @@ void gated_delta_step(float* state, const int64_t* slots, const float* q, const 
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < batch * heads; ++i) {
       const int64_t b = i / heads, h = i - b * heads;
-      float* S = state + (slots[b] * heads + h) * k_dim * v_dim;
-      const float* qi = q + i * k_dim;
-      const float* ki = k + i * k_dim;
-      const float* vi = v + i * v_dim;
-      float* oi = o + i * v_dim;
-      const float decay = std::exp(g[i]), rate = beta[i];
-      std::fill(delta.begin(), delta.end(), 0.f);  // S^T k first
-      for (int64_t r = 0; r < k_dim; ++r) {
-        float* row = S + r * v_dim;
-        const float kr = ki[r];
-#pragma omp simd
-        for (int64_t j = 0; j < v_dim; ++j) {
-          row[j] *= decay;
-          delta[j] += row[j] * kr;
-        }
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < v_dim; ++j) delta[j] = (vi[j] - delta[j]) * rate;
-      std::fill(oi, oi + v_dim, 0.f);
-      for (int64_t r = 0; r < k_dim; ++r) {
-        float* row = S + r * v_dim;
-        const float kr = ki[r], qr = qi[r];
-#pragma omp simd
-        for (int64_t j = 0; j < v_dim; ++j) {
-          row[j] += kr * delta[j];
-          oi[j] += row[j] * qr;
-        }
+      delta_rule_step(state + (slots[b] * heads + h) * k_dim * v_dim, q + i * k_dim, k + i * k_dim,
+                      v + i * v_dim, o + i * v_dim, std::exp(g[i]), beta[i], delta.data(), k_dim, v_dim);
+    }
+  }
+}
+
+// Gated DeltaNet prefill of one sequence, the rule one token at a time, per head of
+// state [H, dk, dv] in place (to S_L); q, k [L, H, dk] prepared as above, v, o [L, H, dv],
+// g, beta [L, H]. A token costs about 4 dk dv multiply-adds per head on a state that stays in
+// L1; the chunked form's triangular solves and dozens of torch ops cost far more on a CPU.
+void gated_delta_scan(float* state, const float* q, const float* k, const float* v, const float* g,
+                      const float* beta, float* o, int64_t length, int64_t heads, int64_t k_dim,
+                      int64_t v_dim, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> delta(v_dim);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* S = state + h * k_dim * v_dim;
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t i = t * heads + h;
+        delta_rule_step(S, q + i * k_dim, k + i * k_dim, v + i * v_dim, o + i * v_dim, std::exp(g[i]), beta[i],
+                        delta.data(), k_dim, v_dim);
       }
     }
   }

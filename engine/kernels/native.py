@@ -43,6 +43,7 @@ SIGNATURES = {
     "mamba2_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, I64, INT],
     "ssd_scan": [P, I64, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, INT],
     "gated_delta_step": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
+    "gated_delta_scan": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
     "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
     "silu_mul": [P, P, P, I64, I64, I64, INT],
