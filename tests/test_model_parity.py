@@ -77,3 +77,18 @@ def test_mamba2_families_take_the_fused_cpu_epilogue(name, model_factory, monkey
     ids = [random.Random(name).randrange(ours.spec.vocab_size) for _ in range(40)]
     err = (our_prompt_logits(ours, ids) - hf_logits(hf, ids)).abs().max().item()
     assert calls and err < LOGIT_ATOL, f"{name}: {len(calls)} fused calls, max |logit diff| {err}"
+
+
+def test_falcon_h1_multipliers_are_folded_into_the_weights(model_factory):
+    """After loading, no muP multiplier is left to apply at run time (each lives in the weights
+    that produce or read its tensor), so q/k/v and gate/up can be packed as one GEMM each; the
+    parity tests above judge the folded model (every multiplier away from 1) against transformers."""
+    from torch import nn
+
+    path, _ = model_factory("falcon_h1")
+    model = load_model(path)
+    for layer in model.layers:
+        assert (layer.attn_in, layer.attn_out, layer.ssm_out) == (1.0, 1.0, 1.0)
+        assert (layer.mamba.in_scale, layer.mamba.part_scales) == (1.0, (1.0,) * 5)
+        assert type(layer.self_attn.k_proj) is nn.Linear and layer.feed_forward.packs_fused()
+        assert layer.self_attn.pack_weights() == 1 and layer.feed_forward.pack_weights() == 1

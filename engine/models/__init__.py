@@ -52,5 +52,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                   or (model.tie_embeddings and n == "lm_head.weight"))
     finally:
         weights.close()
+    for module in list(model.modules()):  # constant multipliers into the loaded weights (Falcon-H1's muP)
+        if hasattr(module, "fold_scales"):
+            module.fold_scales()
     return model.eval()
 

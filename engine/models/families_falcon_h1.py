@@ -27,6 +27,19 @@ from engine.models.mamba2 import Mamba2Mixer
 NO_LIMIT = (0.0, float("inf"))
 
 
+def _scale_rows(linear: nn.Linear, scale: float, rows: slice = slice(None), bias: bool = True) -> None:
+    """Multiply the output rows of a loaded linear by a constant (its weight, and its bias unless
+    the constant scaled the input instead)."""
+    with torch.no_grad():
+        linear.weight[rows] *= scale
+        if bias and linear.bias is not None:
+            linear.bias[rows] *= scale
+
+
+def _times(t: torch.Tensor, scale: float) -> torch.Tensor:
+    return t if scale == 1.0 else t * scale
+
+
 class ScaledLinear(nn.Linear):
     """nn.Linear whose output is multiplied by a constant; parameter names stay weight/bias."""
 
@@ -35,7 +48,15 @@ class ScaledLinear(nn.Linear):
         self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.scale
+        return _times(super().forward(x), self.scale)
+
+    def folded(self) -> nn.Linear:
+        """A plain nn.Linear on the same parameters with the scale multiplied in (it can then
+        join q and v in one packed GEMM)."""
+        _scale_rows(self, self.scale)
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight, plain.bias = self.weight, self.bias
+        return plain
 
 
 class FalconH1Mixer(Mamba2Mixer):
@@ -49,7 +70,17 @@ class FalconH1Mixer(Mamba2Mixer):
         self.part_scales = part_scales  # z, x, B, C, dt
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
-        return super().forward(hidden * self.in_scale, batch, state)
+        return super().forward(_times(hidden, self.in_scale), batch, state)
+
+    def fold_scales(self) -> None:
+        """The input scale and the five parts' scales, into in_proj's rows (z, x, B, C, dt)."""
+        _scale_rows(self.in_proj, self.in_scale, bias=False)
+        group = self.n_groups * self.d_state
+        bounds = [0, self.d_ssm, 2 * self.d_ssm, 2 * self.d_ssm + group, 2 * self.d_ssm + 2 * group,
+                  2 * self.d_ssm + 2 * group + self.num_heads]
+        for scale, start, end in zip(self.part_scales, bounds, bounds[1:]):
+            _scale_rows(self.in_proj, scale, slice(start, end))
+        self.in_scale, self.part_scales = 1.0, (1.0,) * 5
 
     def split_projection(self, zxbcdt: torch.Tensor):
         z, xbc, dt = super().split_projection(zxbcdt)
@@ -68,8 +99,18 @@ class FalconH1MLP(GatedMLP):
         self.gate_scale, self.down_scale = gate_scale, down_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_scale == 1.0 and self.down_scale == 1.0:
+            return super().forward(x)  # the fused gate/up and SwiGLU paths
         hidden = self.up_proj(x) * self.act(self.gate_proj(x) * self.gate_scale)
         return self.down_proj(hidden) * self.down_scale
+
+    def fold_scales(self) -> None:
+        _scale_rows(self.gate_proj, self.gate_scale)
+        _scale_rows(self.down_proj, self.down_scale)
+        self.gate_scale = self.down_scale = 1.0
+
+    def packs_fused(self) -> bool:
+        return self.gate_scale == 1.0 and self.down_scale == 1.0
 
 
 class FalconH1Layer(nn.Module):
@@ -92,10 +133,22 @@ class FalconH1Layer(nn.Module):
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, index: int):
         normed = self.input_layernorm(h.to(self.input_layernorm.weight.dtype))
-        ssm = self.mamba(normed, batch, caches.state[index]) * self.ssm_out
-        attn = self.self_attn(normed * self.attn_in, batch, caches.kv[index]) * self.attn_out
+        ssm = _times(self.mamba(normed, batch, caches.state[index]), self.ssm_out)
+        attn = _times(self.self_attn(_times(normed, self.attn_in), batch, caches.kv[index]), self.attn_out)
         h = h + (ssm + attn)
         return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+    def fold_scales(self) -> None:
+        """attention's input scale into q/k/v (not their biases), the output scales into the
+        projections that produce them: the forward then multiplies nothing."""
+        attention = self.self_attn
+        for proj in (attention.q_proj, attention.k_proj, attention.v_proj):
+            _scale_rows(proj, self.attn_in, bias=False)
+        if isinstance(attention.k_proj, ScaledLinear):
+            attention.k_proj = attention.k_proj.folded()
+        _scale_rows(attention.o_proj, self.attn_out)
+        _scale_rows(self.mamba.out_proj, self.ssm_out)
+        self.attn_in = self.attn_out = self.ssm_out = 1.0
 
 
 class FalconH1LM(HybridLM):

@@ -103,10 +103,14 @@ class GatedMLP(nn.Module):
 
     def pack_weights(self) -> int:
         """gate and up as one packed GEMM on CPU (engine.models.packed_linear.pack_fused)."""
-        if type(self).forward is not GatedMLP.forward:
+        if not self.packs_fused():
             return 0
         self.gate_up_fused = pack_fused(self.gate_proj, self.up_proj)
         return int(self.gate_up_fused is not None)
+
+    def packs_fused(self) -> bool:
+        """Whether forward runs as defined here (a subclass that changes it says when it does)."""
+        return type(self).forward is GatedMLP.forward
 
 
 class SummedFFN(nn.Module):
