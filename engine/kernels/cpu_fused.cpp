@@ -209,15 +209,20 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
       for (int64_t d0 = 0; d0 < head_dim; d0 += W) {
         const int64_t width = std::min(W, head_dim - d0);
         float o[R][W] = {};
-        for (int64_t j = 0; j < len; ++j) {
-          const float* value = vg + (lo + j) * v_stride + d0;
-          if (width == W) {
+        // Two loops, not one with the width test inside: with it, o lived on the stack and
+        // every multiply-add loaded and stored its accumulator.
+        if (width == W) {
+          for (int64_t j = 0; j < len; ++j) {
+            const float* value = vg + (lo + j) * v_stride + d0;
             for (int64_t r = 0; r < R; ++r) {
               const float p = scores[r * stride + j];
 #pragma omp simd
               for (int64_t dd = 0; dd < W; ++dd) o[r][dd] += p * value[dd];
             }
-          } else {
+          }
+        } else {
+          for (int64_t j = 0; j < len; ++j) {
+            const float* value = vg + (lo + j) * v_stride + d0;
             for (int64_t r = 0; r < R; ++r)
               for (int64_t dd = 0; dd < width; ++dd) o[r][dd] += scores[r * stride + j] * value[dd];
           }
