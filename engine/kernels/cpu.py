@@ -6,11 +6,13 @@ attention first copies every sequence's KV out of the pool. These run each row i
 reading the pool in place. The Mamba prefill scan holds a block of 16 channels' states
 transposed in vector registers across tokens, with an inlined exp; the prefill conv streams
 token rows; prefill attention scores 12 query rows against 32 keys at a time (6 x 16 without AVX-512).
+Mamba2's and Gated DeltaNet's prefills run their recurrences token by token: with a scalar
+decay per head, that costs less on a CPU than the chunked forms' matrix products.
 
 The elementwise epilogues (RMSNorm with the residual add, SwiGLU's product, rotary in place,
 Mamba's gate and skip, softplus, the MoE combine) replace chains of torch ops, each a full pass
 over its tensor in prefill and a dispatch of its own in decode. Measured against the commits
-before them in docs/benchmarks.md ("2026-12-02, later").
+before them in docs/benchmarks.md ("2026-12-02, later" and "evening").
 
 Same contracts as the `*_ref` functions or torch code they stand for (engine.kernels.ssm_update,
 conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan,
