@@ -83,3 +83,12 @@ def family_model(request, model_factory):
     """One representative tiny model per family: (family, path, hf_model)."""
     path, hf = model_factory(request.param)
     return request.param, path, hf
+
+
+def record_calls(monkeypatch, owner, name: str) -> list[tuple]:
+    """Wrap owner.<name> for the test: each call's positional arguments are appended to the
+    returned list, and the call goes through unchanged."""
+    calls: list[tuple] = []
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kw: calls.append(args) or original(*args, **kw))
+    return calls

@@ -15,6 +15,7 @@ from engine.kernels import cpu
 from engine.kernels.mamba2_update import mamba2_state_update_ref
 from engine.kernels.paged_attention import paged_attention_decode_ref
 from engine.kernels.ssm_update import selective_state_update_ref
+from tests.conftest import record_calls
 
 NAN = float("nan")
 
@@ -120,12 +121,10 @@ def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_
     k = qkv[:, k_heads * k_dim: 2 * k_heads * k_dim].view(length, k_heads, k_dim)
     v = qkv[:, 2 * k_heads * k_dim: -3].view(length, heads, v_dim)
     g, beta, h0 = -torch.rand(length, heads), torch.rand(length, heads), torch.randn(heads, k_dim, v_dim)
-    h0_before, calls = h0.clone(), []
-    kernel = cpu.gated_delta_rule_cpu
-    monkeypatch.setattr(cpu, "gated_delta_rule_cpu", lambda *a: calls.append(a[2].shape) or kernel(*a))
+    h0_before, calls = h0.clone(), record_calls(monkeypatch, cpu, "gated_delta_rule_cpu")
     o, S = kernels.chunk_gated_delta_rule(q, k, v, g, beta, h0, 64)
     o_ref, S_ref = gated_delta_rule_ref(q, k, v, g, beta, h0)
-    assert calls == [(length, heads, v_dim)]
+    assert [args[2].shape for args in calls] == [(length, heads, v_dim)]
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(S, S_ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(h0, h0_before)
@@ -251,12 +250,10 @@ def test_ssd_scan_matches_the_definition_on_projection_views(monkeypatch, length
     B = xbc[:, heads * head_dim: heads * head_dim + groups * d_state].view(length, groups, d_state)
     C = xbc[:, heads * head_dim + groups * d_state: width].view(length, groups, d_state)
     dt, A, h0 = torch.rand(length, heads) * 0.3, -torch.rand(heads) * 2, torch.randn(heads, head_dim, d_state)
-    h0_before, calls = h0.clone(), []
-    kernel = cpu.ssd_scan_cpu
-    monkeypatch.setattr(cpu, "ssd_scan_cpu", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    h0_before, calls = h0.clone(), record_calls(monkeypatch, cpu, "ssd_scan_cpu")
     y, h = kernels.ssd_chunk_scan(x, dt, A, B, C, h0, 32)
     y_ref, h_ref = ssd_scan_ref(x, dt, A, B, C, h0)
-    assert calls == [(length, heads, head_dim)]
+    assert [args[0].shape for args in calls] == [(length, heads, head_dim)]
     torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(h, h_ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(h0, h0_before)  # the caller's state is not written

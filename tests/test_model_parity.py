@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.cache import ModelCache, plan_cache
 from engine.models import ForwardBatch, load_model
 from engine.phase import Phase
+from tests.conftest import record_calls
 from tests.oracle import CONFIGS, LOGIT_ATOL, hf_logits, judge_greedy
 
 ALL_CONFIGS = sorted(CONFIGS)
@@ -71,9 +72,7 @@ def test_mamba2_families_take_the_fused_cpu_epilogue(name, model_factory, monkey
 
     path, hf = model_factory(name)
     ours = load_model(path)
-    calls = []
-    kernel = cpu.gated_skip_cpu
-    monkeypatch.setattr(cpu, "gated_skip_cpu", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    calls = record_calls(monkeypatch, cpu, "gated_skip_cpu")
     ids = [random.Random(name).randrange(ours.spec.vocab_size) for _ in range(40)]
     err = (our_prompt_logits(ours, ids) - hf_logits(hf, ids)).abs().max().item()
     assert calls and err < LOGIT_ATOL, f"{name}: {len(calls)} fused calls, max |logit diff| {err}"

@@ -7,8 +7,9 @@ module; the functions here pick one per call:
   this is how CPU-only CI exercises the kernels);
 - otherwise Triton when it is installed and the tensors are on CUDA;
 - on CPU, for the operations engine.kernels.cpu covers (the Mamba, Mamba2 and Gated DeltaNet
-  decode steps, the conv update, decode attention; prefill's scan, conv and attention and the
-  elementwise epilogues, which the model code calls directly), its C++ kernels for float32
+  decode steps, the conv update, decode attention, the Mamba2 and Gated DeltaNet prefill
+  recurrences; Mamba's prefill scan, the prefill conv and attention and the elementwise
+  epilogues, which the model code calls directly), its C++ kernels for float32
   tensors, unless SPLITSERVE_DISABLE_CPU_KERNELS=1 (or no C++ compiler can build them here:
   engine.kernels.native).
 Triton stays optional: without it every CUDA call takes the reference path.

@@ -131,13 +131,7 @@ def available() -> bool:
     return library() is not None
 
 
-@functools.cache
-def _function(name: str):
-    return getattr(library(), name)
-
-
 def call(name: str, *args) -> None:
     """Run kernel `name`; tensors pass as pointers (the caller keeps them alive and contiguous),
-    and the thread count is torch's, so the loop reuses torch's OpenMP team. A decode step makes
-    about a hundred of these calls, so the path stays short."""
-    _function(name)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], torch.get_num_threads())
+    and the thread count is torch's, so the loop reuses torch's OpenMP team."""
+    getattr(library(), name)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], torch.get_num_threads())

@@ -99,8 +99,8 @@ class FalconH1MLP(GatedMLP):
         self.gate_scale, self.down_scale = gate_scale, down_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_scale == 1.0 and self.down_scale == 1.0:
-            return super().forward(x)  # the fused gate/up and SwiGLU paths
+        if self.packs_fused():  # scales folded in: the fused gate/up and SwiGLU paths
+            return super().forward(x)
         hidden = self.up_proj(x) * self.act(self.gate_proj(x) * self.gate_scale)
         return self.down_proj(hidden) * self.down_scale
 

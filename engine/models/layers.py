@@ -76,8 +76,8 @@ class GatedRMSNorm(nn.Module):
 
     def normalise_gated(self, gated: torch.Tensor) -> torch.Tensor:
         """The norm alone, for a float32 y * silu(z) computed elsewhere (norm_before_gate=False);
-        one C++ pass on CPU when the whole row is one group."""
-        if self.group_size == gated.shape[-1] and uses_cpu_kernel(gated) and gated.is_contiguous():
+        one C++ pass on CPU when the whole row is one group. (ShardedGatedRMSNorm has its own.)"""
+        if self.group_size == gated.shape[-1] and uses_cpu_kernel(gated):
             return cpu.rms_norm_cpu(gated, self.weight, self.eps)
         return self.weight * self._group_rms(gated)
 

@@ -87,7 +87,7 @@ class Mamba2Mixer(nn.Module):
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
         if (cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
-                and (self.norm is None or (type(self.norm) is GatedRMSNorm and not self.norm.norm_before_gate))):
+                and (self.norm is None or not self.norm.norm_before_gate)):
             # (y + x D) * silu(z) in one pass over y, then the norm alone
             D = self.D.float().repeat_interleave(self.head_dim)
             y = cpu.gated_skip_cpu(y.view(tokens, self.d_ssm), x_rows, D, z)

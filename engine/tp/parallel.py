@@ -126,13 +126,20 @@ class ShardedGatedRMSNorm(nn.Module):
         y = y.float().reshape(-1, shape[-1])
         if not self.norm_before_gate:
             y = y * F.silu(z.float().reshape(-1, shape[-1]))
-        sums = y.new_zeros(y.shape[0], self.num_groups).index_add_(1, self.group_of, y.pow(2))
-        sums = self.group.all_reduce(sums)
-        y = y * torch.rsqrt(sums / self.group_size + self.eps).index_select(1, self.group_of)
-        y = self.weight * y.to(dtype).reshape(shape)
+        y = self.weight * self._group_rms(y).to(dtype).reshape(shape)
         if self.norm_before_gate:
             y = y * F.silu(z.to(y.dtype))
         return y
+
+    def normalise_gated(self, gated: torch.Tensor) -> torch.Tensor:
+        """The norm alone, for a float32 y * silu(z) computed elsewhere (norm_before_gate=False)."""
+        return self.weight * self._group_rms(gated.reshape(-1, gated.shape[-1])).reshape(gated.shape)
+
+    def _group_rms(self, y: torch.Tensor) -> torch.Tensor:
+        """y [rows, my channels] float32, each channel over its (global) group's mean square."""
+        sums = y.new_zeros(y.shape[0], self.num_groups).index_add_(1, self.group_of, y.pow(2))
+        sums = self.group.all_reduce(sums)
+        return y * torch.rsqrt(sums / self.group_size + self.eps).index_select(1, self.group_of)
 
 
 def sliced_gated_norm(norm: GatedRMSNorm, channels: tuple[int, int], group: TPGroup) -> nn.Module:
