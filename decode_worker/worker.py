@@ -121,15 +121,18 @@ class DecodeWorker(EngineEndpoint):
         return self.receiver.keep_waiting(request_id)
 
     async def abort(self, request_id: str, error: str | None = None) -> None:
-        if request_id in self._rank_pending():
-            await asyncio.wrap_future(self.thread.call(
-                lambda engine: self.rank_receivers.abort(request_id, error or "aborted by the router")))
-            return
-        if request_id in self.receiver.pending():
-            # Rows may still be written: the receiver reports (and _take_handoffs frees) once they are not.
-            self.receiver.abort(request_id, error or "aborted by the router")
-            return
-        await asyncio.wrap_future(self.thread.call(lambda engine: engine.abort(request_id, error)))
+        reason = error or "aborted by the router"
+
+        def abort(engine: LLMEngine) -> None:
+            # On the engine thread, as _take_handoffs: a hand-off in flight is revoked (its rows may
+            # still be written: the receiver reports, and _take_handoffs frees, once they are not);
+            # one that has landed, even a moment ago, is the engine's to abort with its reservation.
+            if request_id in self._rank_pending():
+                self.rank_receivers.abort(request_id, reason)
+            elif not self.receiver.abort(request_id, reason):
+                engine.abort(request_id, error)
+
+        await asyncio.wrap_future(self.thread.call(abort))
 
     async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
         """Every output since the last poll (one reply per step batch), waiting up to timeout_s."""

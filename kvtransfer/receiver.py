@@ -81,8 +81,10 @@ class HandoffReceiver(Endpoint):
             incoming.deadline = max(incoming.deadline, time.monotonic() + incoming.timeout_s)
             return True
 
-    def abort(self, request_id: str, reason: str = "aborted by the caller") -> None:
-        self._fail(request_id, HandoffAbortedError(f"request {request_id}: {reason} (receiver {self.name})"))
+    def abort(self, request_id: str, reason: str = "aborted by the caller") -> bool:
+        """Revoke a hand-off not yet landed; False when there is none (never reserved here, or all
+        its rows landed a moment ago: the caller then aborts the request in its engine)."""
+        return self._fail(request_id, HandoffAbortedError(f"request {request_id}: {reason} (receiver {self.name})"))
 
     def pending(self) -> list[str]:
         with self._lock:
@@ -111,18 +113,23 @@ class HandoffReceiver(Endpoint):
 
     # ---- failure paths ----
 
-    def _fail(self, request_id: str, error: TransferError, only_if=None) -> None:
+    def _fail(self, request_id: str, error: TransferError, only_if=None) -> bool:
+        """Fail a hand-off in flight; False when none is (absent or landed), True when it is
+        failed now or already was."""
         with self._lock:
             incoming = self._incoming.get(request_id)
-            if incoming is None or incoming.state in (REVOKING, DONE, FAILED):
-                return
+            if incoming is None or incoming.state == DONE:
+                return False
+            if incoming.state in (REVOKING, FAILED):
+                return True
             if only_if is not None and not only_if(incoming):
-                return
+                return False
             incoming.error = error
             channel, was = incoming.channel, incoming.state
             incoming.state = REVOKING
         if was == WAITING or channel.release(incoming):
             self._finalize_failed(incoming)
+        return True
 
     def _finalize_failed(self, incoming: Incoming) -> None:
         with self._lock:

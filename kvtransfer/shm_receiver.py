@@ -69,14 +69,17 @@ class ShmReceiver(HandoffReceiver):
         self._next_gen += 1
         self._table.grant(incoming.row, request_key(target.request_id), incoming.gen, target.digest(), len(target.dst_block_ids), target.dst_slot)
 
-    def _fail(self, request_id: str, error: TransferError, only_if=None) -> None:
+    def _fail(self, request_id: str, error: TransferError, only_if=None) -> bool:
         with self._lock:
             incoming = self._incoming.get(request_id)
-            if incoming is None or incoming.state in (REVOKING, DONE_STATE, FAILED) or (only_if and not only_if(incoming)):
-                return
+            if incoming is None or incoming.state == DONE_STATE or (only_if and not only_if(incoming)):
+                return False
+            if incoming.state in (REVOKING, FAILED):
+                return True
             incoming.error, incoming.state = error, REVOKING
             self._table.revoke(incoming.row)  # before taking the row's lock: see grant_table.py
         self._sweep()
+        return True
 
     def _sweep(self) -> None:
         results, failed = [], []

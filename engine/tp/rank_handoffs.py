@@ -18,7 +18,7 @@ on the others, and the failure is reported only when all of them have let go of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtransfer import CacheTensors, HandoffResult, TransferConfig, make_transport
 
@@ -76,6 +76,7 @@ class _Open:
     results: dict[int, HandoffResult] = field(default_factory=dict)
     aborted: bool = False
     silent: bool = False  # the caller already knows it failed: swallow the merged result
+    abort_reason: str | None = None  # aborted by the caller: it fails even if every rank landed first
 
 
 class RankHandoffs:
@@ -94,6 +95,9 @@ class RankHandoffs:
     # ---- both sides ----
 
     def abort(self, request_id: str, reason: str) -> None:
+        opened = self._open.get(request_id)
+        if opened is not None and opened.abort_reason is None:
+            opened.abort_reason = reason
         self.local.abort(request_id, reason)
         self.tp.ask("xfer", "abort", request_id, reason)
 
@@ -188,7 +192,10 @@ class RankHandoffs:
                 continue
             del self._open[request_id]
             if not opened.silent:
-                out.append(merged(request_id, opened.results, self.side))
+                result = merged(request_id, opened.results, self.side)
+                if result.ok and opened.abort_reason is not None:
+                    result = replace(result, ok=False, error=f"request {request_id}: {opened.abort_reason}")
+                out.append(result)
         self.pending_ids = frozenset(self._open)
         return out
 
