@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models import packed_linear
-from engine.models.packed_linear import MIN_ROWS, linear, pack, pack_linears
+from engine.models.packed_linear import MIN_ROWS, SMALL_SIDE, SMALL_WEIGHT_ROWS, linear, pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear(rows, bias, monkeypatch):
     torch.manual_seed(rows)
-    weight, b = torch.randn(96, 40), (torch.randn(96) if bias else None)
-    x, x3 = torch.randn(rows, 40), torch.randn(2, rows, 40)  # any leading dims
+    weight, b = torch.randn(SMALL_SIDE + 8, SMALL_SIDE), (torch.randn(SMALL_SIDE + 8) if bias else None)
+    x, x3 = torch.randn(rows, SMALL_SIDE), torch.randn(2, rows, SMALL_SIDE)  # any leading dims
     expected, expected3 = F.linear(x, weight, b), F.linear(x3, weight, b)
     monkeypatch.setattr(packed_linear, "F", None)  # the packed path must not fall back
     torch.testing.assert_close(linear(x, weight, b, pack(weight)), expected, atol=1e-4, rtol=1e-4)
@@ -33,6 +33,21 @@ def test_small_calls_and_disabled_runs_take_f_linear_exactly(monkeypatch):
     big = torch.randn(64, 16)
     monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
     assert torch.equal(linear(big, weight, None, packed), F.linear(big, weight))
+
+
+def test_small_weights_run_packed_only_for_many_rows(monkeypatch):
+    """A weight with a side under SMALL_SIDE (a router, Mamba's x_proj and dt_proj) keeps F.linear
+    in decode, where oneDNN's call overhead outweighs its GEMM, and runs packed in prefill."""
+    torch.manual_seed(1)
+    for weight in (torch.randn(48, 512), torch.randn(512, 16)):
+        packed = pack(weight)
+        decode = torch.randn(64, weight.shape[1])
+        assert torch.equal(linear(decode, weight, None, packed), F.linear(decode, weight))
+        prefill = torch.randn(SMALL_WEIGHT_ROWS, weight.shape[1])
+        expected = F.linear(prefill, weight)
+        with monkeypatch.context() as patched:
+            patched.setattr(packed_linear, "F", None)  # must not fall back
+            torch.testing.assert_close(linear(prefill, weight, None, packed), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_only_float32_cpu_weights_are_packed():
@@ -65,8 +80,8 @@ def test_fused_projections_match_their_linears(bias):
     from engine.models.packed_linear import fused_linear, pack_fused
 
     torch.manual_seed(3)
-    parts = [nn.Linear(32, n, bias=bias) for n in (48, 16, 16)]
-    x = torch.randn(40, 32)
+    parts = [nn.Linear(SMALL_SIDE, n, bias=bias) for n in (96, 32, 32)]
+    x = torch.randn(40, SMALL_SIDE)
     fused = pack_fused(*parts)
     outputs = fused_linear(x, fused, *parts)
     for out, part in zip(outputs, parts):

@@ -4,7 +4,12 @@ torch's CPU `F.linear` in float32 goes to MKL's sgemm, which on the AMD EPYC (Ze
 of the 2-core box ran at 95-196 GFLOP/s; oneDNN's matmul on the same shapes with prepacked
 weights ran 1.5-2.6x faster (64 x 256 x 1536: 213 against 101 GFLOP/s; 1024 x 256 x 768: 400
 against 185); vLLM-CPU's linears run on oneDNN too. Below MIN_ROWS rows MKL won (one row:
-oneDNN 0.7x), so small calls keep F.linear.
+oneDNN 0.7x), so small calls keep F.linear. On a Zen 3 EPYC without AVX-512 (2026-12-03) oneDNN's
+call costs about 20 us more than MKL's, which decides small weights in decode: at 64 rows MKL
+took 8.6 / 28.5 / 23.2 / 20.1 us against oneDNN's 31.3 / 52.0 / 37.7 / 43.6 us for a router
+(256 -> 4), Mamba's x_proj (512 -> 48) and dt_proj (16 -> 512), and 256 -> 64; at 8192 rows
+oneDNN won again (16 -> 512: 1.65 against 2.53 ms). So a weight with a side under SMALL_SIDE
+runs packed only from SMALL_WEIGHT_ROWS rows.
 
 The packed copy sits beside the dense weight, which stays the model's parameter (checkpoint
 loading, tensor-parallel slicing and tied embeddings read it): linear weights take twice their
@@ -23,6 +28,7 @@ from torch import nn
 from engine.kernels import cpu_kernels_enabled as enabled
 
 MIN_ROWS = 8
+SMALL_SIDE, SMALL_WEIGHT_ROWS = 128, 256
 PACK_HINT_ROWS = 64  # oneDNN picks the packed layout for this batch; any row count runs on it
 
 
@@ -47,8 +53,13 @@ def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
 
 
 def _runs_packed(x: torch.Tensor, packed) -> bool:
-    """A packed weight exists and the call is float32 and big enough for it (MIN_ROWS)."""
-    return packed is not None and x.dtype == torch.float32 and x.numel() >= MIN_ROWS * x.shape[-1] and enabled()
+    """A packed weight exists and the call is float32 and big enough for it (MIN_ROWS, or
+    SMALL_WEIGHT_ROWS for a weight with a side under SMALL_SIDE)."""
+    if packed is None or x.dtype != torch.float32:
+        return False
+    out_features, in_features = packed.shape
+    rows = MIN_ROWS if min(out_features, in_features) >= SMALL_SIDE else SMALL_WEIGHT_ROWS
+    return x.numel() >= rows * in_features and enabled()
 
 
 def _packed_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
