@@ -132,11 +132,12 @@ def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_
         cpu.gated_delta_rule_cpu(q, k, v, g[:-1], beta, h0)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(8, 4, 32, 16), (4, 1, 16, 5), (2, 2, 8, 3),
+                                                                (4, 2, 64, 16), (2, 1, 80, 4), (4, 2, 12, 4)])
 @pytest.mark.parametrize("window", [None, 7])
 def test_paged_attention_decode(heads, kv_heads, head_dim, block_size, window):
-    torch.manual_seed(heads * block_size)
-    context_lens = torch.tensor([1, 13, block_size, 40])
+    torch.manual_seed(heads * block_size + head_dim)
+    context_lens = torch.tensor([1, 13, block_size, 40, 67])
     batch = context_lens.shape[0]
     width = -(-int(context_lens.max()) // block_size) + 1
     num_blocks = batch * width + 2
