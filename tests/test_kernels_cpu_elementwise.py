@@ -233,6 +233,20 @@ def test_moe_combine(tokens, top_k, hidden):
         cpu.moe_combine_cpu(picks[1:], position, weights)
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 4), (64, 2, 4), (37, 3, 16), (5, 2, 64)])
+def test_moe_group_is_a_stable_sort_by_expert(tokens, top_k, num_experts):
+    """What dispatch_experts took from argsort, bincount and an inverse permutation."""
+    torch.manual_seed(tokens + num_experts)
+    experts = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+    counts, token_of_row, position = cpu.moe_group_cpu(experts, num_experts)
+    order = torch.argsort(experts.flatten(), stable=True)
+    assert counts == torch.bincount(experts.flatten(), minlength=num_experts).tolist()
+    assert torch.equal(token_of_row, order // top_k)
+    assert torch.equal(order[position], torch.arange(tokens * top_k))
+    with pytest.raises(ValueError, match="moe_group: expert ids outside"):
+        cpu.moe_group_cpu(experts + num_experts, num_experts)
+
+
 def test_tensors_passed_as_they_are_must_be_float32():
     """Kernels that write in place or read through strides get no conversion: another dtype
     would be misread as float32 memory, so it is refused by name."""

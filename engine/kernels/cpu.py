@@ -305,6 +305,21 @@ def prefill_attention_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     return out
 
 
+def moe_group_cpu(experts: torch.Tensor, num_experts: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The (token, k) picks of experts [tokens, top_k] grouped by expert, stably (a counting sort):
+    (picks per expert, the token each grouped row reads [tokens * top_k], each pick's grouped row
+    [tokens * top_k]); what argsort, bincount and an inverse permutation give, in one pass."""
+    tokens, top_k = experts.shape
+    picks = tokens * top_k
+    counts = torch.empty(num_experts, dtype=torch.long)
+    token_of_row, position = torch.empty(picks, dtype=torch.long), torch.empty(picks, dtype=torch.long)
+    native.call("moe_group", _ids(experts), counts, token_of_row, position, picks, top_k, num_experts)
+    per_expert = counts.tolist()
+    if sum(per_expert) != picks:
+        raise ValueError(f"moe_group: expert ids outside [0, {num_experts}) in {experts.tolist()}")
+    return per_expert, token_of_row, position
+
+
 def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * picks[position[t * top_k + k]] (k in order) for picks
     [tokens * top_k, hidden] (the experts' outputs grouped by expert) and weights [tokens, top_k]."""

@@ -257,4 +257,24 @@ void moe_combine(const float* picks, const int64_t* position, const float* weigh
   }
 }
 
+// Mixture-of-experts grouping, a stable counting sort of the (token, k) picks by expert:
+// experts [picks] (pick i = token i / top_k), counts [num_experts] out, token_of_row [picks] out
+// (the token each expert-grouped row reads), position [picks] out (pick i's grouped row).
+// Expert ids outside [0, num_experts) are a caller's bug: they count nowhere and their rows are
+// left out, which the caller's check (counts summing to picks) reports.
+void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, int64_t* position, int64_t picks,
+               int64_t top_k, int64_t num_experts, int) {
+  std::fill(counts, counts + num_experts, int64_t{0});
+  for (int64_t i = 0; i < picks; ++i)
+    if (experts[i] >= 0 && experts[i] < num_experts) ++counts[experts[i]];
+  std::vector<int64_t> next(num_experts);
+  for (int64_t e = 0, start = 0; e < num_experts; start += counts[e++]) next[e] = start;
+  for (int64_t i = 0; i < picks; ++i) {
+    const int64_t e = experts[i];
+    if (e < 0 || e >= num_experts) continue;
+    position[i] = next[e]++;
+    token_of_row[position[i]] = i / top_k;
+  }
+}
+
 }  // extern "C"

@@ -52,6 +52,7 @@ SIGNATURES = {
     "bias_softplus": [P, P, I64, I64, INT],
     "causal_conv_prefill": [P, I64, P, P, P, P, I64, I64, I64, I64, I64, INT],
     "moe_combine": [P, P, P, P, I64, I64, I64, INT],
+    "moe_group": [P, P, P, P, I64, I64, I64, INT],
     "prefill_attention": [P, I64, P, I64, P, I64, P, I64, I64, I64, I64, I64, F32, I64, INT],
 }
 

@@ -175,20 +175,21 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     Each (token, k) pick's weighted output is copied to its own row of a [T, k, hidden] buffer
     and the k rows summed: copies, not index_add_, whose CPU kernel runs 2-50x slower at these
     sizes (it parallelises a few KB of work). For top_k <= 2 the sum equals the sequential one
-    bit for bit (addition is commutative). On CPU in float32 the outputs stay grouped by expert
-    and one C++ pass weights, gathers and sums them (engine.kernels.cpu.moe_combine_cpu)."""
+    bit for bit (addition is commutative). On CPU in float32 one C++ pass groups the picks
+    (engine.kernels.cpu.moe_group_cpu), the outputs stay grouped by expert and one C++ pass
+    weights, gathers and sums them (moe_combine_cpu)."""
     tokens, top_k = experts.shape
+    if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # grouped in one pass; one weighted gather-sum
+        counts, token_of_row, position = cpu.moe_group_cpu(experts, num_experts)
+        routed = x.index_select(0, token_of_row)
+        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
+        for expert, start, end in _expert_ranges(counts):
+            grouped[start:end] = expert_fn(expert, routed[start:end])
+        return cpu.moe_combine_cpu(grouped, position, weights)
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)
     counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
     routed = x.index_select(0, order // top_k)  # inputs grouped by expert
-    if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # outputs stay grouped; one weighted gather-sum
-        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
-        for expert, start, end in _expert_ranges(counts):
-            grouped[start:end] = expert_fn(expert, routed[start:end])
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.shape[0])
-        return cpu.moe_combine_cpu(grouped, position, weights)
     flat_weights = weights.flatten().index_select(0, order)
     picks = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for expert, start, end in _expert_ranges(counts):
