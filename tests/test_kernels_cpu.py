@@ -44,6 +44,9 @@ def test_ssm_update(d_inner, d_state, batch, fused):
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     _outside_unchanged(ours, pool, slots)
+    again, out = pool.clone(), torch.full((batch, d_inner), float("nan"))  # into `out`, as given or via a copy
+    assert cpu.selective_state_update_cpu(again, slots, x, dt, A, B, C, out=out, **extra) is out
+    assert torch.equal(out, y) and torch.equal(again, ours)
 
 
 @pytest.mark.parametrize("length,d_inner,d_state", [(1, 16, 16), (37, 40, 16), (70, 33, 7)])
@@ -280,3 +283,9 @@ def test_conv_update(activation, with_bias, channels, width, batch):
     assert torch.equal(ours, ref)  # the state only shifts: bit for bit
     _outside_unchanged(ours, pool, slots)
     assert kernels.uses_cpu_kernel(pool)
+    # x a column block of a wider projection, read in place; the result written into `out`
+    wide = torch.randn(batch, 2 * channels)
+    wide[:, channels:] = x
+    again, out = pool.clone(), torch.empty(batch, channels)
+    assert cpu.causal_conv1d_update_cpu(again, slots, wide[:, channels:], weight, bias, activation, out=out) is out
+    assert torch.equal(out, y) and torch.equal(again, ours)

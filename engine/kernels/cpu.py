@@ -53,6 +53,12 @@ def _in_place(name: str, *tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name}: needs float32 CPU tensors, got {t.dtype} on {t.device}")
 
 
+def _writable(out: torch.Tensor | None, shape) -> bool:
+    """`out` can take a kernel's float32 result as it is (no copy through a temporary)."""
+    return (out is not None and out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous()
+            and out.shape == shape)
+
+
 def _pool(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.dtype != torch.float32 or not t.is_contiguous():
         raise ValueError(f"{name}: the CPU kernel updates it in place and needs a contiguous "
@@ -68,10 +74,13 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
         dt = dt + dt_bias.float()
     if dt_softplus:
         dt = torch.nn.functional.softplus(dt)
-    y = torch.empty(x.shape, dtype=torch.float32)
+    direct = D is None and z is None and _writable(out, x.shape)
+    y = out if direct else torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
         native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
                     _f32(A), _f32(B), _f32(C), y, *x.shape, ssm_state.shape[2])
+    if direct:
+        return out
     if D is not None:
         y = y + x.float() * D.float()
     if z is not None:
@@ -85,11 +94,15 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
 def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation=None, out=None):
     """See engine.kernels.conv_update.causal_conv1d_update_ref."""
     check_conv_update(conv_state, slots, x, weight, bias, activation)
-    y = torch.empty(x.shape, dtype=torch.float32)
+    direct = _writable(out, x.shape)
+    y = out if direct else torch.empty(x.shape, dtype=torch.float32)
+    x = x if rows_with_stride(x) else _f32(x)  # a column block of a projection is read in place
     if x.shape[0]:
-        native.call("conv_update", _pool(conv_state, "conv_state"), _ids(slots), _f32(x), _f32(weight),
+        native.call("conv_update", _pool(conv_state, "conv_state"), _ids(slots), x, x.stride(0), _f32(weight),
                     _f32(bias) if bias is not None else None, y, x.shape[0], x.shape[1], weight.shape[1],
                     int(activation == "silu"))
+    if direct:
+        return out
     if out is None:
         return y.to(x.dtype)
     out.copy_(y)

@@ -122,13 +122,13 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 // Causal depthwise conv, one decode token: per row (b, c) of w = state[slots[b], c] ([K], oldest
 // first) in place: w = (w[1:], x[b, c]) ; y[b, c] = act(w . weight[c] + bias[c]) (silu: 1).
 // state [S, D, K]; x, y [batch, D]; weight [D, K]; bias [D] or null.
-void conv_update(float* state, const int64_t* slots, const float* x, const float* weight,
+void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
                  int64_t silu, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
     float* w = state + slots[b] * channels * width;
-    const float* xb = x + b * channels;
+    const float* xb = x + b * x_stride;
     float* yb = y + b * channels;
     if (width == 4) {
       conv_update_row<4>(w, weight, xb, bias, yb, channels, width, silu);

@@ -38,7 +38,7 @@ LINK_FLAGS = ["-shared", "-fopenmp"]
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "ssm_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, INT],
-    "conv_update": [P, P, P, P, P, P, I64, I64, I64, I64, INT],
+    "conv_update": [P, P, P, I64, P, P, P, I64, I64, I64, I64, INT],
     "selective_scan": [P, P, P, P, P, P, P, I64, I64, I64, INT],
     "mamba2_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, I64, INT],
     "ssd_scan": [P, I64, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, INT],

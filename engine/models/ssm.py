@@ -87,6 +87,7 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = nn.Linear(d_inner, hidden, bias=proj_bias)
         self.act = activation(act)
+        self._A_cache, self._A_for = None, None  # see _A
         # Jamba normalises dt, B and C before use; plain Mamba does not.
         if bcdt_norm_eps is not None:
             self.dt_norm = RMSNorm(dt_rank, bcdt_norm_eps)
@@ -111,19 +112,30 @@ class MambaMixer(nn.Module):
             dt = cpu.bias_softplus_cpu(self.dt_proj(dt), None)
         else:
             dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
-        A = -torch.exp(self.A_log.float())
+        A = self._A()
         y = torch.empty_like(x, dtype=torch.float32)
         if batch.prefill_rows:
             self._prefill_scan(x, dt, A, B, C, batch, ssm_state, y)
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
-            y[idx] = selective_state_update(ssm_state, slots, x[idx].float(), dt[idx].float(), A,
-                                            B[idx].float(), C[idx].float())
+            args = (ssm_state, slots, x[idx].float(), dt[idx].float(), A, B[idx].float(), C[idx].float())
+            if isinstance(idx, slice):  # every token a decode's: written in place
+                selective_state_update(*args, out=y)
+            else:
+                y[idx] = selective_state_update(*args)
         if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
             y = cpu.gated_skip_cpu(y, x, self.D, gate)
         else:
             y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _A(self) -> torch.Tensor:
+        """A = -exp(A_log), computed again only when A_log changes (loading, tests)."""
+        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
+        if self._A_for != key:
+            with torch.no_grad():
+                self._A_cache, self._A_for = -torch.exp(self.A_log.float()), key
+        return self._A_cache
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
         """Every prefill row from its starting state (zeros when fresh, else its slot's), final
@@ -192,5 +204,9 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
         conv_state[slot] = window[:, -d_conv:].to(conv_state.dtype)
     if batch.decode_rows:
         idx, slots = batch.decode_tokens, batch.decode_slots
-        out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation="silu" if silu else None)
+        act = "silu" if silu else None
+        if isinstance(idx, slice):  # every token a decode's: written in place
+            causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation=act, out=out)
+        else:
+            out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation=act)
     return out
