@@ -233,6 +233,26 @@ def test_moe_combine(tokens, top_k, hidden):
         cpu.moe_combine_cpu(picks[1:], position, weights)
 
 
+@pytest.mark.parametrize("rows,widths", [(1, (16, 16, 16)), (64, (16, 16, 16)), (9, (5, 33, 7))])
+def test_rms_norm_3_is_three_norms_of_column_blocks(rows, widths):
+    """Jamba's dt, B and C norms over one x_proj output (a strided view of it here)."""
+    from engine.models.layers import RMSNorm
+
+    torch.manual_seed(rows + sum(widths))
+    full = torch.randn(rows, sum(widths) + 3)
+    x = full[:, : sum(widths)]
+    norms = [RMSNorm(n, 1e-6) for n in widths]
+    for norm in norms:
+        norm.weight.data.uniform_(0.5, 1.5)
+    blocks = torch.split(x, list(widths), dim=-1)
+    expected = [cpu.rms_norm_cpu(b.contiguous(), n.weight, 1e-6) for b, n in zip(blocks, norms)]
+    for ours, want in zip(cpu.rms_norm_3_cpu(x, norms, 1e-6), expected):
+        assert ours.is_contiguous()
+        torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="rms_norm_3"):
+        cpu.rms_norm_3_cpu(x[:, :-1], norms, 1e-6)
+
+
 @pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 4), (64, 2, 4), (37, 3, 16), (5, 2, 64)])
 def test_moe_group_is_a_stable_sort_by_expert(tokens, top_k, num_experts):
     """What dispatch_experts took from argsort, bincount and an inverse permutation."""

@@ -78,6 +78,20 @@ def test_mamba2_families_take_the_fused_cpu_epilogue(name, model_factory, monkey
     assert calls and err < LOGIT_ATOL, f"{name}: {len(calls)} fused calls, max |logit diff| {err}"
 
 
+def test_jamba_takes_the_fused_dt_b_c_norms(model_factory, monkeypatch):
+    """Jamba's three norms over x_proj's output run as one C++ pass, and the logits still match
+    transformers."""
+    from engine.kernels import cpu
+
+    path, hf = model_factory("jamba")
+    ours = load_model(path)
+    calls = record_calls(monkeypatch, cpu, "rms_norm_3_cpu")
+    ids = [random.Random("jamba").randrange(ours.spec.vocab_size) for _ in range(40)]
+    err = (our_prompt_logits(ours, ids) - hf_logits(hf, ids)).abs().max().item()
+    mamba_layers = sum(layer.cache_spec().state_kind == "mamba" for layer in ours.layers)
+    assert len(calls) == mamba_layers > 0 and err < LOGIT_ATOL, f"{len(calls)} fused calls, max |logit diff| {err}"
+
+
 def test_falcon_h1_multipliers_are_folded_into_the_weights(model_factory):
     """After loading, no muP multiplier is left to apply at run time (each lives in the weights
     that produce or read its tensor), so q/k/v and gate/up can be packed as one GEMM each; the

@@ -216,6 +216,22 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.T
     return out
 
 
+def rms_norm_3_cpu(x: torch.Tensor, norms, eps: float) -> tuple[torch.Tensor, ...]:
+    """Three RMSNorms of consecutive column blocks of float32 x [rows, >= sum of widths] (rows
+    with any stride), block i sized by norms[i]'s weight: contiguous results, as three calls of
+    rms_norm_cpu on the blocks would give, in one pass."""
+    _in_place("rms_norm_3", x)
+    weights = [_f32(n.weight) for n in norms]
+    widths = [w.shape[0] for w in weights]
+    if len(weights) != 3 or not rows_with_stride(x) or sum(widths) > x.shape[1]:
+        raise ValueError(f"rms_norm_3: x {tuple(x.shape)}/{x.stride()} does not hold 3 blocks of {widths}")
+    rows = x.shape[0]
+    outs = [torch.empty(rows, n, dtype=torch.float32) for n in widths]
+    if rows:
+        native.call("rms_norm_3", x, x.stride(0), *weights, *widths, *outs, rows, float(eps))
+    return tuple(outs)
+
+
 def rows_with_stride(x: torch.Tensor) -> bool:
     """A float32 CPU matrix whose rows are each contiguous (any row stride)."""
     return x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1

@@ -40,6 +40,31 @@ void rms_norm(float* x, const float* add, const float* weight, float* out, int64
   }
 }
 
+// Three RMSNorms of consecutive column blocks of each row, each with its own weight (Jamba's dt,
+// B and C norms over one x_proj output): block i is columns [offset_i, offset_i + n_i), offsets
+// running on from 0, of x (rows x_stride apart) and goes to out_i [rows, n_i].
+void rms_norm_3(const float* x, int64_t x_stride, const float* w0, const float* w1, const float* w2, int64_t n0,
+                int64_t n1, int64_t n2, float* o0, float* o1, float* o2, int64_t rows, float eps, int) {
+  const float* weights[3] = {w0, w1, w2};
+  const int64_t widths[3] = {n0, n1, n2};
+  float* outs[3] = {o0, o1, o2};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * x_stride;
+    for (int i = 0; i < 3; ++i) {
+      const int64_t cols = widths[i];
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < cols; ++c) sum += xr[c] * xr[c];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(cols) + eps);
+      float* o = outs[i] + r * cols;
+      const float* w = weights[i];
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) o[c] = w[c] * (xr[c] * inv);
+      xr += cols;
+    }
+  }
+}
+
 // SwiGLU's product: out[r, c] = silu(gate[r, c]) * up[r, c]; gate and up rows are `in_stride`
 // apart (one [rows, 2 * cols] projection read in place: up = gate + cols), out rows `cols` apart.
 void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int64_t cols, int64_t in_stride,

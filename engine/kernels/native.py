@@ -46,6 +46,7 @@ SIGNATURES = {
     "gated_delta_scan": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
     "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
     "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
+    "rms_norm_3": [P, I64, P, P, P, I64, I64, I64, P, P, P, I64, F32, INT],
     "silu_mul": [P, P, P, I64, I64, I64, INT],
     "rotary": [P, I64, P, P, I64, I64, I64, I64, INT],
     "gated_skip": [P, P, I64, P, P, I64, P, I64, I64, INT],

@@ -105,9 +105,13 @@ class MambaMixer(nn.Module):
         conv_state, ssm_state = state
         x, gate = self.in_proj(hidden).chunk(2, dim=-1)
         x = self._conv(x, batch, conv_state)
-        dt, B, C = torch.split(self.x_proj(x), [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        if self.dt_norm is not None:
-            dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
+        dbc = self.x_proj(x)
+        if self.dt_norm is not None and self._norms_fused(dbc):  # the three norms in one pass
+            dt, B, C = cpu.rms_norm_3_cpu(dbc, (self.dt_norm, self.b_norm, self.c_norm), self.dt_norm.eps)
+        else:
+            dt, B, C = torch.split(dbc, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+            if self.dt_norm is not None:
+                dt, B, C = self.dt_norm(dt), self.b_norm(B), self.c_norm(C)
         if uses_cpu_kernel(self.dt_proj.weight):  # the packed linear with its bias, softplus in place
             dt = cpu.bias_softplus_cpu(self.dt_proj(dt), None)
         else:
@@ -128,6 +132,11 @@ class MambaMixer(nn.Module):
         else:
             y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _norms_fused(self, dbc: torch.Tensor) -> bool:
+        norms = (self.dt_norm, self.b_norm, self.c_norm)
+        return (uses_cpu_kernel(dbc) and all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
+                and len({n.eps for n in norms}) == 1)
 
     def _A(self) -> torch.Tensor:
         """A = -exp(A_log), computed again only when A_log changes (loading, tests)."""
