@@ -309,15 +309,27 @@ class WorkerSet:
         return best, charge
 
     async def abort_everywhere(self, request_id: str) -> None:
-        calls = [asyncio.wait_for(w.handle.abort.remote(request_id), 10)
-                 for w in self.prefill + self.decode if w.alive]
-        await asyncio.gather(*calls, return_exceptions=True)
+        """Abort on every worker. One taken for lost gets it too, unawaited: a stats call that
+        timed out on a busy machine marks a worker lost that may still be running the request
+        (it answers again as the same incarnation), and skipping it let the request run on to
+        max_tokens; a worker that really died fails the call, or its new life finds nothing."""
+        workers = self.prefill + self.decode
+        calls = [asyncio.ensure_future(asyncio.wait_for(w.handle.abort.remote(request_id), 10)) for w in workers]
+        for call in calls:
+            call.add_done_callback(_ignore_failure)
+        await asyncio.gather(*(c for c, w in zip(calls, workers) if w.alive), return_exceptions=True)
         self.owner.pop(request_id, None)
 
     def status(self) -> dict:
         return {"transport": self.transport, "workers": [
             {"id": w.name, "kind": w.kind, "node": w.node_id, "alive": w.alive, **w.stats}
             for w in self.prefill + self.decode]}
+
+
+def _ignore_failure(future: asyncio.Future) -> None:
+    """Retrieve a best-effort call's outcome, so a failure is not reported as never retrieved."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _group_nodes(group) -> set[str]:

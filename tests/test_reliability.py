@@ -85,6 +85,40 @@ def test_a_failure_reported_for_an_earlier_life_is_ignored():
     assert not decode.alive and lost == ["new"]
 
 
+def test_an_abort_reaches_a_worker_taken_for_lost_without_waiting_for_it():
+    """A stats call that timed out on a busy machine marks a worker lost that may still be
+    running the request: the abort goes there too (it once ran on to max_tokens), and the
+    caller does not wait on a worker that may never answer."""
+    from router.workers import WorkerRef, WorkerSet
+
+    sent = []
+
+    class Handle:
+        def __init__(self, name, answers):
+            self.name, self.answers = name, answers
+            self.abort = SimpleNamespace(remote=self.remote)
+
+        def remote(self, request_id):
+            sent.append((self.name, request_id))
+            future = asyncio.get_running_loop().create_future()
+            if self.answers:
+                future.set_result(None)
+            return future
+
+    workers = WorkerSet(SimpleNamespace(transport="shm"))
+    workers.prefill = [WorkerRef("prefill-0", "prefill", Handle("prefill-0", True))]
+    workers.decode = [WorkerRef("decode-0", "decode", Handle("decode-0", True)),
+                      WorkerRef("decode-1", "decode", Handle("decode-1", False), alive=False)]
+
+    async def abort():
+        start = time.monotonic()
+        await workers.abort_everywhere("r1")
+        return time.monotonic() - start
+
+    assert asyncio.run(abort()) < 1.0
+    assert sorted(sent) == [("decode-0", "r1"), ("decode-1", "r1"), ("prefill-0", "r1")]
+
+
 def test_a_reservation_is_renewed_only_while_the_prefill_worker_makes_progress():
     """A request queued behind a long prefill queue keeps its decode reservation (the router
     renews it each third of the transfer timeout while the prefill worker's step count moves);
@@ -266,11 +300,11 @@ def test_a_cancelled_long_request_stops_at_once(rcluster):
     # What the workers held just after the cancel: if this ever fails again (it did once in a
     # full CI run, 2.0 s against 2.5 s for a whole request), it tells a request that ran on from
     # stale stats.
-    held = [(w["id"], w.get("running"), w.get("waiting")) for w in handle.status()["workers"]]
+    held = [(w["id"], w.get("alive"), w.get("running"), w.get("waiting")) for w in handle.status()["workers"]]
     wait_idle(handle, 30)
     assert time.monotonic() - cancelled < full / 3, f"idle {time.monotonic() - cancelled:.1f} s after the " \
                                                     f"cancel; a whole request takes {full:.1f} s; just after " \
-                                                    f"the cancel the workers held (id, running, waiting) {held}"
+                                                    f"the cancel the workers held (id, alive, running, waiting) {held}"
 
 
 def test_a_cancel_while_the_reservation_is_being_made_frees_it_at_once(rcluster):
