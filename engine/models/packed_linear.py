@@ -4,9 +4,9 @@ torch's CPU `F.linear` in float32 goes to MKL's sgemm, which on the AMD EPYC (Ze
 of the 2-core box ran at 95-196 GFLOP/s; oneDNN's matmul on the same shapes with prepacked
 weights ran 1.5-2.6x faster (64 x 256 x 1536: 213 against 101 GFLOP/s; 1024 x 256 x 768: 400
 against 185); vLLM-CPU's linears run on oneDNN too. Below MIN_ROWS rows MKL won (one row:
-oneDNN 0.7x), so small calls keep F.linear. On a Zen 3 EPYC without AVX-512 (2026-12-03) oneDNN's
-call costs about 20 us more than MKL's, which decides small weights in decode: at 64 rows MKL
-took 8.6 / 28.5 / 23.2 / 20.1 us against oneDNN's 31.3 / 52.0 / 37.7 / 43.6 us for a router
+oneDNN 0.7x), so small calls keep F.linear. On a Zen 3 EPYC (AVX2, no AVX-512) oneDNN's call
+cost about 20 us more than MKL's, which decides small weights in decode: at 64 rows MKL took
+8.6 / 28.5 / 23.2 / 20.1 us against oneDNN's 31.3 / 52.0 / 37.7 / 43.6 us for a router
 (256 -> 4), Mamba's x_proj (512 -> 48) and dt_proj (16 -> 512), and 256 -> 64; at 8192 rows
 oneDNN won again (16 -> 512: 1.65 against 2.53 ms). So a weight with a side under SMALL_SIDE
 runs packed only from SMALL_WEIGHT_ROWS rows.
