@@ -64,6 +64,20 @@ def test_greedy_batch_matches_transformers(name, model_factory):
     assert llm.engine.blocks.num_free_blocks == llm.engine.blocks.num_blocks
 
 
+@pytest.mark.parametrize("name", ["jamba", "llama"])
+def test_greedy_decode_on_torch_ops_matches_transformers(name, model_factory, monkeypatch):
+    """With the C++ kernels and packed linears off (SPLITSERVE_DISABLE_CPU_KERNELS, bench
+    roofline's ours-torch), every decode path falls back to torch ops and still matches."""
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    path, hf = model_factory(name)
+    llm = LLM(path, block_size=8)
+    rng = random.Random(name)
+    prompts = [[rng.randrange(llm.engine.spec.vocab_size) for _ in range(n)] for n in (1, 7, 40)]
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                         ignore_eos=True))):
+        judge_greedy(hf, prompt, out.token_ids)
+
+
 @pytest.mark.parametrize("name", ["bamba", "falcon_h1_nonorm", "nemotron_h"])
 def test_mamba2_families_take_the_fused_cpu_epilogue(name, model_factory, monkeypatch):
     """The gated skip and the norm alone run as C++ passes on the projection's views (one
