@@ -139,7 +139,10 @@ class MambaMixer(nn.Module):
                 and len({n.eps for n in norms}) == 1)
 
     def _A(self) -> torch.Tensor:
-        """A = -exp(A_log), computed again only when A_log changes (loading, tests)."""
+        """A = -exp(A_log), computed again only when A_log changes (loading, tests); every time
+        for an inference tensor (a model loaded under inference_mode), which has no version."""
+        if self.A_log.is_inference():
+            return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
         if self._A_for != key:
             with torch.no_grad():
