@@ -144,8 +144,8 @@ class MambaMixer(nn.Module):
         if self.A_log.is_inference():
             return -torch.exp(self.A_log.float())
         key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
-        if self._A_for != key:
-            with torch.no_grad():
+        if self._A_for != key:  # a plain tensor even when first asked under inference_mode
+            with torch.inference_mode(False), torch.no_grad():
                 self._A_cache, self._A_for = -torch.exp(self.A_log.float()), key
         return self._A_cache
 
