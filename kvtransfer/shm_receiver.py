@@ -72,10 +72,12 @@ class ShmReceiver(HandoffReceiver):
     def _fail(self, request_id: str, error: TransferError, only_if=None) -> bool:
         with self._lock:
             incoming = self._incoming.get(request_id)
-            if incoming is None or incoming.state == DONE_STATE or (only_if and not only_if(incoming)):
+            if incoming is None or incoming.state == DONE_STATE:
                 return False
             if incoming.state in (REVOKING, FAILED):
                 return True
+            if only_if and not only_if(incoming):
+                return False
             incoming.error, incoming.state = error, REVOKING
             self._table.revoke(incoming.row)  # before taking the row's lock: see grant_table.py
         self._sweep()

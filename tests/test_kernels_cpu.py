@@ -289,3 +289,5 @@ def test_conv_update(activation, with_bias, channels, width, batch):
     again, out = pool.clone(), torch.empty(batch, channels)
     assert cpu.causal_conv1d_update_cpu(again, slots, wide[:, channels:], weight, bias, activation, out=out) is out
     assert torch.equal(out, y) and torch.equal(again, ours)
+    # a bfloat16 x (a bf16 model over a float32 pool) gets its result back in bfloat16
+    assert cpu.causal_conv1d_update_cpu(pool.clone(), slots, x.bfloat16(), weight, bias, activation).dtype == torch.bfloat16

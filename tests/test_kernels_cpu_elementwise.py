@@ -246,11 +246,11 @@ def test_rms_norm_3_is_three_norms_of_column_blocks(rows, widths):
         norm.weight.data.uniform_(0.5, 1.5)
     blocks = torch.split(x, list(widths), dim=-1)
     expected = [cpu.rms_norm_cpu(b.contiguous(), n.weight, 1e-6) for b, n in zip(blocks, norms)]
-    for ours, want in zip(cpu.rms_norm_3_cpu(x, norms, 1e-6), expected):
+    for ours, want in zip(cpu.rms_norm_3_cpu(x, [n.weight for n in norms], 1e-6), expected):
         assert ours.is_contiguous()
         torch.testing.assert_close(ours, want, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="rms_norm_3"):
-        cpu.rms_norm_3_cpu(x[:, :-1], norms, 1e-6)
+        cpu.rms_norm_3_cpu(x[:, :-1], [n.weight for n in norms], 1e-6)
 
 
 @pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 4), (64, 2, 4), (37, 3, 16), (5, 2, 64)])

@@ -106,23 +106,6 @@ def test_jamba_takes_the_fused_dt_b_c_norms(model_factory, monkeypatch):
     assert len(calls) == mamba_layers > 0 and err < LOGIT_ATOL, f"{len(calls)} fused calls, max |logit diff| {err}"
 
 
-def test_mamba_keeps_A_until_A_log_changes(model_factory):
-    """A = -exp(A_log) is kept between steps, computed again when A_log is written, and computed
-    every time for a model loaded under inference_mode (its tensors have no version counter)."""
-    path, _ = model_factory("jamba")
-    mixer = next(layer.mixer for layer in load_model(path).layers if hasattr(layer.mixer, "A_log"))
-    with torch.inference_mode():  # as the engine asks first: kept as a plain tensor all the same
-        first = mixer._A()
-    assert not first.is_inference() and mixer._A() is first
-    assert torch.equal(first, -torch.exp(mixer.A_log.float()))
-    with torch.no_grad():
-        mixer.A_log.add_(0.5)
-    assert torch.equal(mixer._A(), -torch.exp(mixer.A_log.float()))
-    with torch.inference_mode():
-        loaded = next(layer.mixer for layer in load_model(path).layers if hasattr(layer.mixer, "A_log"))
-        assert torch.equal(loaded._A(), -torch.exp(loaded.A_log.float()))
-
-
 def test_falcon_h1_multipliers_are_folded_into_the_weights(model_factory):
     """After loading, no muP multiplier is left to apply at run time (each lives in the weights
     that produce or read its tensor), so q/k/v and gate/up can be packed as one GEMM each; the

@@ -96,9 +96,9 @@ def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation
     check_conv_update(conv_state, slots, x, weight, bias, activation)
     direct = _writable(out, x.shape)
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
-    x = x if rows_with_stride(x) else _f32(x)  # a column block of a projection is read in place
+    rows = x if rows_with_stride(x) else _f32(x)  # a column block of a projection is read in place
     if x.shape[0]:
-        native.call("conv_update", _pool(conv_state, "conv_state"), _ids(slots), x, x.stride(0), _f32(weight),
+        native.call("conv_update", _pool(conv_state, "conv_state"), _ids(slots), rows, rows.stride(0), _f32(weight),
                     _f32(bias) if bias is not None else None, y, x.shape[0], x.shape[1], weight.shape[1],
                     int(activation == "silu"))
     if direct:
@@ -216,12 +216,12 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.T
     return out
 
 
-def rms_norm_3_cpu(x: torch.Tensor, norms, eps: float) -> tuple[torch.Tensor, ...]:
+def rms_norm_3_cpu(x: torch.Tensor, weights, eps: float) -> tuple[torch.Tensor, ...]:
     """Three RMSNorms of consecutive column blocks of float32 x [rows, >= sum of widths] (rows
-    with any stride), block i sized by norms[i]'s weight: contiguous results, as three calls of
+    with any stride), block i sized by weights[i]: contiguous results, as three calls of
     rms_norm_cpu on the blocks would give, in one pass."""
     _in_place("rms_norm_3", x)
-    weights = [_f32(n.weight) for n in norms]
+    weights = [_f32(w) for w in weights]
     widths = [w.shape[0] for w in weights]
     if len(weights) != 3 or not rows_with_stride(x) or sum(widths) > x.shape[1]:
         raise ValueError(f"rms_norm_3: x {tuple(x.shape)}/{x.stride()} does not hold 3 blocks of {widths}")

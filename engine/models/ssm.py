@@ -87,7 +87,6 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = nn.Linear(d_inner, hidden, bias=proj_bias)
         self.act = activation(act)
-        self._A_cache, self._A_for = None, None  # see _A
         # Jamba normalises dt, B and C before use; plain Mamba does not.
         if bcdt_norm_eps is not None:
             self.dt_norm = RMSNorm(dt_rank, bcdt_norm_eps)
@@ -106,8 +105,9 @@ class MambaMixer(nn.Module):
         x, gate = self.in_proj(hidden).chunk(2, dim=-1)
         x = self._conv(x, batch, conv_state)
         dbc = self.x_proj(x)
-        if self.dt_norm is not None and self._norms_fused(dbc):  # the three norms in one pass
-            dt, B, C = cpu.rms_norm_3_cpu(dbc, (self.dt_norm, self.b_norm, self.c_norm), self.dt_norm.eps)
+        if self.dt_norm is not None and uses_cpu_kernel(dbc) and self.dt_norm.weight.dtype == torch.float32:
+            norms = (self.dt_norm, self.b_norm, self.c_norm)  # one eps (bcdt_norm_eps): one C++ pass
+            dt, B, C = cpu.rms_norm_3_cpu(dbc, [n.weight for n in norms], self.dt_norm.eps)
         else:
             dt, B, C = torch.split(dbc, [self.dt_rank, self.d_state, self.d_state], dim=-1)
             if self.dt_norm is not None:
@@ -116,38 +116,19 @@ class MambaMixer(nn.Module):
             dt = cpu.bias_softplus_cpu(self.dt_proj(dt), None)
         else:
             dt = F.softplus(dt @ self.dt_proj.weight.t() + self.dt_proj.bias.float())
-        A = self._A()
+        A = -torch.exp(self.A_log.float())
         y = torch.empty_like(x, dtype=torch.float32)
         if batch.prefill_rows:
             self._prefill_scan(x, dt, A, B, C, batch, ssm_state, y)
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
-            args = (ssm_state, slots, x[idx].float(), dt[idx].float(), A, B[idx].float(), C[idx].float())
-            if isinstance(idx, slice):  # every token a decode's: written in place
-                selective_state_update(*args, out=y)
-            else:
-                y[idx] = selective_state_update(*args)
+            into_decode_rows(y, idx, selective_state_update, ssm_state, slots, x[idx].float(), dt[idx].float(), A,
+                             B[idx].float(), C[idx].float())
         if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
             y = cpu.gated_skip_cpu(y, x, self.D, gate)
         else:
             y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
-
-    def _norms_fused(self, dbc: torch.Tensor) -> bool:
-        norms = (self.dt_norm, self.b_norm, self.c_norm)
-        return (uses_cpu_kernel(dbc) and all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
-                and len({n.eps for n in norms}) == 1)
-
-    def _A(self) -> torch.Tensor:
-        """A = -exp(A_log), computed again only when A_log changes (loading, tests); every time
-        for an inference tensor (a model loaded under inference_mode), which has no version."""
-        if self.A_log.is_inference():
-            return -torch.exp(self.A_log.float())
-        key = (self.A_log._version, self.A_log.data_ptr(), self.A_log.device)
-        if self._A_for != key:  # a plain tensor even when first asked under inference_mode
-            with torch.inference_mode(False), torch.no_grad():
-                self._A_cache, self._A_for = -torch.exp(self.A_log.float()), key
-        return self._A_cache
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
         """Every prefill row from its starting state (zeros when fresh, else its slot's), final
@@ -216,9 +197,15 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
         conv_state[slot] = window[:, -d_conv:].to(conv_state.dtype)
     if batch.decode_rows:
         idx, slots = batch.decode_tokens, batch.decode_slots
-        act = "silu" if silu else None
-        if isinstance(idx, slice):  # every token a decode's: written in place
-            causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation=act, out=out)
-        else:
-            out[idx] = causal_conv1d_update(conv_state, slots, x[idx], weight, bias, activation=act)
+        into_decode_rows(out, idx, causal_conv1d_update, conv_state, slots, x[idx], weight, bias,
+                         activation="silu" if silu else None)
     return out
+
+
+def into_decode_rows(out: torch.Tensor, idx, update, *args, **kwargs) -> None:
+    """out[idx] = update(*args, **kwargs); when idx is slice(None) (every token a decode's, on
+    CPU) the update writes into `out` itself instead of a result then copied."""
+    if isinstance(idx, slice):
+        update(*args, out=out, **kwargs)
+    else:
+        out[idx] = update(*args, **kwargs)

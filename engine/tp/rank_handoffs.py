@@ -74,9 +74,8 @@ class _Open:
     """One request on every rank (a rank that could not take it counts as failed at once)."""
 
     results: dict[int, HandoffResult] = field(default_factory=dict)
-    aborted: bool = False
     silent: bool = False  # the caller already knows it failed: swallow the merged result
-    abort_reason: str | None = None  # aborted by the caller: it fails even if every rank landed first
+    abort_reason: str | None = None  # aborted (a rank failed, or the caller): fails even if every rank landed
 
 
 class RankHandoffs:
@@ -181,8 +180,7 @@ class RankHandoffs:
     def _record(self, request_id: str, rank: int, result: HandoffResult) -> None:
         opened = self._open[request_id]
         opened.results[rank] = result
-        if not result.ok and not opened.aborted:
-            opened.aborted = True
+        if not result.ok and opened.abort_reason is None:
             self.abort(request_id, f"rank {rank} failed: {result.error}")
 
     def _take_finished(self) -> list[HandoffResult]:
