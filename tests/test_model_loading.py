@@ -30,6 +30,14 @@ def test_sharded_checkpoint_loads_identically(model_factory, tmp_path):
         assert torch.equal(pa, pb), name
 
 
+def test_a_model_loads_in_the_dtype_asked_for_with_the_checkpoints_values(model_factory):
+    path, hf = model_factory("jamba")
+    model = load_model(path, torch.bfloat16)
+    assert {t.dtype for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()} == {torch.bfloat16}
+    assert torch.equal(model.embed.weight, hf.model.embed_tokens.weight.to(torch.bfloat16))
+    assert model.embed.weight.device.type == "cpu"
+
+
 def test_unknown_model_type_names_the_file_and_key(jamba_copy):
     config = json.loads((jamba_copy / "config.json").read_text())
     config["model_type"] = "gpt_neo_x_42"

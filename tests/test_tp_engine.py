@@ -4,6 +4,7 @@ gloo group), judged token by token by transformers: chunked prefill, preemption,
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -117,3 +118,33 @@ def test_two_gpu_ranks_match_transformers(model_factory, family):
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.engine.close()
+
+
+def _send_environment_variable(conn, name):
+    import os
+
+    conn.send(os.environ.get(name))
+
+
+def test_a_rank_runs_under_rank_0s_environment_of_the_moment(monkeypatch):
+    """Ranks fork from a forkserver that keeps the environment it started with; a variable set
+    after it started (e.g. SPLITSERVE_DISABLE_CPU_KERNELS) must still reach a new rank."""
+    from engine.tp.ranks import rank_context, with_environment
+
+    context = rank_context()
+
+    def environment_seen_by_a_rank():
+        here, there = context.Pipe()
+        proc = context.Process(target=with_environment, args=(dict(os.environ), _send_environment_variable,
+                                                              there, "SPLITSERVE_RANK_PROBE"))
+        proc.start()
+        try:
+            assert here.poll(60), "the rank did not answer"
+            return here.recv()
+        finally:
+            proc.join(30)
+
+    monkeypatch.delenv("SPLITSERVE_RANK_PROBE", raising=False)
+    assert environment_seen_by_a_rank() is None  # the forkserver runs now, without the variable
+    monkeypatch.setenv("SPLITSERVE_RANK_PROBE", "set later")
+    assert environment_seen_by_a_rank() == "set later"

@@ -151,7 +151,10 @@ class HybridLM(nn.Module):
                  tie_embeddings: bool, embedding_scale: float = 1.0, logits_divisor: float = 1.0):
         super().__init__()
         self.spec = dataclasses.replace(spec, layers=tuple(layer.cache_spec() for layer in layers))
-        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Built on the meta device and then loaded: given a weight, Embedding skips its normal_
+        # init, whose meta kernel imports torch._dynamo (over 1 s of every worker's start).
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                  _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self.tie_embeddings = tie_embeddings
