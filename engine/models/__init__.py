@@ -45,8 +45,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
             config = {**config, "eos_token_id": eos}
     with torch.device("meta"):
         model = build(ConfigReader(config, model_dir / "config.json"))
-    # Storage for the meta tensors, floating ones in `dtype` (what to_empty().to(dtype) does, but
-    # torch.empty: to_empty's empty_like of a meta tensor imports sympy, 0.5 s of every start).
+    # Storage for the meta tensors, floating ones in `dtype`: to_empty().to(dtype) through the
+    # same Module._apply to_empty uses, but with torch.empty (to_empty's empty_like of a meta
+    # tensor imports sympy: 0.5 s of every start).
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                                device=device))
     weights = WeightFiles(model_dir)

@@ -137,9 +137,10 @@ class LocalRanks:
 
     They fork from this process's multiprocessing forkserver, which imports torch and this
     module once (a spawned rank imported them again: about 2 s a rank on 2 cores, against 0.1 s
-    forked). The forkserver only imports and never runs an op or starts a thread pool, so
-    forking it is safe where forking the engine's process is not. Its environment is the one it
-    started with: each rank takes rank 0's current one first (`with_environment`)."""
+    forked). The forkserver only imports: no op runs there, so torch's OpenMP pool and the
+    engine's threads do not exist when it forks, as they do in the engine's process. Its
+    environment is the one it started with: each rank takes rank 0's current one first
+    (`with_environment`)."""
 
     def start(self, rank: int, args: tuple):
         proc = rank_context().Process(target=with_environment, name=f"splitserve-tp-rank{rank}",
