@@ -41,12 +41,13 @@ SYSTEMS = ("ours", "ours-torch", "transformers")
 # ----------------------------------------------------------------------------- the yardstick
 
 def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) -> dict:
-    """Best float32 GEMM rate torch reaches over `shapes`, by torch.mm (MKL) or by oneDNN on a
-    packed weight (what the engine's CPU linears use: engine.models.packed_linear), whichever is
-    faster: {"gflops", "best_shape", "shapes", "by_backend", "threads"}."""
+    """Best float32 GEMM rate reached here over `shapes`, by torch.mm (MKL), by oneDNN on a
+    prepacked weight, or by splitserve's own kernel on its packed weight (what the engine's CPU
+    linears use: engine.models.packed_linear), whichever is fastest:
+    {"gflops", "best_shape", "shapes", "by_backend", "threads"}."""
     import torch
 
-    from engine.models.packed_linear import pack
+    from engine.models.packed_linear import linear, pack
 
     def rate(run, flops: float) -> float:
         run()  # the first call pays for allocation and dispatch
@@ -64,11 +65,14 @@ def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) ->
     per_shape, by_backend = {}, {}
     for m, k, n in shapes:
         a, b, c = torch.randn(m, k), torch.randn(k, n), torch.empty(m, n)
+        weight = b.t().contiguous()
         rates = {"mm": rate(lambda: torch.mm(a, b, out=c), 2.0 * m * k * n)}
-        packed = pack(b.t().contiguous())
-        if packed is not None:
-            rates["onednn"] = rate(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
+        if torch.backends.mkldnn.is_available():
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, m)
+            rates["onednn"] = rate(lambda: torch.ops.mkldnn._linear_pointwise(a, onednn, None, "none", [], ""),
                                    2.0 * m * k * n)
+        if (packed := pack(weight)) is not None:
+            rates["splitserve"] = rate(lambda: linear(a, weight, None, packed), 2.0 * m * k * n)
         per_shape[f"{m}x{k}x{n}"] = max(rates.values())
         by_backend[f"{m}x{k}x{n}"] = rates
     best_shape = max(per_shape, key=per_shape.get)

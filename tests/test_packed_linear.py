@@ -1,4 +1,4 @@
-"""oneDNN-packed CPU linears (engine.models.packed_linear) against F.linear."""
+"""The packed CPU linears (engine.models.packed_linear, engine/kernels/cpu_gemm.cpp) against F.linear."""
 
 from __future__ import annotations
 
@@ -7,47 +7,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import native
 from engine.models import packed_linear
-from engine.models.packed_linear import MIN_ROWS, SMALL_SIDE, SMALL_WEIGHT_ROWS, linear, pack, pack_linears
+from engine.models.packed_linear import PANEL, linear, pack, pack_linears
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", [MIN_ROWS, 64, 300])
+@pytest.mark.parametrize("rows", [1, 7, 64, 700])
+@pytest.mark.parametrize("shape", [(136, 128), (4, 256), (512, 16), (1030, 512)])  # [out, in]
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_matches_f_linear(rows, bias, monkeypatch):
+def test_packed_matches_f_linear(rows, shape, bias, monkeypatch):
+    """Partial last panels (136, 4, 1030 columns), row counts off the kernel's 6-row tiles and past
+    one chunk of rows (700 rows of 512 inputs are six chunks), inputs with leading dims and with
+    a row stride (a column block of a wider tensor)."""
     torch.manual_seed(rows)
-    weight, b = torch.randn(SMALL_SIDE + 8, SMALL_SIDE), (torch.randn(SMALL_SIDE + 8) if bias else None)
-    x, x3 = torch.randn(rows, SMALL_SIDE), torch.randn(2, rows, SMALL_SIDE)  # any leading dims
-    expected, expected3 = F.linear(x, weight, b), F.linear(x3, weight, b)
+    out_features, in_features = shape
+    weight, b = torch.randn(shape), (torch.randn(out_features) if bias else None)
+    x, x3 = torch.randn(rows, in_features), torch.randn(2, rows, in_features)
+    strided = torch.randn(rows, in_features + 24)[:, 24:]
+    expected = [F.linear(t, weight, b) for t in (x, x3, strided)]
+    packed = pack(weight)
     monkeypatch.setattr(packed_linear, "F", None)  # the packed path must not fall back
-    torch.testing.assert_close(linear(x, weight, b, pack(weight)), expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(linear(x3, weight, b, pack(weight)), expected3, atol=1e-4, rtol=1e-4)
+    for t, want in zip((x, x3, strided), expected):
+        torch.testing.assert_close(linear(t, weight, b, packed), want, atol=1e-4, rtol=1e-4)
 
 
-def test_small_calls_and_disabled_runs_take_f_linear_exactly(monkeypatch):
+def test_the_panel_layout_pads_with_zeros():
+    weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
+    packed = pack(weight)
+    assert packed.panels.shape == (2, 3, PANEL) and (packed.out_features, packed.in_features) == (20, 3)
+    assert torch.equal(packed.panels[1, :, :4], weight[16:].t()) and not packed.panels[1, :, 4:].any()
+    assert torch.equal(packed.panels[0], weight[:16].t())
+
+
+def test_disabled_kernels_and_autograd_take_f_linear_exactly(monkeypatch):
     weight = torch.randn(32, 16)
     packed = pack(weight)
-    small = torch.randn(MIN_ROWS - 1, 16)
-    assert torch.equal(linear(small, weight, None, packed), F.linear(small, weight))
-    big = torch.randn(64, 16)
+    x = torch.randn(64, 16)
+    tracked = x.clone().requires_grad_()
+    out = linear(tracked, weight, None, packed)
+    assert torch.equal(out, F.linear(x, weight)) and out.requires_grad
     monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
-    assert torch.equal(linear(big, weight, None, packed), F.linear(big, weight))
+    assert torch.equal(linear(x, weight, None, packed), F.linear(x, weight))
 
 
-def test_small_weights_run_packed_only_for_many_rows(monkeypatch):
-    """A weight with a side under SMALL_SIDE (a router, Mamba's x_proj and dt_proj) keeps F.linear
-    in decode, where oneDNN's call overhead outweighs its GEMM, and runs packed in prefill."""
-    torch.manual_seed(1)
-    for weight in (torch.randn(48, 512), torch.randn(512, 16)):
-        packed = pack(weight)
-        decode = torch.randn(64, weight.shape[1])
-        assert torch.equal(linear(decode, weight, None, packed), F.linear(decode, weight))
-        prefill = torch.randn(SMALL_WEIGHT_ROWS, weight.shape[1])
-        expected = F.linear(prefill, weight)
-        with monkeypatch.context() as patched:
-            patched.setattr(packed_linear, "F", None)  # must not fall back
-            torch.testing.assert_close(linear(prefill, weight, None, packed), expected, atol=1e-4, rtol=1e-4)
+def test_an_empty_batch_gives_an_empty_output():
+    weight = torch.randn(24, 8)
+    assert linear(torch.empty(0, 8), weight, None, pack(weight)).shape == (0, 24)
 
 
 def test_only_float32_cpu_weights_are_packed():
@@ -71,25 +78,26 @@ def test_pack_linears_routes_plain_linears_and_leaves_subclasses():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_projections_match_their_linears(bias):
+def test_fused_projections_match_their_linears(bias, monkeypatch):
     """q/k/v (or gate/up) as one packed GEMM: column views equal to each linear's own output;
-    pack_linears packs the fused set once and leaves its members unpacked; few rows and
-    disabled kernels take the linears one by one, exactly."""
+    pack_linears packs the fused set once and leaves its members unpacked; with the kernels off
+    the linears run one by one, exactly."""
     from engine.models.attention import PagedAttention
     from engine.models.layers import GatedMLP
     from engine.models.packed_linear import fused_linear, pack_fused
 
     torch.manual_seed(3)
-    parts = [nn.Linear(SMALL_SIDE, n, bias=bias) for n in (96, 32, 32)]
-    x = torch.randn(40, SMALL_SIDE)
+    parts = [nn.Linear(128, n, bias=bias) for n in (96, 32, 32)]
+    x = torch.randn(40, 128)
     fused = pack_fused(*parts)
     outputs = fused_linear(x, fused, *parts)
     for out, part in zip(outputs, parts):
         assert out.shape == (40, part.out_features)
         torch.testing.assert_close(out, F.linear(x, part.weight, part.bias), atol=1e-4, rtol=1e-4)
-    small = x[: MIN_ROWS - 1]
-    for out, part in zip(fused_linear(small, fused, *parts), parts):
-        assert torch.equal(out, F.linear(small, part.weight, part.bias))
+    with monkeypatch.context() as patched:
+        patched.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+        for out, part in zip(fused_linear(x, fused, *parts), parts):
+            assert torch.equal(out, F.linear(x, part.weight, part.bias))
     assert pack_fused(nn.Linear(32, 8), nn.Linear(16, 8)) is None  # different inputs
     assert pack_fused(nn.Linear(32, 8), nn.Linear(32, 8, bias=False)) is None
 

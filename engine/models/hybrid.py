@@ -190,7 +190,7 @@ class HybridLM(nn.Module):
         return self.embed.weight if self.tie_embeddings else self.lm_head.weight
 
     def pack_for_cpu(self) -> int:
-        """oneDNN-packed weights for the linears and the LM head (engine.models.packed_linear);
+        """Packed weights for the linears and the LM head (engine.models.packed_linear);
         once the weights are final. Returns how many weights were packed."""
         self.packed_lm_head = pack(self._vocab_weight())
         return pack_linears(self) + (self.packed_lm_head is not None)

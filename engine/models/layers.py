@@ -154,7 +154,7 @@ class SparseMoE(nn.Module):
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
 
     def pack_weights(self) -> int:
-        """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
+        """Packed expert weights on CPU (engine.models.packed_linear)."""
         self.packed = pack_per_expert(self.gate_up, self.down)
         return 2 * self.num_experts if self.packed else 0
 

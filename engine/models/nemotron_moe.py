@@ -104,7 +104,7 @@ class NemotronMoE(nn.Module):
         return routed + self.shared(x)
 
     def pack_weights(self) -> int:
-        """oneDNN-packed expert weights on CPU (engine.models.packed_linear)."""
+        """Packed expert weights on CPU (engine.models.packed_linear)."""
         self.packed = pack_per_expert(self.up, self.down)
         return 2 * self.num_experts if self.packed else 0
 

@@ -1,47 +1,59 @@
-"""CPU linear layers on oneDNN, with each weight packed once into oneDNN's blocked layout.
+"""CPU float32 linears on splitserve's own GEMM (engine/kernels/cpu_gemm.cpp), each weight packed
+once into the kernel's panel layout.
 
-torch's CPU `F.linear` in float32 goes to MKL's sgemm, which on the AMD EPYC (Zen 4, AVX-512)
-of the 2-core box ran at 95-196 GFLOP/s; oneDNN's matmul on the same shapes with prepacked
-weights ran 1.5-2.6x faster (64 x 256 x 1536: 213 against 101 GFLOP/s; 1024 x 256 x 768: 400
-against 185); vLLM-CPU's linears run on oneDNN too. Below MIN_ROWS rows MKL won (one row:
-oneDNN 0.7x), so small calls keep F.linear. On a Zen 3 EPYC (AVX2, no AVX-512) oneDNN's call
-cost about 20 us more than MKL's, which decides small weights in decode: at 64 rows MKL took
-8.6 / 28.5 / 23.2 / 20.1 us against oneDNN's 31.3 / 52.0 / 37.7 / 43.6 us for a router
-(256 -> 4), Mamba's x_proj (512 -> 48) and dt_proj (16 -> 512), and 256 -> 64; at 8192 rows
-oneDNN won again (16 -> 512: 1.65 against 2.53 ms). So a weight with a side under SMALL_SIDE
-runs packed only from SMALL_WEIGHT_ROWS rows.
+Decode multiplies 1-64 rows (32 for an MoE expert) by weights that stream from memory, where
+neither torch's MKL sgemm nor oneDNN's matmul on a prepacked weight came near the box's GEMM
+rate: on the 2-vCPU Zen 3 (AVX2) box, 64 rows of 256 -> 1024 with the weight out of cache took
+319 us in this kernel against 420 (oneDNN) and 755 (MKL), and the small weights that oneDNN's
+call overhead made slower than MKL (a router, Mamba's x_proj and dt_proj) ran 1.3-2x faster
+than MKL too. It keeps up in prefill as well (8192 rows of 256 -> 2048: 55 against 81-82 ms),
+so it replaced both (docs/benchmarks.md, "session 6").
 
 The packed copy sits beside the dense weight, which stays the model's parameter (checkpoint
 loading, tensor-parallel slicing and tied embeddings read it): linear weights take twice their
-memory on a CPU worker. Results differ from F.linear's in the last bits (another summation
-order); the transformers judge compares tokens as for any kernel change.
+memory on a CPU worker. Without the C++ library (no compiler) nothing is packed and F.linear
+runs. Results differ from F.linear's in the last bits (another summation order); the
+transformers judge compares tokens as for any kernel change.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu_kernels_enabled as enabled
+from engine.kernels import native
 
-MIN_ROWS = 8
-SMALL_SIDE, SMALL_WEIGHT_ROWS = 128, 256
-PACK_HINT_ROWS = 64  # oneDNN picks the packed layout for this batch; any row count runs on it
+PANEL = 16  # output columns per panel: cpu_gemm.cpp's PANEL
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A [out, in] weight as cpu_gemm.cpp reads it: [ceil(out / PANEL), in, PANEL], the columns
+    past `out_features` zero."""
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
 
 
 def supported(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and torch.backends.mkldnn.is_available())
+            and native.available())
 
 
-def pack(weight: torch.Tensor):
-    """oneDNN's packed copy of a [out, in] weight, or None where it does not apply."""
+def pack(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed copy of a [out, in] weight, or None where it does not apply."""
     if not supported(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS)
+    out_features, in_features = weight.shape
+    padded = torch.zeros(-(-out_features // PANEL) * PANEL, in_features)
+    padded[:out_features] = weight.detach()
+    panels = padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+    return PackedWeight(panels, out_features, in_features)
 
 
 def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
@@ -52,22 +64,23 @@ def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
     return list(zip(*([pack(w) for w in s] for s in stacks)))
 
 
-def _runs_packed(x: torch.Tensor, packed) -> bool:
-    """A packed weight exists and the call is float32 and big enough for it (MIN_ROWS, or
-    SMALL_WEIGHT_ROWS for a weight with a side under SMALL_SIDE)."""
-    if packed is None or x.dtype != torch.float32:
-        return False
-    out_features, in_features = packed.shape
-    rows = MIN_ROWS if min(out_features, in_features) >= SMALL_SIDE else SMALL_WEIGHT_ROWS
-    return x.numel() >= rows * in_features and enabled()
+def _runs_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
+    """A packed weight exists, the kernels are on, and x is a float32 input autograd does not track."""
+    return packed is not None and x.dtype == torch.float32 and not x.requires_grad and enabled()
 
 
-def _packed_matmul(x: torch.Tensor, packed, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def _packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, packed.in_features)  # a view where x allows one: the kernel takes a row stride
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*x.shape[:-1], packed.out_features)
+    native.call("packed_linear", rows, rows.stride(0), packed.panels, None if bias is None else bias.contiguous(),
+                out, packed.out_features, rows.shape[0], packed.out_features, packed.in_features)
+    return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed) -> torch.Tensor:
-    """F.linear, on the packed weight when there is one and the call is big enough."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+    """F.linear, on the packed weight when there is one and the call can take it."""
     if _runs_packed(x, packed):
         return _packed_matmul(x, packed, bias)
     return F.linear(x, weight, bias)
@@ -96,7 +109,7 @@ def pack_fused(*linears: nn.Module):
 
 def fused_linear(x: torch.Tensor, fused, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """The outputs of `linears` on x: column views of one GEMM on their pack_fused weight when
-    the call is big enough for packing, else each linear on its own."""
+    the call can take it, else each linear on its own."""
     if fused is not None and _runs_packed(x, fused[0]):
         packed, bias, sizes = fused
         return _packed_matmul(x, packed, bias).split(sizes, dim=-1)
