@@ -201,7 +201,8 @@ class LLMEngine:
             self._cache_prefixes(seqs)
         outputs = []
         if done:
-            sampled = self.runner.sample(logits[done], [seqs[i] for i in done])
+            rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy
+            sampled = self.runner.sample(rows, [seqs[i] for i in done])
             for row, i in enumerate(done):
                 outputs.append(self._accept(seqs[i], sampled.token_ids[row], sampled.logprobs[row]))
         return outputs

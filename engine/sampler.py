@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import cpu, uses_cpu_kernel
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarState, apply_grammar_masks
 
@@ -43,7 +44,7 @@ class Sampler:
             logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
 
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.argmax(dim=-1)
+        tokens = cpu.row_argmax_cpu(logits) if uses_cpu_kernel(logits) else logits.argmax(dim=-1)
         if not bool(greedy.all()):
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                        device=logits.device)

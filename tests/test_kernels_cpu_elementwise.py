@@ -277,3 +277,20 @@ def test_tensors_passed_as_they_are_must_be_float32():
         cpu.rms_norm_cpu(x.bfloat16(), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="bias_softplus: needs float32"):
         cpu.bias_softplus_cpu(x, None)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (5, 7), (64, 8192), (3, 1001)])
+def test_row_argmax_is_torch_argmax(rows, cols):
+    """The greedy sampler's argmax, on random rows, rows of small integers (ties: the first one),
+    and rows with -inf (grammar masks), +inf, NaN (torch ranks it above all) and -0.0 beside 0.0."""
+    torch.manual_seed(rows * cols)
+    cases = [torch.randn(rows, cols), torch.randint(-3, 3, (rows, cols)).float()]
+    special = torch.randint(-2, 2, (rows, cols)).float()
+    special[special == -2] = float("-inf")
+    special[special == 1] = -0.0
+    special[:, ::5] = float("nan") if cols > 3 else special[:, ::5]
+    cases += [special, torch.full((rows, cols), float("-inf")), torch.where(special.isnan(), float("inf"), special)]
+    for x in cases:
+        assert torch.equal(cpu.row_argmax_cpu(x), x.argmax(dim=-1))
+    edge = torch.tensor([[-0.0, 0.0, -1.0], [-1e-45, -0.0, -3.0], [-float("nan"), 1.0, 2.0], [1.0, float("inf"), float("inf")]])
+    assert cpu.row_argmax_cpu(edge).tolist() == edge.argmax(dim=-1).tolist() == [0, 1, 0, 1]

@@ -361,3 +361,15 @@ def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.
     if out.numel():
         native.call("moe_combine", _f32(picks), _ids(position), _f32(weights), out, tokens, top_k, hidden)
     return out
+
+
+def row_argmax_cpu(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a float32 matrix [rows, cols > 0], ties and NaN as torch has them."""
+    _in_place("row_argmax", x)
+    rows, cols = x.shape
+    if not cols:
+        raise ValueError("row_argmax: no columns to take the argmax of")
+    out = torch.empty(rows, dtype=torch.long)
+    if rows:
+        native.call("row_argmax", x.contiguous(), out, rows, cols)
+    return out

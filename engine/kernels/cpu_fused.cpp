@@ -302,4 +302,27 @@ void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, i
   }
 }
 
+// The greedy sampler's argmax of each row of x [rows, cols], with torch.argmax's answer: the first
+// maximum (-0.0 equal to 0.0), or the first NaN in a row that has one (torch ranks NaN above
+// everything). Floats are compared as integers that keep their order: fast math lets the
+// compiler assume no float is NaN or infinite, and logits are -inf where a grammar masks them.
+// torch's own CPU argmax ran at about 4 GB/s here (0.4-0.5 ms for 64 rows of an 8192-token vocab).
+void row_argmax(const float* x, int64_t* out, int64_t rows, int64_t cols, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* bits = reinterpret_cast<const int32_t*>(x + r * cols);
+    const auto is_nan = [](int32_t b) { return (b & 0x7fffffff) > 0x7f800000; };
+    const auto key = [](int32_t b) { return b >= 0 ? b : (b ^ 0x7fffffff) + 1; };  // -0.0 -> 0
+    int32_t best = INT32_MIN, nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t c = 0; c < cols; ++c) {
+      nan |= is_nan(bits[c]);
+      best = std::max(best, key(bits[c]));
+    }
+    int64_t c = 0;
+    while (c < cols - 1 && (nan ? !is_nan(bits[c]) : key(bits[c]) != best)) ++c;
+    out[r] = c;
+  }
+}
+
 }  // extern "C"
