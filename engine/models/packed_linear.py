@@ -70,13 +70,14 @@ def _runs_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
 
 
 def _packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.reshape(-1, packed.in_features)  # a view where x allows one: the kernel takes a row stride
+    # The kernel takes a row stride, so a matrix of contiguous rows (a column block) runs as it is.
+    rows = x if x.dim() == 2 else x.reshape(-1, packed.in_features)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(*x.shape[:-1], packed.out_features)
+    out = torch.empty((rows.shape[0], packed.out_features))
     native.call("packed_linear", rows, rows.stride(0), packed.panels, None if bias is None else bias.contiguous(),
                 out, packed.out_features, rows.shape[0], packed.out_features, packed.in_features)
-    return out
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
