@@ -107,3 +107,33 @@ def test_fused_projections_match_their_linears(bias, monkeypatch):
     assert pack_linears(model) == 2 + 2  # qkv, gate-up; o_proj and down_proj on their own
     assert attention.qkv_fused is not None and mlp.gate_up_fused is not None
     assert not hasattr(attention.q_proj, "packed_weight") and hasattr(attention.o_proj, "packed_weight")
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
+    """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts): bit for bit the
+    per-expert loop on the same packed weights (one token leaves two of four experts with no
+    rows), and F.linear's result to float rounding; counts that do not fit are refused."""
+    from engine.models import layers
+    from engine.models.layers import SparseMoE
+    from engine.models.packed_linear import silu_experts
+
+    calls = []
+    monkeypatch.setattr(layers, "silu_experts", lambda *args: calls.append(1) or silu_experts(*args))
+
+    torch.manual_seed(tokens)
+    moe = SparseMoE(64, 48, 4, 2, "silu", True)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(tokens, 64)
+    with torch.inference_mode():
+        unpacked = moe(x)
+        assert pack_linears(moe) == 2 * 4 + 1 and moe.panel_pointers.shape == (4, 2)
+        at_once = moe(x)
+        pointers, moe.panel_pointers = moe.panel_pointers, None  # the loop, on the same packed weights
+        one_by_one = moe(x)
+    assert len(calls) == 1 and torch.equal(at_once, one_by_one)
+    torch.testing.assert_close(at_once, unpacked, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="silu_experts: 3 rows"):
+        silu_experts(torch.randn(3, 64), [1, 1, 0, 0], pointers, 48)

@@ -57,6 +57,7 @@ SIGNATURES = {
     "prefill_attention": [P, I64, P, I64, P, I64, P, I64, I64, I64, I64, I64, F32, I64, INT],
     "packed_linear": [P, I64, P, P, P, I64, I64, I64, I64, INT],
     "row_argmax": [P, P, I64, I64, INT],
+    "moe_silu_experts": [P, P, P, P, P, I64, I64, I64, INT],
 }
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, uses_cpu_kernel
-from engine.models.packed_linear import fused_linear, linear, pack_fused, pack_per_expert
+from engine.models.packed_linear import (fused_linear, linear, pack_fused, pack_per_expert, panel_pointers,
+                                         silu_experts)
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -144,19 +145,29 @@ class SparseMoE(nn.Module):
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
         self.act = activation(act)
-        self.packed = None
+        self.packed = self.panel_pointers = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize_top_k:
             weights = weights / weights.sum(-1, keepdim=True)
-        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
+        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert,
+                                self._all_experts)
 
     def pack_weights(self) -> int:
         """Packed expert weights on CPU (engine.models.packed_linear)."""
         self.packed = pack_per_expert(self.gate_up, self.down)
+        self.panel_pointers = panel_pointers(self.packed) if self.packed else None
         return 2 * self.num_experts if self.packed else 0
+
+    def _all_experts(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """What _expert gives for every expert's rows of routed (grouped by expert), in one C++
+        call where the experts are packed, SwiGLU and the kernels on; else None."""
+        if (self.panel_pointers is None or self.act is not F.silu or type(self)._expert is not SparseMoE._expert
+                or not uses_cpu_kernel(routed)):
+            return None
+        return silu_experts(routed, counts, self.panel_pointers, self.down.shape[2])
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.packed[expert] if self.packed else (None, None)
@@ -168,7 +179,7 @@ class SparseMoE(nn.Module):
 
 
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     num_experts: int, expert_fn) -> torch.Tensor:
+                     num_experts: int, expert_fn, all_experts_fn=None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_fn(experts[t, k], x[t]) for every token t, with each hit
     expert run once over exactly the tokens routed to it (no capacity, nothing dropped).
 
@@ -177,14 +188,17 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     sizes (it parallelises a few KB of work). For top_k <= 2 the sum equals the sequential one
     bit for bit (addition is commutative). On CPU in float32 one C++ pass groups the picks
     (engine.kernels.cpu.moe_group_cpu), the outputs stay grouped by expert and one C++ pass
-    weights, gathers and sums them (moe_combine_cpu)."""
+    weights, gathers and sums them (moe_combine_cpu); there `all_experts_fn(routed, counts)`, if
+    given, may run every expert over its grouped rows in one call (None: it cannot here)."""
     tokens, top_k = experts.shape
     if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # grouped in one pass; one weighted gather-sum
         counts, token_of_row, position = cpu.moe_group_cpu(experts, num_experts)
         routed = x.index_select(0, token_of_row)
-        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
-        for expert, start, end in _expert_ranges(counts):
-            grouped[start:end] = expert_fn(expert, routed[start:end])
+        grouped = None if all_experts_fn is None else all_experts_fn(routed, counts)
+        if grouped is None:
+            grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
+            for expert, start, end in _expert_ranges(counts):
+                grouped[start:end] = expert_fn(expert, routed[start:end])
         return cpu.moe_combine_cpu(grouped, position, weights)
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)

@@ -64,6 +64,25 @@ def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
     return list(zip(*([pack(w) for w in s] for s in stacks)))
 
 
+def panel_pointers(per_expert: list[tuple]) -> torch.Tensor:
+    """The addresses of pack_per_expert's panels, [experts, weights per expert], for a kernel that
+    runs every expert in one call (the PackedWeights must outlive it)."""
+    return torch.tensor([[w.panels.data_ptr() for w in weights] for weights in per_expert], dtype=torch.int64)
+
+
+def silu_experts(routed: torch.Tensor, counts: list[int], pointers: torch.Tensor, inter: int) -> torch.Tensor:
+    """down_e(silu(gate) * up) with [gate | up] = gate_up_e(x) for each expert e over its counts[e]
+    rows of routed [rows, hidden] (grouped by expert, float32, contiguous), in one C++ call;
+    pointers: panel_pointers of (gate_up, down) per expert."""
+    rows, hidden = routed.shape
+    if sum(counts) != rows or len(counts) != pointers.shape[0]:
+        raise ValueError(f"silu_experts: {rows} rows, counts {counts}, {pointers.shape[0]} experts")
+    out = torch.empty((rows, hidden))
+    native.call("moe_silu_experts", routed, torch.tensor(counts, dtype=torch.int64), pointers,
+                torch.empty(rows * 3 * inter), out, len(counts), hidden, inter)
+    return out
+
+
 def _runs_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
     """A packed weight exists, the kernels are on, and x is a float32 input autograd does not track."""
     return packed is not None and x.dtype == torch.float32 and not x.requires_grad and enabled()
