@@ -128,3 +128,39 @@ def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, 
     cache.poison_slot(1)
     for _, tensor in cache.slot_tensors():
         assert tensor[1].isnan().all() and not tensor[0].isnan().any() and not tensor[2].isnan().any()
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba"])
+def test_mamba_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_factory, monkeypatch):
+    """MambaMixer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp): at every
+    decode step of a batch, from the same states, its output and both updated states are the
+    bits that forward's chain of kernels gives; and the batch's tokens are transformers'."""
+    import torch
+
+    from engine.kernels import cpu
+    from engine.models.ssm import MambaMixer
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    path, hf = model_factory(name)
+    chain, compared = MambaMixer.forward, []
+
+    def both(self, hidden, batch, state):
+        if not self._decodes_in_one_call(hidden, batch, state):
+            return chain(self, hidden, batch, state)
+        copies = tuple(t.clone() for t in state)
+        at_once = self._decode_in_one_call(hidden, batch, copies)
+        with monkeypatch.context() as patched:
+            patched.setattr(MambaMixer, "_decodes_in_one_call", lambda *args: False)
+            one_by_one = chain(self, hidden, batch, state)
+        assert torch.equal(at_once, one_by_one)
+        assert all(torch.equal(a, b) for a, b in zip(copies, state))
+        compared.append(hidden.shape[0])
+        return one_by_one
+
+    monkeypatch.setattr(MambaMixer, "forward", both)
+    prompts = [[random.Random(i).randrange(1, 100) for _ in range(3 + 2 * i)] for i in range(3)]
+    outputs = LLM(path, max_num_seqs=4).generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        judge_greedy(hf, prompt, output.token_ids)
+    assert compared and max(compared) == 3

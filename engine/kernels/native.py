@@ -1,5 +1,5 @@
-"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_kernels.h): compiled on
-first use into one library, cached on disk, called by ctypes.
+"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_kernels.h):
+compiled on first use into one library, cached on disk, called by ctypes.
 
 Compiled with the machine's C++ compiler for the machine's own CPU (-march=native), so the
 cached library is keyed by the source, the flags, the compiler and the CPU. A worker that finds
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch  # first: its libgomp must be the one the library's libgomp.so.1 resolves to
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.
@@ -58,6 +58,8 @@ SIGNATURES = {
     "packed_linear": [P, I64, P, P, P, I64, I64, I64, I64, INT],
     "row_argmax": [P, P, I64, I64, INT],
     "moe_silu_experts": [P, P, P, P, P, I64, I64, I64, INT],
+    "mamba_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, P, P, F32, P, P, P, P, P, P, P, P,
+                     INT],
 }
 
 

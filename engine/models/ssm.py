@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import (causal_conv1d_update, cpu, selective_scan_varlen, selective_state_update,
+from engine.kernels import (causal_conv1d_update, cpu, native, selective_scan_varlen, selective_state_update,
                             uses_cpu_kernel, uses_triton)
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
@@ -101,6 +101,8 @@ class MambaMixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(hidden, batch, state):
+            return self._decode_in_one_call(hidden, batch, state)
         conv_state, ssm_state = state
         x, gate = self.in_proj(hidden).chunk(2, dim=-1)
         x = self._conv(x, batch, conv_state)
@@ -129,6 +131,30 @@ class MambaMixer(nn.Module):
         else:
             y = (y + x * self.D) * F.silu(gate)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
+        """Every row a decode on the CPU kernels, float32 throughout, SiLU, the linears packed:
+        then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+        return (not batch.prefill_rows and isinstance(batch.decode_tokens, slice) and self.act is F.silu
+                and uses_cpu_kernel(hidden) and all(uses_cpu_kernel(t) for t in state)
+                and all(getattr(m, "packed_weight", None) is not None for m in linears)
+                and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+
+    def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
+        conv_state, ssm_state = state
+        rows = hidden.shape[0]
+        di, n, r = self.d_inner, self.d_state, self.dt_rank
+        norms = [None, None, None] if self.dt_norm is None else [m.weight for m in (self.dt_norm, self.b_norm, self.c_norm)]
+        out = torch.empty(rows, hidden.shape[1])
+        native.call("mamba_decode", hidden, rows, hidden.shape[1], di, n, r, self.d_conv,
+                    self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
+                    batch.decode_slots.contiguous(), self.conv_weight, self.conv_bias, self.x_proj.packed_weight.panels,
+                    *norms, float(self.dt_norm.eps if self.dt_norm is not None else 0.0),
+                    self.dt_proj.packed_weight.panels, self.dt_proj.bias, -torch.exp(self.A_log.float()), self.D,
+                    self.out_proj.packed_weight.panels, self.out_proj.bias,
+                    torch.empty(rows * (5 * di + 2 * r + 4 * n)), out)
+        return out
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
         """Every prefill row from its starting state (zeros when fresh, else its slot's), final

@@ -1,0 +1,96 @@
+// Decode layers whose glue cost more than their kernels, each as one call of the kernels the
+// layer's Python would call one by one, in the same order on the same buffers, so the results
+// are the same bits (engine.models.layers.SparseMoE, engine.models.ssm.MambaMixer). Built with
+// the other C++ kernels into one library (engine.kernels.native).
+
+#include <cstdint>
+
+extern "C" {
+
+// cpu_gemm.cpp, cpu_fused.cpp, cpu_kernels.cpp
+void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
+                   int64_t rows, int64_t out_features, int64_t in_features, int threads);
+void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int64_t cols, int64_t in_stride,
+              int threads);
+void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
+                 const float* bias, float* y, int64_t batch, int64_t channels, int64_t width, int64_t silu,
+                 int threads);
+void rms_norm_3(const float* x, int64_t x_stride, const float* w0, const float* w1, const float* w2, int64_t n0,
+                int64_t n1, int64_t n2, float* o0, float* o1, float* o2, int64_t rows, float eps, int threads);
+void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads);
+void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
+                      const float* B, const float* C, float* y, int64_t batch, int64_t d_inner, int64_t d_state,
+                      int threads);
+void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D, const float* z, int64_t z_stride,
+                float* out, int64_t rows, int64_t cols, int threads);
+
+
+// The SwiGLU experts of an MoE layer (engine.models.layers.SparseMoE) over its routed rows x,
+// grouped by expert (counts[e] rows for expert e, in expert order): for each, [gate | up] =
+// gate_up_e(x), out = down_e(silu(gate) * up), with expert e's packed panels at panels[2e]
+// (gate_up) and panels[2e + 1] (down). One call for what takes six Python-level calls an expert;
+// scratch holds [rows, 3 * inter] floats.
+void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* panels, float* scratch, float* out,
+                      int64_t experts, int64_t hidden, int64_t inter, int threads) {
+  int64_t rows = 0;
+  for (int64_t e = 0; e < experts; ++e) rows += counts[e];
+  float* gate_up = scratch;
+  float* act = scratch + rows * 2 * inter;
+  for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
+    if (counts[e] == 0) continue;
+    packed_linear(x + start * hidden, hidden, reinterpret_cast<const float*>(panels[2 * e]), nullptr,
+                  gate_up + start * 2 * inter, 2 * inter, counts[e], 2 * inter, hidden, threads);
+  }
+  silu_mul(gate_up, gate_up + inter, act, rows, inter, 2 * inter, threads);
+  for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
+    if (counts[e] == 0) continue;
+    packed_linear(act + start * inter, inter, reinterpret_cast<const float*>(panels[2 * e + 1]), nullptr,
+                  out + start * hidden, hidden, counts[e], hidden, inter, threads);
+  }
+}
+
+// Mamba's mixer (Mamba1, Jamba) over rows that are all decodes, one token each: [x | gate] =
+// in_proj(h); x = silu(conv_update(x)); [dt | B | C] = x_proj(x), RMS-normed block by block where
+// dt_norm is given (Jamba); dt = softplus(dt_proj(dt)); y = ssm_state_update(x, dt, A, B, C);
+// y = (y + x D) silu(gate); out = out_proj(y). The states update in place at their slots;
+// scratch holds rows * (5 d_inner + 2 dt_rank + 4 d_state) floats.
+void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner, int64_t d_state, int64_t dt_rank,
+                  int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state, float* ssm_state,
+                  const int64_t* slots, const float* conv_weight, const float* conv_bias, const float* x_panels,
+                  const float* dt_norm, const float* b_norm, const float* c_norm, float norm_eps,
+                  const float* dt_panels, const float* dt_bias, const float* A, const float* D,
+                  const float* out_panels, const float* out_bias, float* scratch, float* out, int threads) {
+  const int64_t di = d_inner, n = d_state, r = dt_rank, dbc_width = r + 2 * n;
+  float* proj = scratch;                  // [rows, 2 di]: x, then gate
+  float* x = proj + rows * 2 * di;        // [rows, di]
+  float* dbc = x + rows * di;             // [rows, r + 2n]
+  float* dt_in = dbc + rows * dbc_width;  // [rows, r]
+  float* B = dt_in + rows * r;            // [rows, n]
+  float* C = B + rows * n;                // [rows, n]
+  float* dt = C + rows * n;               // [rows, di]
+  float* y = dt + rows * di;              // [rows, di]
+  packed_linear(h, hidden, in_panels, in_bias, proj, 2 * di, rows, 2 * di, hidden, threads);
+  conv_update(conv_state, slots, proj, 2 * di, conv_weight, conv_bias, x, rows, di, d_conv, 1, threads);
+  packed_linear(x, di, x_panels, nullptr, dbc, dbc_width, rows, dbc_width, di, threads);
+  const float* dt_rows = dt_in;
+  int64_t dt_stride = r;
+  if (dt_norm != nullptr) {
+    rms_norm_3(dbc, dbc_width, dt_norm, b_norm, c_norm, r, n, n, dt_in, B, C, rows, norm_eps, threads);
+  } else {  // dt_proj reads its block in place; the state update takes B and C contiguous
+    dt_rows = dbc;
+    dt_stride = dbc_width;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        B[i * n + j] = dbc[i * dbc_width + r + j];
+        C[i * n + j] = dbc[i * dbc_width + r + n + j];
+      }
+    }
+  }
+  packed_linear(dt_rows, dt_stride, dt_panels, dt_bias, dt, di, rows, di, r, threads);
+  bias_softplus(dt, nullptr, rows, di, threads);
+  ssm_state_update(ssm_state, slots, x, dt, A, B, C, y, rows, di, n, threads);
+  gated_skip(y, x, di, D, proj + di, 2 * di, y, rows, di, threads);
+  packed_linear(y, di, out_panels, out_bias, out, hidden, rows, hidden, di, threads);
+}
+
+}  // extern "C"
