@@ -292,5 +292,6 @@ def test_row_argmax_is_torch_argmax(rows, cols):
     cases += [special, torch.full((rows, cols), float("-inf")), torch.where(special.isnan(), float("inf"), special)]
     for x in cases:
         assert torch.equal(cpu.row_argmax_cpu(x), x.argmax(dim=-1))
-    edge = torch.tensor([[-0.0, 0.0, -1.0], [-1e-45, -0.0, -3.0], [-float("nan"), 1.0, 2.0], [1.0, float("inf"), float("inf")]])
+    edge = torch.tensor([[-0.0, 0.0, -1.0], [-1e-45, -0.0, -3.0], [-float("nan"), 1.0, 2.0],
+                         [1.0, float("inf"), float("inf")]])
     assert cpu.row_argmax_cpu(edge).tolist() == edge.argmax(dim=-1).tolist() == [0, 1, 0, 1]

@@ -99,7 +99,8 @@ def _packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.out_features)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedWeight | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: PackedWeight | None) -> torch.Tensor:
     """F.linear, on the packed weight when there is one and the call can take it."""
     if _runs_packed(x, packed):
         return _packed_matmul(x, packed, bias)

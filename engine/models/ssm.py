@@ -145,7 +145,8 @@ class MambaMixer(nn.Module):
         conv_state, ssm_state = state
         rows = hidden.shape[0]
         di, n, r = self.d_inner, self.d_state, self.dt_rank
-        norms = [None, None, None] if self.dt_norm is None else [m.weight for m in (self.dt_norm, self.b_norm, self.c_norm)]
+        norm_modules = (self.dt_norm, self.b_norm, self.c_norm)
+        norms = [None] * 3 if self.dt_norm is None else [m.weight for m in norm_modules]
         out = torch.empty(rows, hidden.shape[1])
         native.call("mamba_decode", hidden, rows, hidden.shape[1], di, n, r, self.d_conv,
                     self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
