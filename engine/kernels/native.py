@@ -29,7 +29,8 @@ from pathlib import Path
 import torch  # first: its libgomp must be the one the library's libgomp.so.1 resolves to
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.

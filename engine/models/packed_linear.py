@@ -5,9 +5,10 @@ Decode multiplies 1-64 rows (32 for an MoE expert) by weights that stream from m
 neither torch's MKL sgemm nor oneDNN's matmul on a prepacked weight came near the box's GEMM
 rate: on the 2-vCPU Zen 3 (AVX2) box, 64 rows of 256 -> 1024 with the weight out of cache took
 319 us in this kernel against 420 (oneDNN) and 755 (MKL), and the small weights that oneDNN's
-call overhead made slower than MKL (a router, Mamba's x_proj and dt_proj) ran 1.3-2x faster
-than MKL too. It keeps up in prefill as well (8192 rows of 256 -> 2048: 55 against 81-82 ms),
-so it replaced both (docs/benchmarks.md, "session 6").
+call overhead made slower than MKL ran faster than MKL too (64 rows of Mamba's x_proj, 512 -> 48:
+43 against 58 us; dt_proj, 16 -> 512: 31 against 43). At a single row the two smallest weights
+were even (0.93x and 1.09x, a few microseconds). It keeps up in prefill as well (8192 rows of
+256 -> 2048: 55 against 81 and 89 ms), so it replaced both (docs/benchmarks.md, "session 6").
 
 The packed copy sits beside the dense weight, which stays the model's parameter (checkpoint
 loading, tensor-parallel slicing and tied embeddings read it): linear weights take twice their

@@ -136,7 +136,8 @@ class MambaMixer(nn.Module):
         """Every row a decode on the CPU kernels, float32 throughout, SiLU, the linears packed:
         then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
-        return (not batch.prefill_rows and isinstance(batch.decode_tokens, slice) and self.act is F.silu
+        # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
+        return (isinstance(batch.decode_tokens, slice) and self.act is F.silu
                 and uses_cpu_kernel(hidden) and all(uses_cpu_kernel(t) for t in state)
                 and all(getattr(m, "packed_weight", None) is not None for m in linears)
                 and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
