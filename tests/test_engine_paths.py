@@ -8,6 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.state_slots import StateOwnershipError
+from tests.one_call import compare_each_one_call_with_the_chain
 from tests.oracle import assert_same_tokens, judge_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -108,3 +109,24 @@ def test_guard_fires_when_a_decode_is_handed_a_stranger_slot(model_factory):
     decode_b.slot = engine.slots.slot_of["a"]  # the bug class: a decode reading someone else's slot
     with pytest.raises(StateOwnershipError, match="request 'b' would read state slot"):
         engine.runner.execute(plan.seqs)
+
+
+@pytest.mark.parametrize("name", ["jamba", "llama", "mistral_mqa_window", "qwen2_bias_tied"])
+def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_factory, monkeypatch):
+    """PagedAttention's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp): at every
+    decode step, from the same caches, its output and the K/V it writes are the bits forward's
+    chain of kernels gives (no rotary, rotary, MQA with a sliding window the contexts pass,
+    q/k/v biases); and the tokens are transformers'."""
+    from engine.kernels import cpu
+    from engine.models.attention import PagedAttention
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    path, hf = model_factory(name)
+    compared = compare_each_one_call_with_the_chain(monkeypatch, PagedAttention,
+                                                    lambda x, batch: int(batch.decode_context_lens.max()))
+    llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
+    prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 5)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
+        judge_greedy(hf, prompt, output.token_ids)
+    assert compared and max(compared) > 26 + 1  # past mistral's window of 24

@@ -19,6 +19,7 @@ from engine.models import load_model
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.mamba2 import Mamba2Mixer
 from engine.request import Resume
+from tests.one_call import compare_each_one_call_with_the_chain
 from tests.oracle import CONFIGS, MAMBA2_FAMILIES, RECURRENT_FAMILIES, judge_greedy
 
 # Every config whose layers run a chunked scan (Mamba2's SSD, Gated DeltaNet's delta rule).
@@ -135,30 +136,13 @@ def test_mamba_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_
     """MambaMixer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp): at every
     decode step of a batch, from the same states, its output and both updated states are the
     bits that forward's chain of kernels gives; and the batch's tokens are transformers'."""
-    import torch
-
     from engine.kernels import cpu
     from engine.models.ssm import MambaMixer
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    chain, compared = MambaMixer.forward, []
-
-    def both(self, hidden, batch, state):
-        if not self._decodes_in_one_call(hidden, batch, state):
-            return chain(self, hidden, batch, state)
-        copies = tuple(t.clone() for t in state)
-        at_once = self._decode_in_one_call(hidden, batch, copies)
-        with monkeypatch.context() as patched:
-            patched.setattr(MambaMixer, "_decodes_in_one_call", lambda *args: False)
-            one_by_one = chain(self, hidden, batch, state)
-        assert torch.equal(at_once, one_by_one)
-        assert all(torch.equal(a, b) for a, b in zip(copies, state))
-        compared.append(hidden.shape[0])
-        return one_by_one
-
-    monkeypatch.setattr(MambaMixer, "forward", both)
+    compared = compare_each_one_call_with_the_chain(monkeypatch, MambaMixer, lambda hidden, batch: hidden.shape[0])
     prompts = [[random.Random(i).randrange(1, 100) for _ in range(3 + 2 * i)] for i in range(3)]
     outputs = LLM(path, max_num_seqs=4).generate(prompts, GREEDY)
     for prompt, output in zip(prompts, outputs):

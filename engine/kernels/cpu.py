@@ -41,7 +41,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
-def _ids(t: torch.Tensor) -> torch.Tensor:
+def ids(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.int64).contiguous()
 
 
@@ -77,7 +77,7 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
     direct = D is None and z is None and _writable(out, x.shape)
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
-        native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
+        native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), ids(slots), _f32(x), _f32(dt),
                     _f32(A), _f32(B), _f32(C), y, *x.shape, ssm_state.shape[2])
     if direct:
         return out
@@ -98,7 +98,7 @@ def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
     rows = x if rows_with_stride(x) else _f32(x)  # a column block of a projection is read in place
     if x.shape[0]:
-        native.call("conv_update", _pool(conv_state, "conv_state"), _ids(slots), rows, rows.stride(0), _f32(weight),
+        native.call("conv_update", _pool(conv_state, "conv_state"), ids(slots), rows, rows.stride(0), _f32(weight),
                     _f32(bias) if bias is not None else None, y, x.shape[0], x.shape[1], weight.shape[1],
                     int(activation == "silu"))
     if direct:
@@ -128,7 +128,7 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
-        native.call("mamba2_state_update", _pool(ssm_state, "ssm_state"), _ids(slots), _f32(x), _f32(dt),
+        native.call("mamba2_state_update", _pool(ssm_state, "ssm_state"), ids(slots), _f32(x), _f32(dt),
                     _f32(A), _f32(B), _f32(C), y, *x.shape, B.shape[1], B.shape[2])
     if D is not None:
         y = y + x.float() * D.float()[None, :, None]
@@ -161,7 +161,7 @@ def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
     q, k = prepare_qk(q, k, v.shape[1])
     o = torch.empty(v.shape, dtype=torch.float32)
     if v.shape[0]:
-        native.call("gated_delta_step", _pool(state, "state"), _ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
+        native.call("gated_delta_step", _pool(state, "state"), ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
                     _f32(beta), o, v.shape[0], v.shape[1], q.shape[2], v.shape[2])
     return o
 
@@ -185,9 +185,9 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     """See engine.kernels.paged_attention.paged_attention_decode_ref."""
     result = torch.empty(q.shape, dtype=torch.float32)
     if q.shape[0]:
-        tables = _ids(block_tables)
+        tables = ids(block_tables)
         native.call("paged_attention_decode", _f32(q), _pool(k_cache, "k_cache"), _pool(v_cache, "v_cache"),
-                    tables, tables.shape[1], _ids(context_lens), result, q.shape[0], q.shape[1], k_cache.shape[2],
+                    tables, tables.shape[1], ids(context_lens), result, q.shape[0], q.shape[1], k_cache.shape[2],
                     q.shape[2], k_cache.shape[1], float(scale), int(sliding_window or 0))
     if out is None:
         return result.to(q.dtype)
@@ -342,7 +342,7 @@ def moe_group_cpu(experts: torch.Tensor, num_experts: int) -> tuple[list[int], t
     picks = tokens * top_k
     counts = torch.empty(num_experts, dtype=torch.long)
     token_of_row, position = torch.empty(picks, dtype=torch.long), torch.empty(picks, dtype=torch.long)
-    native.call("moe_group", _ids(experts), counts, token_of_row, position, picks, top_k, num_experts)
+    native.call("moe_group", ids(experts), counts, token_of_row, position, picks, top_k, num_experts)
     per_expert = counts.tolist()
     if sum(per_expert) != picks:
         raise ValueError(f"moe_group: expert ids outside [0, {num_experts}) in {experts.tolist()}")
@@ -359,7 +359,7 @@ def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.
                          f"do not fit weights {tuple(weights.shape)}")
     out = torch.empty(tokens, hidden, dtype=torch.float32)
     if out.numel():
-        native.call("moe_combine", _f32(picks), _ids(position), _f32(weights), out, tokens, top_k, hidden)
+        native.call("moe_combine", _f32(picks), ids(position), _f32(weights), out, tokens, top_k, hidden)
     return out
 
 

@@ -1,9 +1,11 @@
 // Decode layers whose glue cost more than their kernels, each as one call of the kernels the
 // layer's Python would call one by one, in the same order on the same buffers, so the results
-// are the same bits (engine.models.layers.SparseMoE, engine.models.ssm.MambaMixer). Built with
-// the other C++ kernels into one library (engine.kernels.native).
+// are the same bits (engine.models.layers.SparseMoE, engine.models.ssm.MambaMixer,
+// engine.models.attention.PagedAttention). Built with the other C++ kernels into one library
+// (engine.kernels.native).
 
 #include <cstdint>
+#include <cstring>
 
 extern "C" {
 
@@ -23,6 +25,12 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
                       int threads);
 void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D, const float* z, int64_t z_stride,
                 float* out, int64_t rows, int64_t cols, int threads);
+void rotary(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+            int64_t head_dim, int64_t rotary_dim, int threads);
+void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                            int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                            int threads);
 
 
 // The SwiGLU experts of an MoE layer (engine.models.layers.SparseMoE) over its routed rows x,
@@ -91,6 +99,37 @@ void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner,
   ssm_state_update(ssm_state, slots, x, dt, A, B, C, y, rows, di, n, threads);
   gated_skip(y, x, di, D, proj + di, 2 * di, y, rows, di, threads);
   packed_linear(y, di, out_panels, out_bias, out, hidden, rows, hidden, di, threads);
+}
+
+// An attention layer (engine.models.attention.PagedAttention) over rows that are all decodes, one
+// token each: [q | k | v] = qkv(h) (the fused packed projection); rotate-half RoPE of q and k by
+// cos and sin [rows, rotary_dim] where given; k and v into the cache rows write_index[i]; paged
+// attention of q over each row's blocks; out = o_proj(attention). scratch holds rows * (3 heads
+// + 2 kv_heads) * head_dim floats.
+void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                      const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                      const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
+                      int64_t block_size, float scale, int64_t window, const float* o_panels, const float* o_bias,
+                      float* scratch, float* out, int threads) {
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = q_width + 2 * kv_width;
+  float* qkv = scratch;                 // [rows, width]
+  float* q = qkv + rows * width;        // [rows, q_width]: q contiguous, as the attention reads it
+  float* attended = q + rows * q_width;  // [rows, q_width]
+  packed_linear(h, hidden, qkv_panels, qkv_bias, qkv, width, rows, width, hidden, threads);
+  if (cos != nullptr) {
+    rotary(qkv, width, cos, sin, rows, heads, head_dim, rotary_dim, threads);
+    rotary(qkv + q_width, width, cos, sin, rows, kv_heads, head_dim, rotary_dim, threads);
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* row = qkv + i * width;
+    std::memcpy(q + i * q_width, row, q_width * sizeof(float));
+    std::memcpy(k_cache + write_index[i] * kv_width, row + q_width, kv_width * sizeof(float));
+    std::memcpy(v_cache + write_index[i] * kv_width, row + q_width + kv_width, kv_width * sizeof(float));
+  }
+  paged_attention_decode(q, k_cache, v_cache, tables, table_width, lens, attended, rows, heads, kv_heads, head_dim,
+                         block_size, scale, window, threads);
+  packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
 }
 
 }  // extern "C"

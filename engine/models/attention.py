@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_ready, paged_attention_decode, uses_cpu_kernel, uses_triton
+from engine.kernels import cpu, cpu_kernels_ready, native, paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RotaryEmbedding
@@ -49,8 +49,37 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(x, batch, kv_cache):
+            return self._decode_in_one_call(x, batch, kv_cache)
         q, k, v = self.project(x, batch)
         return self.o_proj(self.attend(q, k, v, batch, kv_cache).reshape(x.shape[0], -1))
+
+    def _decodes_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> bool:
+        """Every row a decode on the CPU kernels, float32, q/k/v fused and o_proj packed (neither
+        under tensor parallelism, nor where a subclass projects its own way): then forward's
+        kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+        # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
+        return (isinstance(batch.decode_tokens, slice) and self.qkv_fused is not None
+                and getattr(self.o_proj, "packed_weight", None) is not None
+                and uses_cpu_kernel(x) and all(uses_cpu_kernel(t) for t in kv_cache)
+                and self.qkv_fused[0].panels.dtype == torch.float32
+                and (self.o_proj.bias is None or self.o_proj.bias.dtype == torch.float32))
+
+    def _decode_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        rows, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        packed, bias, _ = self.qkv_fused
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = self.rotary._tables(batch.positions, torch.float32)
+        tables = cpu.ids(batch.decode_block_tables)
+        out = torch.empty(rows, x.shape[1])
+        native.call("attention_decode", x, rows, x.shape[1], heads, kv_heads, head_dim, packed.panels, bias, cos,
+                    sin, 0 if cos is None else cos.shape[1], k_cache, v_cache, cpu.ids(batch.kv_write_index),
+                    tables, tables.shape[1], cpu.ids(batch.decode_context_lens), k_cache.shape[1],
+                    float(self.scale), int(self.sliding_window or 0), self.o_proj.packed_weight.panels,
+                    self.o_proj.bias, torch.empty(rows * (3 * heads + 2 * kv_heads) * head_dim), out)
+        return out
 
     def project(self, x: torch.Tensor, batch: ForwardBatch):
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied."""
