@@ -267,6 +267,25 @@ def test_moe_group_is_a_stable_sort_by_expert(tokens, top_k, num_experts):
         cpu.moe_group_cpu(experts + num_experts, num_experts)
 
 
+@pytest.mark.parametrize("tokens,top_k,num_experts,normalize", [(1, 1, 4, False), (64, 2, 4, False),
+                                                             (37, 3, 16, True), (5, 8, 64, True)])
+def test_moe_route_is_softmax_topk(tokens, top_k, num_experts, normalize):
+    """The router's softmax, top-k and renormalisation in one pass: torch's experts in torch's
+    order, their weights to float rounding; among equal logits the first expert comes first."""
+    torch.manual_seed(tokens + num_experts)
+    logits = torch.randn(tokens, num_experts) * 3
+    weights, experts = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    ids, ours = cpu.moe_route_cpu(logits, top_k, normalize)
+    assert torch.equal(ids, experts)
+    torch.testing.assert_close(ours, weights, atol=1e-6, rtol=1e-5)
+    tied, _ = cpu.moe_route_cpu(torch.tensor([[0.5, 2.0, 2.0, 2.0]]), 2, normalize)
+    assert tied.tolist() == [[1, 2]]
+    with pytest.raises(ValueError, match="moe_route: top_k"):
+        cpu.moe_route_cpu(logits, num_experts + 1, normalize)
+
+
 def test_tensors_passed_as_they_are_must_be_float32():
     """Kernels that write in place or read through strides get no conversion: another dtype
     would be misread as float32 memory, so it is refused by name."""

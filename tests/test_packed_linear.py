@@ -113,7 +113,8 @@ def test_fused_projections_match_their_linears(bias, monkeypatch):
 def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
     """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts): bit for bit the
     per-expert loop on the same packed weights (one token leaves two of four experts with no
-    rows), and F.linear's result to float rounding; counts that do not fit are refused."""
+    rows) and the whole layer as one call, and F.linear's result to float rounding; counts that
+    do not fit are refused."""
     from engine.models import layers
     from engine.models.layers import SparseMoE
     from engine.models.packed_linear import silu_experts
@@ -130,10 +131,12 @@ def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
     with torch.inference_mode():
         unpacked = moe(x)
         assert pack_linears(moe) == 2 * 4 + 1 and moe.panel_pointers.shape == (4, 2)
+        whole_layer = moe(x)  # router to combine in one call (engine/kernels/cpu_layers.cpp)
+        monkeypatch.setattr(SparseMoE, "_runs_in_one_call", lambda *args: False)
         at_once = moe(x)
         pointers, moe.panel_pointers = moe.panel_pointers, None  # the loop, on the same packed weights
         one_by_one = moe(x)
-    assert len(calls) == 1 and torch.equal(at_once, one_by_one)
+    assert len(calls) == 1 and torch.equal(at_once, one_by_one) and torch.equal(whole_layer, at_once)
     torch.testing.assert_close(at_once, unpacked, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="silu_experts: 3 rows"):
         silu_experts(torch.randn(3, 64), [1, 1, 0, 0], pointers, 48)

@@ -142,7 +142,7 @@ def test_mamba_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    compared = compare_each_one_call_with_the_chain(monkeypatch, MambaMixer, lambda hidden, batch: hidden.shape[0])
+    compared = compare_each_one_call_with_the_chain(monkeypatch, MambaMixer, lambda hidden, batch, state: hidden.shape[0])
     prompts = [[random.Random(i).randrange(1, 100) for _ in range(3 + 2 * i)] for i in range(3)]
     outputs = LLM(path, max_num_seqs=4).generate(prompts, GREEDY)
     for prompt, output in zip(prompts, outputs):

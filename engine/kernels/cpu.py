@@ -349,6 +349,18 @@ def moe_group_cpu(experts: torch.Tensor, num_experts: int) -> tuple[list[int], t
     return per_expert, token_of_row, position
 
 
+def moe_route_cpu(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [tokens, top_k], their weights) from router logits [tokens, experts]: the
+    softmax's top_k, largest first, divided by their sum where `normalize`; one C++ pass for what
+    softmax, topk and the division do as torch ops."""
+    tokens, experts = logits.shape
+    if not 0 < top_k <= experts:
+        raise ValueError(f"moe_route: top_k {top_k} of {experts} experts")
+    ids, weights = torch.empty(tokens, top_k, dtype=torch.long), torch.empty(tokens, top_k)
+    native.call("moe_route", _f32(logits), tokens, experts, top_k, int(normalize), ids, weights)
+    return ids, weights
+
+
 def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * picks[position[t * top_k + k]] (k in order) for picks
     [tokens * top_k, hidden] (the experts' outputs grouped by expert) and weights [tokens, top_k]."""

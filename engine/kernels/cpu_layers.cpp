@@ -4,8 +4,11 @@
 // engine.models.attention.PagedAttention). Built with the other C++ kernels into one library
 // (engine.kernels.native).
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 extern "C" {
 
@@ -27,6 +30,10 @@ void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D
                 float* out, int64_t rows, int64_t cols, int threads);
 void rotary(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
             int64_t head_dim, int64_t rotary_dim, int threads);
+void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, int64_t* position, int64_t picks,
+               int64_t top_k, int64_t num_experts, int threads);
+void moe_combine(const float* picks, const int64_t* position, const float* weights, float* out, int64_t tokens,
+                 int64_t top_k, int64_t hidden, int threads);
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                             int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -55,6 +62,61 @@ void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* pane
     packed_linear(act + start * inter, inter, reinterpret_cast<const float*>(panels[2 * e + 1]), nullptr,
                   out + start * hidden, hidden, counts[e], hidden, inter, threads);
   }
+}
+
+// An MoE router's choice per token from its logits [tokens, experts]: the softmax, its top_k
+// probabilities largest first (the first expert among equal ones) into ids and weights
+// [tokens, top_k], divided by their sum where `normalize` (what torch.softmax, torch.topk and the
+// division give, up to the last bits of exp).
+void moe_route(const float* logits, int64_t tokens, int64_t experts, int64_t top_k, int64_t normalize, int64_t* ids,
+               float* weights, int) {
+  std::vector<float> probs(experts);
+  std::vector<char> taken(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    float top = l[0], total = 0.f;
+    for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
+    for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(l[e] - top);
+    for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
+    std::fill(taken.begin(), taken.end(), 0);
+    float chosen = 0.f;
+    for (int64_t k = 0; k < top_k; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+      taken[best] = 1;
+      ids[t * top_k + k] = best;
+      chosen += weights[t * top_k + k] = probs[best];
+    }
+    if (normalize)
+      for (int64_t k = 0; k < top_k; ++k) weights[t * top_k + k] /= chosen;
+  }
+}
+
+// A SwiGLU MoE layer (engine.models.layers.SparseMoE) over rows x [rows, hidden]: router logits by
+// its packed weight, moe_route, moe_group, each pick's row of x gathered into expert order,
+// moe_silu_experts, moe_combine into out. ids holds rows * (3 top_k) + experts int64s; scratch
+// rows * (experts + top_k + 2 top_k hidden + 3 top_k inter) floats.
+void moe_layer(const float* x, int64_t rows, int64_t hidden, const float* router_panels, int64_t experts,
+               int64_t top_k, int64_t normalize, const int64_t* expert_panels, int64_t inter, int64_t* ids,
+               float* scratch, float* out, int threads) {
+  const int64_t picks = rows * top_k;
+  int64_t* chosen = ids;
+  int64_t* token_of_row = chosen + picks;
+  int64_t* position = token_of_row + picks;
+  int64_t* counts = position + picks;
+  float* logits = scratch;                 // [rows, experts]
+  float* weights = logits + rows * experts;  // [rows, top_k]
+  float* routed = weights + picks;         // [picks, hidden], grouped by expert
+  float* grouped = routed + picks * hidden;  // [picks, hidden]: each pick's expert output
+  float* expert_scratch = grouped + picks * hidden;
+  packed_linear(x, hidden, router_panels, nullptr, logits, experts, rows, experts, hidden, threads);
+  moe_route(logits, rows, experts, top_k, normalize, chosen, weights, threads);
+  moe_group(chosen, counts, token_of_row, position, picks, top_k, experts, threads);
+  for (int64_t i = 0; i < picks; ++i)
+    std::memcpy(routed + i * hidden, x + token_of_row[i] * hidden, hidden * sizeof(float));
+  moe_silu_experts(routed, counts, expert_panels, expert_scratch, grouped, experts, hidden, inter, threads);
+  moe_combine(grouped, position, weights, out, rows, top_k, hidden, threads);
 }
 
 // Mamba's mixer (Mamba1, Jamba) over rows that are all decodes, one token each: [x | gate] =

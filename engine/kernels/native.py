@@ -61,6 +61,8 @@ SIGNATURES = {
     "moe_silu_experts": [P, P, P, P, P, I64, I64, I64, INT],
     "mamba_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, P, P, F32, P, P, P, P, P, P, P, P,
                      INT],
+    "moe_route": [P, I64, I64, I64, I64, P, P, INT],
+    "moe_layer": [P, I64, I64, P, I64, I64, I64, P, I64, P, P, P, INT],
     "attention_decode": [P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P, P, P,
                          INT],
 }

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_ready, uses_cpu_kernel
+from engine.kernels import cpu, cpu_kernels_ready, native, uses_cpu_kernel
 from engine.models.packed_linear import (fused_linear, linear, pack_fused, pack_per_expert, panel_pointers,
                                          silu_experts)
 
@@ -148,12 +148,34 @@ class SparseMoE(nn.Module):
         self.packed = self.panel_pointers = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.router(x), dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.normalize_top_k:
-            weights = weights / weights.sum(-1, keepdim=True)
+        if self._runs_in_one_call(x):
+            return self._in_one_call(x)
+        logits = self.router(x)
+        if uses_cpu_kernel(logits):
+            experts, weights = cpu.moe_route_cpu(logits, self.top_k, self.normalize_top_k)
+        else:
+            weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+            if self.normalize_top_k:
+                weights = weights / weights.sum(-1, keepdim=True)
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert,
                                 self._all_experts)
+
+    def _runs_in_one_call(self, x: torch.Tensor) -> bool:
+        """Packed SwiGLU experts and router, the kernels on, float32 x: then forward's kernels
+        run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+        return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
+                and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert
+                and uses_cpu_kernel(x) and x.dim() == 2)
+
+    def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
+        rows, hidden = x.shape
+        picks, inter = rows * self.top_k, self.down.shape[2]
+        out = torch.empty(rows, hidden)
+        native.call("moe_layer", x, rows, hidden, self.router.packed_weight.panels, self.num_experts, self.top_k,
+                    int(self.normalize_top_k), self.panel_pointers, inter,
+                    torch.empty(3 * picks + self.num_experts, dtype=torch.long),
+                    torch.empty(rows * self.num_experts + picks * (1 + 2 * hidden + 3 * inter)), out)
+        return out
 
     def pack_weights(self) -> int:
         """Packed expert weights on CPU (engine.models.packed_linear)."""
