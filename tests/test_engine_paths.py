@@ -132,19 +132,23 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mo
     assert compared and max(compared) > 26 + 1  # past mistral's window of 24
 
 
-@pytest.mark.parametrize("name", ["jamba", "jamba_top1_bias", "granitemoehybrid", "qwen3_next"])
-def test_moe_layers_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_factory, monkeypatch):
-    """SparseMoE as one C++ call (router, routing, grouping, experts, combine:
-    engine/kernels/cpu_layers.cpp) in prefill and decode: its output is the bits of forward's
-    chain of kernels (top-2 and top-1, normalised or not, beside a shared expert); and the
-    tokens are transformers'."""
+FFN_ONE_CALLS = [("SparseMoE", n) for n in ("jamba", "jamba_top1_bias", "granitemoehybrid", "qwen3_next")] + [
+    ("GatedMLP", n) for n in ("jamba", "llama", "granitemoehybrid")]
+
+
+@pytest.mark.parametrize("ffn,name", FFN_ONE_CALLS)
+def test_ffns_in_one_call_are_the_kernel_chain_bit_for_bit(ffn, name, model_factory, monkeypatch):
+    """SparseMoE (router, routing, grouping, experts, combine) and GatedMLP (gate-up GEMM,
+    SiLU-and-multiply, down GEMM) each as one C++ call (engine/kernels/cpu_layers.cpp), in
+    prefill and decode: the output is the bits of forward's chain of kernels (top-2 and top-1,
+    normalised or not, beside a shared expert); and the tokens are transformers'."""
     from engine.kernels import cpu
-    from engine.models.layers import SparseMoE
+    from engine.models import layers
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    compared = compare_each_one_call_with_the_chain(monkeypatch, SparseMoE, lambda x: x.shape[0],
+    compared = compare_each_one_call_with_the_chain(monkeypatch, getattr(layers, ffn), lambda x: x.shape[0],
                                                     check="_runs_in_one_call", run="_in_one_call", cache_arg=None)
     llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
     prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 6)

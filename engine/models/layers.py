@@ -95,8 +95,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
         self.gate_up_fused = None
+        self._panel_pointers = (None, None)  # (down_proj's packed weight, the pointers made with it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._runs_in_one_call(x):
+            return self._in_one_call(x)
         gate, up = fused_linear(x, self.gate_up_fused, self.gate_proj, self.up_proj)
         if self.act is F.silu and uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride() == up.stride():
             return self.down_proj(cpu.silu_mul_cpu(gate, up))
@@ -108,6 +111,19 @@ class GatedMLP(nn.Module):
             return 0
         self.gate_up_fused = pack_fused(self.gate_proj, self.up_proj)
         return int(self.gate_up_fused is not None)
+
+    def _runs_in_one_call(self, x: torch.Tensor) -> bool:
+        """SiLU, no biases, gate-up and down packed, float32 rows: then forward's three kernels run
+        as one call (packed_linear.silu_experts with one expert)."""
+        return (self.gate_up_fused is not None and self.gate_up_fused[1] is None and self.down_proj.bias is None
+                and getattr(self.down_proj, "packed_weight", None) is not None and self.act is F.silu
+                and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad)
+
+    def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
+        down = self.down_proj.packed_weight
+        if self._panel_pointers[0] is not down:  # down_proj is packed after this module (parents first)
+            self._panel_pointers = (down, panel_pointers([(self.gate_up_fused[0], down)]))
+        return silu_experts(x, [x.shape[0]], self._panel_pointers[1], self.down_proj.in_features)
 
     def packs_fused(self) -> bool:
         """Whether forward runs as defined here (a subclass that changes it says when it does)."""
@@ -165,7 +181,7 @@ class SparseMoE(nn.Module):
         run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
                 and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert
-                and uses_cpu_kernel(x) and x.dim() == 2)
+                and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad)
 
     def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
         rows, hidden = x.shape
