@@ -173,7 +173,9 @@ class HybridLM(nn.Module):
         h = self.embed_tokens(batch)
         for index, layer in enumerate(self.layers):
             h = layer(h, batch, caches, index)
-        logits = self.lm_logits(self.final_norm(h.index_select(0, batch.logits_indices)))
+        # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
+        last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
+        logits = self.lm_logits(self.final_norm(last))
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -87,6 +87,7 @@ class MambaMixer(nn.Module):
         self.D = nn.Parameter(torch.ones(d_inner))
         self.out_proj = nn.Linear(d_inner, hidden, bias=proj_bias)
         self.act = activation(act)
+        self._one_call_fit = ((), False)  # (the packed weights it was checked for, the answer)
         # Jamba normalises dt, B and C before use; plain Mamba does not.
         if bcdt_norm_eps is not None:
             self.dt_norm = RMSNorm(dt_rank, bcdt_norm_eps)
@@ -135,12 +136,22 @@ class MambaMixer(nn.Module):
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
         """Every row a decode on the CPU kernels, float32 throughout, SiLU, the linears packed:
         then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
-        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
         # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
-        return (isinstance(batch.decode_tokens, slice) and self.act is F.silu
-                and uses_cpu_kernel(hidden) and all(uses_cpu_kernel(t) for t in state)
-                and all(getattr(m, "packed_weight", None) is not None for m in linears)
-                and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+        return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden)
+                and all(uses_cpu_kernel(t) for t in state) and self._weights_fit_one_call())
+
+    def _weights_fit_one_call(self) -> bool:
+        """SiLU, the four linears packed, every parameter float32 and contiguous. Checked again
+        only when the packed weights change: weights are final before they are packed
+        (pack_linears), and walking the parameters every step cost more than the check."""
+        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
+        packed = tuple(getattr(m, "packed_weight", None) for m in linears)
+        checked_for, fits = self._one_call_fit
+        if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
+            fits = (self.act is F.silu and all(w is not None for w in packed)
+                    and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+            self._one_call_fit = (packed, fits)
+        return fits
 
     def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
         conv_state, ssm_state = state
