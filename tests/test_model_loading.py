@@ -154,6 +154,7 @@ def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
      r"partial_rotary_factor"),
     ("zamba2", {"layers_block_type": None}, r"'layers_block_type'"),
     ("zamba2", {"use_shared_mlp_adapter": False}, r"'use_shared_mlp_adapter' = False"),
+    ("qwen3_next", {"num_experts_per_tok": 9}, r"'num_experts_per_tok' = 9: exceeds num_experts="),
 ])
 def test_unsupported_mamba2_family_variants_are_refused_by_name(model_factory, tmp_path, name, changes, pattern):
     """Never served wrongly: a variant we do not implement is refused at load, naming the field."""

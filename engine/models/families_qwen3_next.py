@@ -99,8 +99,10 @@ def _ffn(cfg: ConfigReader, hidden: int, act: str, num_experts: int) -> nn.Modul
     """The MoE block where num_experts > 0, else the dense MLP."""
     if not num_experts:
         return GatedMLP(hidden, cfg.positive_int("intermediate_size", 5632), act)
-    routed = SparseMoE(hidden, cfg.positive_int("moe_intermediate_size", 512), num_experts,
-                       cfg.positive_int("num_experts_per_tok", 10), act,
+    top_k = cfg.positive_int("num_experts_per_tok", 10)
+    if top_k > num_experts:
+        raise cfg.unsupported("num_experts_per_tok", f"exceeds num_experts={num_experts}")
+    routed = SparseMoE(hidden, cfg.positive_int("moe_intermediate_size", 512), num_experts, top_k, act,
                        normalize_top_k=cfg.get("norm_topk_prob", bool, True))
     shared = GatedMLP(hidden, cfg.positive_int("shared_expert_intermediate_size", 512), act)
     return SharedExpertMoE(routed, shared, hidden)

@@ -154,6 +154,8 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
                  normalize_top_k: bool):
         super().__init__()
+        if not 0 < top_k <= num_experts:  # the routing kernels rely on it
+            raise ValueError(f"MoE: top_k {top_k} must be in [1, num_experts={num_experts}]")
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
