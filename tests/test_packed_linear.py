@@ -111,16 +111,13 @@ def test_fused_projections_match_their_linears(bias, monkeypatch):
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
 def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
-    """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts): bit for bit the
-    per-expert loop on the same packed weights (one token leaves two of four experts with no
-    rows) and the whole layer as one call, and F.linear's result to float rounding; counts that
-    do not fit are refused."""
-    from engine.models import layers
-    from engine.models.layers import SparseMoE
+    """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts, what the layer's
+    one call runs): bit for bit the per-expert loop on the same packed weights (one token leaves
+    two of four experts with no rows), the whole layer as one call bit for bit the layer's chain
+    of kernels, and F.linear's result to float rounding; counts that do not fit are refused."""
+    from engine.kernels import cpu
+    from engine.models.layers import SparseMoE, _expert_ranges
     from engine.models.packed_linear import silu_experts
-
-    calls = []
-    monkeypatch.setattr(layers, "silu_experts", lambda *args: calls.append(1) or silu_experts(*args))
 
     torch.manual_seed(tokens)
     moe = SparseMoE(64, 48, 4, 2, "silu", True)
@@ -133,10 +130,13 @@ def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
         assert pack_linears(moe) == 2 * 4 + 1 and moe.panel_pointers.shape == (4, 2)
         whole_layer = moe(x)  # router to combine in one call (engine/kernels/cpu_layers.cpp)
         monkeypatch.setattr(SparseMoE, "_runs_in_one_call", lambda *args: False)
-        at_once = moe(x)
-        pointers, moe.panel_pointers = moe.panel_pointers, None  # the loop, on the same packed weights
-        one_by_one = moe(x)
-    assert len(calls) == 1 and torch.equal(at_once, one_by_one) and torch.equal(whole_layer, at_once)
-    torch.testing.assert_close(at_once, unpacked, atol=1e-5, rtol=1e-5)
+        one_by_one = moe(x)  # the chain: each expert on its own, on the same packed weights
+        experts, _ = cpu.moe_route_cpu(moe.router(x), 2, True)
+        counts, token_of_row, _ = cpu.moe_group_cpu(experts, 4)
+        routed = x.index_select(0, token_of_row)
+        at_once = silu_experts(routed, counts, moe.panel_pointers, 48)
+        loop = torch.cat([moe._expert(e, routed[start:end]) for e, start, end in _expert_ranges(counts)])
+    assert torch.equal(at_once, loop) and torch.equal(whole_layer, one_by_one)
+    torch.testing.assert_close(whole_layer, unpacked, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="silu_experts: 3 rows"):
-        silu_experts(torch.randn(3, 64), [1, 1, 0, 0], pointers, 48)
+        silu_experts(torch.randn(3, 64), [1, 1, 0, 0], moe.panel_pointers, 48)

@@ -1,6 +1,6 @@
-// Decode layers whose glue cost more than their kernels, each as one call of the kernels the
+// Layers whose glue cost more than their kernels, each as one call of the kernels the
 // layer's Python would call one by one, in the same order on the same buffers, so the results
-// are the same bits (engine.models.layers.SparseMoE, engine.models.ssm.MambaMixer,
+// are the same bits (engine.models.layers.SparseMoE and GatedMLP, engine.models.ssm.MambaMixer,
 // engine.models.attention.PagedAttention). Built with the other C++ kernels into one library
 // (engine.kernels.native).
 

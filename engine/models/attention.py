@@ -56,14 +56,12 @@ class PagedAttention(nn.Module):
 
     def _decodes_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> bool:
         """Every row a decode on the CPU kernels, float32, q/k/v fused and o_proj packed (neither
-        under tensor parallelism, nor where a subclass projects its own way): then forward's
-        kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+        under tensor parallelism, nor where a subclass projects its own way; packing implies
+        float32 weights): then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
         return (isinstance(batch.decode_tokens, slice) and self.qkv_fused is not None
                 and getattr(self.o_proj, "packed_weight", None) is not None
-                and uses_cpu_kernel(x) and all(uses_cpu_kernel(t) for t in kv_cache)
-                and self.qkv_fused[0].panels.dtype == torch.float32
-                and (self.o_proj.bias is None or self.o_proj.bias.dtype == torch.float32))
+                and uses_cpu_kernel(x) and all(uses_cpu_kernel(t) for t in kv_cache))
 
     def _decode_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         k_cache, v_cache = kv_cache

@@ -175,8 +175,7 @@ class SparseMoE(nn.Module):
             weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
             if self.normalize_top_k:
                 weights = weights / weights.sum(-1, keepdim=True)
-        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert,
-                                self._all_experts)
+        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
 
     def _runs_in_one_call(self, x: torch.Tensor) -> bool:
         """Packed SwiGLU experts and router, the kernels on, float32 x: then forward's kernels
@@ -201,14 +200,6 @@ class SparseMoE(nn.Module):
         self.panel_pointers = panel_pointers(self.packed) if self.packed else None
         return 2 * self.num_experts if self.packed else 0
 
-    def _all_experts(self, routed: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        """What _expert gives for every expert's rows of routed (grouped by expert), in one C++
-        call where the experts are packed, SwiGLU and the kernels on; else None."""
-        if (self.panel_pointers is None or self.act is not F.silu or type(self)._expert is not SparseMoE._expert
-                or not uses_cpu_kernel(routed)):
-            return None
-        return silu_experts(routed, counts, self.panel_pointers, self.down.shape[2])
-
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.packed[expert] if self.packed else (None, None)
         projected = linear(x, self.gate_up[expert], None, gate_up)
@@ -219,7 +210,7 @@ class SparseMoE(nn.Module):
 
 
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     num_experts: int, expert_fn, all_experts_fn=None) -> torch.Tensor:
+                     num_experts: int, expert_fn) -> torch.Tensor:
     """sum_k weights[t, k] * expert_fn(experts[t, k], x[t]) for every token t, with each hit
     expert run once over exactly the tokens routed to it (no capacity, nothing dropped).
 
@@ -228,17 +219,14 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     sizes (it parallelises a few KB of work). For top_k <= 2 the sum equals the sequential one
     bit for bit (addition is commutative). On CPU in float32 one C++ pass groups the picks
     (engine.kernels.cpu.moe_group_cpu), the outputs stay grouped by expert and one C++ pass
-    weights, gathers and sums them (moe_combine_cpu); there `all_experts_fn(routed, counts)`, if
-    given, may run every expert over its grouped rows in one call (None: it cannot here)."""
+    weights, gathers and sums them (moe_combine_cpu)."""
     tokens, top_k = experts.shape
     if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # grouped in one pass; one weighted gather-sum
         counts, token_of_row, position = cpu.moe_group_cpu(experts, num_experts)
         routed = x.index_select(0, token_of_row)
-        grouped = None if all_experts_fn is None else all_experts_fn(routed, counts)
-        if grouped is None:
-            grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
-            for expert, start, end in _expert_ranges(counts):
-                grouped[start:end] = expert_fn(expert, routed[start:end])
+        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
+        for expert, start, end in _expert_ranges(counts):
+            grouped[start:end] = expert_fn(expert, routed[start:end])
         return cpu.moe_combine_cpu(grouped, position, weights)
     flat_experts = experts.flatten()
     order = torch.argsort(flat_experts, stable=True)

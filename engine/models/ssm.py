@@ -162,7 +162,7 @@ class MambaMixer(nn.Module):
         out = torch.empty(rows, hidden.shape[1])
         native.call("mamba_decode", hidden, rows, hidden.shape[1], di, n, r, self.d_conv,
                     self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
-                    batch.decode_slots.contiguous(), self.conv_weight, self.conv_bias, self.x_proj.packed_weight.panels,
+                    cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias, self.x_proj.packed_weight.panels,
                     *norms, float(self.dt_norm.eps if self.dt_norm is not None else 0.0),
                     self.dt_proj.packed_weight.panels, self.dt_proj.bias, -torch.exp(self.A_log.float()), self.D,
                     self.out_proj.packed_weight.panels, self.out_proj.bias,
