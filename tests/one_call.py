@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.hybrid import HybridLM
+
 
 def compare_each_one_call_with_the_chain(monkeypatch, layer_class, record, check: str = "_decodes_in_one_call",
                                          run: str = "_decode_in_one_call", cache_arg: int | None = 2) -> list:
@@ -11,8 +13,11 @@ def compare_each_one_call_with_the_chain(monkeypatch, layer_class, record, check
     copies of the caches, forward's argument `cache_arg`, where it has them) and asserts that
     its output and the caches it leaves are the bits of forward's chain of kernels (run with
     the check off, on the real caches, whose result the model goes on with). Returns a list
-    that gets record(*args) per comparison, so a test can tell that the path ran."""
+    that gets record(*args) per comparison, so a test can tell that the path ran. The whole
+    stack's one call (engine.models.decode_layers) is off, so decode steps reach the layers;
+    compare_decoder_layers_with_the_layer_path checks it against them."""
     chain, compared = layer_class.forward, []
+    monkeypatch.setattr(HybridLM, "_decode_layers_plan", lambda *args: None)
 
     def both(self, *args):
         if not getattr(self, check)(*args):
@@ -29,4 +34,43 @@ def compare_each_one_call_with_the_chain(monkeypatch, layer_class, record, check
         return one_by_one
 
     monkeypatch.setattr(layer_class, "forward", both)
+    return compared
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bits, so that equal NaNs (poisoned slots) compare equal."""
+    return t.view(torch.int32)
+
+
+def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
+    """Make every decode step the model runs as one call of its whole layer stack (the plan of
+    engine.models.decode_layers) also run layer by layer from the same caches, and assert that the
+    hidden states and every cache tensor left behind are the same bits; the model goes on with
+    the layer path's. Returns a list that gets the batch size of each comparison."""
+    plan_of, compared = HybridLM._decode_layers_plan, []
+
+    class Both:
+        def __init__(self, model, caches, plan):
+            self.model, self.caches, self.plan = model, caches, plan
+
+        def run(self, h, batch):
+            tensors = [t for per_layer in (*self.caches.kv, *self.caches.state) if per_layer for t in per_layer]
+            before = [t.clone() for t in tensors]
+            at_once = self.plan.run(h, batch)
+            left = [t.clone() for t in tensors]
+            for t, saved in zip(tensors, before):
+                t.copy_(saved)
+            one_by_one = h
+            for index, layer in enumerate(self.model.layers):
+                one_by_one = layer(one_by_one, batch, self.caches, index)
+            assert torch.equal(bits(at_once), bits(one_by_one))
+            assert all(torch.equal(bits(a), bits(b)) for a, b in zip(left, tensors))
+            compared.append(h.shape[0])
+            return one_by_one
+
+    def both(model, batch, caches, h):
+        plan = plan_of(model, batch, caches, h)
+        return None if plan is None else Both(model, caches, plan)
+
+    monkeypatch.setattr(HybridLM, "_decode_layers_plan", both)
     return compared

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.state_slots import StateOwnershipError
-from tests.one_call import compare_each_one_call_with_the_chain
+from tests.one_call import compare_decoder_layers_with_the_layer_path, compare_each_one_call_with_the_chain
 from tests.oracle import assert_same_tokens, judge_greedy
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -130,6 +130,29 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mo
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
         judge_greedy(hf, prompt, output.token_ids)
     assert compared and max(compared) > 26 + 1  # past mistral's window of 24
+
+
+@pytest.mark.parametrize("name,fits", [("jamba", True), ("mamba", True), ("llama", True), ("mistral_mqa_window", True),
+                                       ("qwen2_bias_tied", True), ("jamba_top1_bias", True),
+                                       ("granitemoehybrid", False)])
+def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
+    """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
+    decode step, from the same caches, the hidden states and every cache tensor it leaves are the
+    bits of the layer-by-layer path (Mamba with and without FFNs and projection biases, MoE top-2
+    and top-1, MLPs, attention with and without rotary, a sliding window the contexts pass,
+    q/k/v biases); where some layer cannot run in it (Mamba2) the layer path runs; the tokens
+    are transformers'."""
+    from engine.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    path, hf = model_factory(name)
+    compared = compare_decoder_layers_with_the_layer_path(monkeypatch)
+    llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
+    prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 7)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
+        judge_greedy(hf, prompt, output.token_ids)
+    assert (3 in compared) == fits and all(rows <= 3 for rows in compared)
 
 
 FFN_ONE_CALLS = [("SparseMoE", n) for n in ("jamba", "jamba_top1_bias", "granitemoehybrid", "qwen3_next")] + [

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_kernels.h):
+"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp,
+cpu_kernels.h):
 compiled on first use into one library, cached on disk, called by ctypes.
 
 Compiled with the machine's C++ compiler for the machine's own CPU (-march=native), so the
@@ -30,7 +31,7 @@ import torch  # first: its libgomp must be the one the library's libgomp.so.1 re
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp", "cpu_decode.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.
@@ -65,6 +66,7 @@ SIGNATURES = {
     "moe_layer": [P, I64, I64, P, I64, I64, I64, P, I64, P, P, P, INT],
     "attention_decode": [P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P, P, P,
                          INT],
+    "decoder_layers": [P, I64, P, I64, I64, P, P, P, I64, P, P, P, P, INT],
 }
 
 
@@ -136,6 +138,7 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    lib.decoder_layer_plan_bytes.argtypes, lib.decoder_layer_plan_bytes.restype = [], I64
     return lib
 
 

@@ -59,9 +59,11 @@ class PagedAttention(nn.Module):
         under tensor parallelism, nor where a subclass projects its own way; packing implies
         float32 weights): then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
-        return (isinstance(batch.decode_tokens, slice) and self.qkv_fused is not None
-                and getattr(self.o_proj, "packed_weight", None) is not None
+        return (isinstance(batch.decode_tokens, slice) and self.fits_one_call()
                 and uses_cpu_kernel(x) and all(uses_cpu_kernel(t) for t in kv_cache))
+
+    def fits_one_call(self) -> bool:
+        return self.qkv_fused is not None and getattr(self.o_proj, "packed_weight", None) is not None
 
     def _decode_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         k_cache, v_cache = kv_cache

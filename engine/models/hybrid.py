@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.kernels import uses_cpu_kernel
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.packed_linear import linear, pack, pack_linears
 
@@ -163,6 +164,7 @@ class HybridLM(nn.Module):
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.packed_lm_head = None
+        self._decode_plan = (None, None)
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed(batch.input_ids)
@@ -171,12 +173,29 @@ class HybridLM(nn.Module):
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]."""
         h = self.embed_tokens(batch)
-        for index, layer in enumerate(self.layers):
-            h = layer(h, batch, caches, index)
+        plan = self._decode_layers_plan(batch, caches, h)
+        if plan is not None:
+            h = plan.run(h, batch)
+        else:
+            for index, layer in enumerate(self.layers):
+                h = layer(h, batch, caches, index)
         # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
         last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
         logits = self.lm_logits(self.final_norm(last))
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
+
+    def _decode_layers_plan(self, batch: ForwardBatch, caches: LayerCaches, h: torch.Tensor):
+        """engine.models.decode_layers' plan where this step can run the layers as one call: every
+        row a decode on the CPU kernels (decode_tokens a slice), not sharded, every layer fits."""
+        if not (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(h)
+                and getattr(self, "tp_group", None) is None and not h.requires_grad):
+            return None
+        key = tuple(t.data_ptr() for per_layer in (*caches.kv, *caches.state) if per_layer for t in per_layer)
+        if self._decode_plan[0] != key:
+            from engine.models.decode_layers import build_plan  # it imports the layer modules, which import this one
+
+            self._decode_plan = (key, build_plan(self.layers, caches))
+        return self._decode_plan[1]
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a
@@ -195,4 +214,5 @@ class HybridLM(nn.Module):
         """Packed weights for the linears and the LM head (engine.models.packed_linear);
         once the weights are final. Returns how many weights were packed."""
         self.packed_lm_head = pack(self._vocab_weight())
+        self._decode_plan = (None, None)  # (the cache pointers it was built for, the plan): after packing
         return pack_linears(self) + (self.packed_lm_head is not None)

@@ -113,17 +113,23 @@ class GatedMLP(nn.Module):
         return int(self.gate_up_fused is not None)
 
     def _runs_in_one_call(self, x: torch.Tensor) -> bool:
-        """SiLU, no biases, gate-up and down packed, float32 rows: then forward's three kernels run
-        as one call (packed_linear.silu_experts with one expert)."""
-        return (self.gate_up_fused is not None and self.gate_up_fused[1] is None and self.down_proj.bias is None
-                and getattr(self.down_proj, "packed_weight", None) is not None and self.act is F.silu
-                and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad)
+        return self.fits_one_call() and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad
 
-    def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
+    def fits_one_call(self) -> bool:
+        """SiLU, no biases, gate-up and down packed: then, on float32 rows, forward's three kernels
+        run as one call (packed_linear.silu_experts with one expert)."""
+        return (self.gate_up_fused is not None and self.gate_up_fused[1] is None and self.down_proj.bias is None
+                and getattr(self.down_proj, "packed_weight", None) is not None and self.act is F.silu)
+
+    def one_call_pointers(self) -> torch.Tensor:
+        """panel_pointers of (gate_up, down) as the one expert, for the one-call kernels."""
         down = self.down_proj.packed_weight
         if self._panel_pointers[0] is not down:  # down_proj is packed after this module (parents first)
             self._panel_pointers = (down, panel_pointers([(self.gate_up_fused[0], down)]))
-        return silu_experts(x, [x.shape[0]], self._panel_pointers[1], self.down_proj.in_features)
+        return self._panel_pointers[1]
+
+    def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_experts(x, [x.shape[0]], self.one_call_pointers(), self.down_proj.in_features)
 
     def packs_fused(self) -> bool:
         """Whether forward runs as defined here (a subclass that changes it says when it does)."""
@@ -178,11 +184,13 @@ class SparseMoE(nn.Module):
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
 
     def _runs_in_one_call(self, x: torch.Tensor) -> bool:
-        """Packed SwiGLU experts and router, the kernels on, float32 x: then forward's kernels
-        run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+        return self.fits_one_call() and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad
+
+    def fits_one_call(self) -> bool:
+        """Packed SwiGLU experts and router: then, on float32 rows with the kernels on, forward's
+        kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
-                and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert
-                and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad)
+                and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert)
 
     def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
         rows, hidden = x.shape

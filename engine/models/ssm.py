@@ -138,9 +138,9 @@ class MambaMixer(nn.Module):
         then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
         return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden)
-                and all(uses_cpu_kernel(t) for t in state) and self._weights_fit_one_call())
+                and all(uses_cpu_kernel(t) for t in state) and self.fits_one_call())
 
-    def _weights_fit_one_call(self) -> bool:
+    def fits_one_call(self) -> bool:
         """SiLU, the four linears packed, every parameter float32 and contiguous. Checked again
         only when the packed weights change: weights are final before they are packed
         (pack_linears), and walking the parameters every step cost more than the check."""

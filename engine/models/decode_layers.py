@@ -1,0 +1,178 @@
+"""A decode step's decoder layers as one C++ call (engine/kernels/cpu_decode.cpp).
+
+On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
+calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
+step at 64 sequences. Where every layer is a plain DecoderLayer whose norms are RMSNorms, whose
+mixer runs as one call (MambaMixer, PagedAttention) and whose FFN does too (GatedMLP, SparseMoE,
+or none), the whole stack runs as one call of the same kernels in the same order, so the hidden
+states are the bits of the layer-by-layer path. Anything else (another family, tensor
+parallelism, a prefill in the batch, GPUs) takes that path.
+
+A plan holds raw pointers to the weights and caches: it is built once the weights are packed
+(which is when they are final) and rebuilt when the caches it points at change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels import cpu, native, uses_cpu_kernel
+from engine.models.attention import PagedAttention
+from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.hybrid import DecoderLayer
+from engine.models.layers import GatedMLP, RMSNorm, SparseMoE
+from engine.models.ssm import MambaMixer
+
+P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+MAMBA, ATTENTION = 1, 2
+NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
+HIDDEN_BUFFERS = 6  # cpu_decode.cpp's per-step buffers of [rows, hidden]
+
+
+class LayerPlan(ctypes.Structure):
+    """cpu_decode.cpp's LayerPlan, field for field."""
+
+    _fields_ = [
+        ("mixer", I64), ("ffn", I64), ("input_norm", P), ("ffn_norm", P), ("input_eps", F32), ("ffn_eps", F32),
+        ("d_inner", I64), ("d_state", I64), ("dt_rank", I64), ("d_conv", I64),
+        ("in_panels", P), ("in_bias", P), ("conv_state", P), ("ssm_state", P),
+        ("conv_weight", P), ("conv_bias", P), ("x_panels", P), ("dt_norm", P), ("b_norm", P), ("c_norm", P),
+        ("dt_panels", P), ("dt_bias", P), ("A", P), ("D", P), ("out_panels", P), ("out_bias", P),
+        ("bcdt_eps", F32), ("scale", F32),
+        ("heads", I64), ("kv_heads", I64), ("head_dim", I64), ("rotary_dim", I64), ("block_size", I64), ("window", I64),
+        ("qkv_panels", P), ("qkv_bias", P), ("cos", P), ("sin", P), ("o_panels", P), ("o_bias", P),
+        ("k_cache", P), ("v_cache", P),
+        ("experts", I64), ("top_k", I64), ("normalize", I64), ("inter", I64), ("router_panels", P), ("expert_panels", P),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+@dataclass
+class _Needs:
+    """Scratch a layer's mixer or FFN takes per row: floats and (the MoE's) ints, plus fixed ints."""
+
+    floats: int = 0
+    ints: int = 0
+    fixed_ints: int = 0
+
+
+class DecodeLayersPlan:
+    def __init__(self, plans: ctypes.Array, keep: list, rotary: list, needs: _Needs, uses_slots: bool,
+                 uses_kv: bool):
+        self.plans, self._keep, self._rotary, self._needs = plans, keep, rotary, needs
+        self.uses_slots, self.uses_kv = uses_slots, uses_kv
+
+    def run(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The hidden states after the last layer, for h [rows, hidden] of an all-decode CPU batch."""
+        rows, hidden = h.shape
+        step_tables = []  # this step's rotary tables, alive through the call
+        for entry, rotary in self._rotary:
+            cos, sin = rotary._tables(batch.positions, torch.float32)
+            entry.cos, entry.sin, entry.rotary_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
+            step_tables.append((cos, sin))
+        tables = cpu.ids(batch.decode_block_tables) if self.uses_kv else None
+        out = torch.empty(rows, hidden)
+        native.call("decoder_layers", ctypes.addressof(self.plans), len(self.plans), h, rows, hidden,
+                    cpu.ids(batch.decode_slots) if self.uses_slots else None,
+                    cpu.ids(batch.kv_write_index) if self.uses_kv else None, tables,
+                    0 if tables is None else tables.shape[1],
+                    cpu.ids(batch.decode_context_lens) if self.uses_kv else None,
+                    torch.empty(rows * (HIDDEN_BUFFERS * hidden + self._needs.floats)),
+                    torch.empty(rows * self._needs.ints + self._needs.fixed_ints, dtype=torch.long), out)
+        return out
+
+
+def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
+    """The plan for these layers over these caches, or None where some layer cannot run in it."""
+    if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
+        raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_layers.LayerPlan differ")
+    plans, keep, rotary, needs = (LayerPlan * len(layers))(), [], [], _Needs()
+    uses_slots = uses_kv = False
+    for index, layer in enumerate(layers):
+        if type(layer) is not DecoderLayer or layer.residual_scale != 1.0 or not _norm_fits(layer.input_norm):
+            return None
+        entry = plans[index]
+        entry.input_norm, entry.input_eps = layer.input_norm.weight.data_ptr(), layer.input_norm.eps
+        mixer, ffn = layer.mixer, layer.ffn
+        if type(mixer) is MambaMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
+            mixer_needs = _plan_mamba(entry, mixer, caches.state[index], keep)
+            uses_slots = True
+        elif type(mixer) is PagedAttention and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
+            mixer_needs = _plan_attention(entry, mixer, caches.kv[index], keep)
+            if mixer.rotary is not None:
+                rotary.append((entry, mixer.rotary))
+            uses_kv = True
+        else:
+            return None
+        if ffn is None:
+            ffn_needs = _Needs()
+            entry.ffn = NO_FFN
+        elif _norm_fits(layer.ffn_norm) and type(ffn) in (GatedMLP, SparseMoE) and ffn.fits_one_call():
+            entry.ffn_norm, entry.ffn_eps = layer.ffn_norm.weight.data_ptr(), layer.ffn_norm.eps
+            ffn_needs = _plan_moe(entry, ffn, layer.input_norm.weight.numel()) if type(ffn) is SparseMoE \
+                else _plan_mlp(entry, ffn)
+        else:
+            return None
+        needs = _Needs(max(needs.floats, mixer_needs.floats, ffn_needs.floats), max(needs.ints, ffn_needs.ints),
+                       max(needs.fixed_ints, ffn_needs.fixed_ints, 1))
+    return DecodeLayersPlan(plans, keep, rotary, needs, uses_slots, uses_kv) if layers else None
+
+
+def _norm_fits(norm) -> bool:
+    return type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+
+
+def _all_cpu(tensors) -> bool:
+    return tensors is not None and all(uses_cpu_kernel(t) for t in tensors)
+
+
+def _plan_mamba(entry: LayerPlan, mixer: MambaMixer, state, keep: list) -> _Needs:
+    conv_state, ssm_state = state
+    A = -torch.exp(mixer.A_log.float())  # as forward computes it each call; the weights are final
+    keep.append(A)
+    norms = (mixer.dt_norm, mixer.b_norm, mixer.c_norm)
+    entry.mixer = MAMBA
+    entry.d_inner, entry.d_state, entry.dt_rank, entry.d_conv = mixer.d_inner, mixer.d_state, mixer.dt_rank, mixer.d_conv
+    entry.in_panels, entry.in_bias = mixer.in_proj.packed_weight.panels.data_ptr(), _ptr(mixer.in_proj.bias)
+    entry.conv_state, entry.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
+    entry.conv_weight, entry.conv_bias = mixer.conv_weight.data_ptr(), _ptr(mixer.conv_bias)
+    entry.x_panels = mixer.x_proj.packed_weight.panels.data_ptr()
+    if mixer.dt_norm is not None:
+        entry.dt_norm, entry.b_norm, entry.c_norm = (n.weight.data_ptr() for n in norms)
+        entry.bcdt_eps = mixer.dt_norm.eps
+    entry.dt_panels, entry.dt_bias = mixer.dt_proj.packed_weight.panels.data_ptr(), _ptr(mixer.dt_proj.bias)
+    entry.A, entry.D = A.data_ptr(), mixer.D.data_ptr()
+    entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
+    return _Needs(floats=5 * mixer.d_inner + 2 * mixer.dt_rank + 4 * mixer.d_state)
+
+
+def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv, keep: list) -> _Needs:
+    k_cache, v_cache = kv
+    packed, bias, _ = mixer.qkv_fused
+    entry.mixer = ATTENTION
+    entry.heads, entry.kv_heads, entry.head_dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
+    entry.block_size, entry.window, entry.scale = k_cache.shape[1], int(mixer.sliding_window or 0), float(mixer.scale)
+    entry.qkv_panels, entry.qkv_bias = packed.panels.data_ptr(), _ptr(bias)
+    entry.o_panels, entry.o_bias = mixer.o_proj.packed_weight.panels.data_ptr(), _ptr(mixer.o_proj.bias)
+    entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+    return _Needs(floats=(3 * mixer.num_heads + 2 * mixer.num_kv_heads) * mixer.head_dim)
+
+
+def _plan_moe(entry: LayerPlan, moe: SparseMoE, hidden: int) -> _Needs:
+    inter, k = moe.down.shape[2], moe.top_k
+    entry.ffn, entry.experts, entry.top_k, entry.normalize, entry.inter = MOE, moe.num_experts, k, int(moe.normalize_top_k), inter
+    entry.router_panels, entry.expert_panels = moe.router.packed_weight.panels.data_ptr(), moe.panel_pointers.data_ptr()
+    # moe_layer's scratch: router logits, then per pick its weight, routed row, expert output, experts' work
+    return _Needs(floats=moe.num_experts + k * (1 + 2 * hidden + 3 * inter), ints=3 * k, fixed_ints=moe.num_experts)
+
+
+def _plan_mlp(entry: LayerPlan, mlp: GatedMLP) -> _Needs:
+    inter = mlp.down_proj.in_features
+    entry.ffn, entry.inter, entry.expert_panels = SWIGLU_MLP, inter, mlp.one_call_pointers().data_ptr()
+    return _Needs(floats=3 * inter, fixed_ints=1)
