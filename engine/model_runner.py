@@ -160,8 +160,10 @@ class ModelRunner:
 
     def check_state_reads(self, seqs: list[ScheduledSeq]) -> None:
         """The guard: a sequence that reads its slot must find state written for itself."""
+        if not self.model.spec.state_layers:
+            return
         for seq in seqs:
-            if seq.phase.reads_state and self.model.spec.state_layers:
+            if seq.phase.reads_state:
                 self.slots.check_readable(seq.request.request_id, seq.slot)
 
     @torch.inference_mode()
