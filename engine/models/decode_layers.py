@@ -63,6 +63,8 @@ class _Needs:
 
 
 class DecodeLayersPlan:
+    """Every layer's LayerPlan, what they point at that nothing else holds, and the step's needs."""
+
     def __init__(self, plans: ctypes.Array, keep: list, rotary: list, needs: _Needs, uses_slots: bool,
                  uses_kv: bool):
         self.plans, self._keep, self._rotary, self._needs = plans, keep, rotary, needs
@@ -104,7 +106,7 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
             mixer_needs = _plan_mamba(entry, mixer, caches.state[index], keep)
             uses_slots = True
         elif type(mixer) is PagedAttention and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_attention(entry, mixer, caches.kv[index], keep)
+            mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
             if mixer.rotary is not None:
                 rotary.append((entry, mixer.rotary))
             uses_kv = True
@@ -152,7 +154,7 @@ def _plan_mamba(entry: LayerPlan, mixer: MambaMixer, state, keep: list) -> _Need
     return _Needs(floats=5 * mixer.d_inner + 2 * mixer.dt_rank + 4 * mixer.d_state)
 
 
-def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv, keep: list) -> _Needs:
+def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
     k_cache, v_cache = kv
     packed, bias, _ = mixer.qkv_fused
     entry.mixer = ATTENTION
