@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 
 os.environ.setdefault("SPLITSERVE_DEBUG", "1")  # state-slot guard + NaN poisoning of freed slots
 # Triton kernels run under the interpreter on CPU-only machines; it must be chosen before
@@ -92,3 +93,12 @@ def record_calls(monkeypatch, owner, name: str) -> list[tuple]:
     original = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *args, **kw: calls.append(args) or original(*args, **kw))
     return calls
+
+
+def free_port() -> int:
+    """A port no IPv4 socket holds now, for a server that binds every address (gRPC binds [::]).
+    Asked of the wildcard address: a port free on 127.0.0.1 alone may be held on the node's own
+    address (a Ray worker's), and a Serve proxy failed to bind one such port in a full run."""
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]

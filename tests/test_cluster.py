@@ -15,7 +15,7 @@ from tests.oracle import assert_same_tokens, judge_greedy
 
 ray = pytest.importorskip("ray")
 
-from tests.conftest import DECODE_RES, PREFILL_RES
+from tests.conftest import DECODE_RES, PREFILL_RES, free_port
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -147,7 +147,6 @@ def test_packed_pair_shares_a_node_and_uses_shared_memory(cluster):
 def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
     import os
     import signal
-    import socket
     import subprocess
     import sys
 
@@ -156,11 +155,6 @@ def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
     from router.client import SplitServeClient
 
     handle, path, hf, (nodes, _, _) = cluster
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
 
     def alive_actors():
         return {actor_id for actor_id, info in state.actors().items() if info["State"] == "ALIVE"}

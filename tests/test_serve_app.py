@@ -4,7 +4,6 @@ redeploy with changed options lets a running stream finish."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import pytest
 import ray
 
 from router.client import SplitServeClient
+from tests.conftest import free_port
 from tests.test_api_support import MODEL_NAME, serving, wait_until
 
 openai = pytest.importorskip("openai")
@@ -24,19 +24,13 @@ APP_ARGS = {"prefill": 1, "decode": 1, "num_kv_blocks": 160, "max_num_seqs": 8, 
             "auth_token": ""}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_ports(ray_nodes, cluster_backend):
     """Serve on free ports; on the way out Serve is shut down and nothing it started is left.
     (cluster_backend first, so its workers, the CLI path's, count as there before.)"""
     from router.serve_app import GRPC_SERVICER_FUNCTIONS
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     # HeadOnly: the test cluster's three nodes share one address, so one proxy per node would clash.
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port},
                 grpc_options={"port": grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS})
