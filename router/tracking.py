@@ -84,6 +84,7 @@ class Tracked:
             self.logprobs[self._logprob_base:] = own
             out.logprobs = list(self.logprobs)
         out.request_id = self.request_id
+        out.prompt_token_ids = self.prompt_ids  # decode workers do not send it back each step
         if self.num_cached_tokens is not None:
             out.num_cached_tokens = self.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
