@@ -54,15 +54,13 @@ def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
             self.model, self.caches, self.plan = model, caches, plan
 
         def run(self, h, batch):
-            tensors = [t for per_layer in (*self.caches.kv, *self.caches.state) if per_layer for t in per_layer]
+            tensors = self.caches.tensors()
             before = [t.clone() for t in tensors]
             at_once = self.plan.run(h, batch)
             left = [t.clone() for t in tensors]
             for t, saved in zip(tensors, before):
                 t.copy_(saved)
-            one_by_one = h
-            for index, layer in enumerate(self.model.layers):
-                one_by_one = layer(one_by_one, batch, self.caches, index)
+            one_by_one = self.model.run_layers(h, batch, self.caches)
             assert torch.equal(bits(at_once), bits(one_by_one))
             assert all(torch.equal(bits(a), bits(b)) for a, b in zip(left, tensors))
             compared.append(h.shape[0])

@@ -67,3 +67,7 @@ class LayerCaches:
 
     kv: list[tuple[torch.Tensor, torch.Tensor] | None]
     state: list[tuple[torch.Tensor, ...] | None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor: each layer's K and V, then each layer's state tensors."""
+        return [t for per_layer in (*self.kv, *self.state) if per_layer for t in per_layer]

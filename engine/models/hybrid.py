@@ -174,15 +174,17 @@ class HybridLM(nn.Module):
         """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]."""
         h = self.embed_tokens(batch)
         plan = self._decode_layers_plan(batch, caches, h)
-        if plan is not None:
-            h = plan.run(h, batch)
-        else:
-            for index, layer in enumerate(self.layers):
-                h = layer(h, batch, caches, index)
+        h = plan.run(h, batch) if plan is not None else self.run_layers(h, batch, caches)
         # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
         last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
         logits = self.lm_logits(self.final_norm(last))
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
+
+    def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """The layer-by-layer path: hidden states after the last layer."""
+        for index, layer in enumerate(self.layers):
+            h = layer(h, batch, caches, index)
+        return h
 
     def _decode_layers_plan(self, batch: ForwardBatch, caches: LayerCaches, h: torch.Tensor):
         """engine.models.decode_layers' plan where this step can run the layers as one call: every
@@ -190,7 +192,7 @@ class HybridLM(nn.Module):
         if not (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(h)
                 and getattr(self, "tp_group", None) is None and not h.requires_grad):
             return None
-        key = tuple(t.data_ptr() for per_layer in (*caches.kv, *caches.state) if per_layer for t in per_layer)
+        key = tuple(t.data_ptr() for t in caches.tensors())
         if self._decode_plan[0] != key:
             from engine.models.decode_layers import build_plan  # it imports the layer modules, which import this one
 
