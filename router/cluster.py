@@ -40,6 +40,10 @@ PLACING_WAIT_S = 30.0  # the longest a cancelled attempt's abort waits for the c
 log = logging.getLogger(__name__)
 
 
+class CallerGone(Exception):
+    """The caller's event loop closed under a stream: nobody is left to tell."""
+
+
 @dataclass
 class ClusterConfig:
     model: str
@@ -104,6 +108,7 @@ class Cluster(ElasticPools):
         self._ids = itertools.count()
         self._requests: dict[str, Tracked] = {}  # by the caller's request id
         self._attempts: dict[str, Tracked] = {}  # by the current attempt's worker-side id
+        self._background: set[asyncio.Task] = set()  # unawaited router-loop tasks (_spawn)
         self._room = self._run(self._make_condition())  # signalled when capacity may have freed
         self.retries = 0
         self.workers = WorkerSet(config, on_lost=self._worker_lost, on_room=self._notify_room)
@@ -141,7 +146,10 @@ class Cluster(ElasticPools):
         sink: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
-            caller.call_soon_threadsafe(sink.put_nowait, item)
+            try:
+                caller.call_soon_threadsafe(sink.put_nowait, item)
+            except RuntimeError as e:  # its loop closed: asyncio.run() returned as it cancelled us
+                raise CallerGone(f"request {request_id}: the caller's event loop is closed") from e
 
         task = asyncio.run_coroutine_threadsafe(self._serve(request_id, prompt, params, emit), self._loop)
         finished = False
@@ -216,15 +224,15 @@ class Cluster(ElasticPools):
             self.record_arrival(len(ids))
             try:
                 await self._follow(tracked, emit)
-            except asyncio.CancelledError:  # the caller went away: stop the attempt everywhere
-                asyncio.ensure_future(self._abort_once_placed(tracked.worker_id, tracked.placing))
+            except BaseException:  # cancelled, the caller gone, placing failed: stop it everywhere
+                self._spawn(self._abort_once_placed(tracked.worker_id, tracked.placing))
                 raise
             finally:
                 self._requests.pop(request_id, None)
                 self._attempts.pop(tracked.worker_id, None)
                 self.workers.owner.pop(tracked.worker_id, None)
                 self._notify_room()
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, CallerGone):
             raise
         except BaseException as e:
             emit(e)
@@ -315,7 +323,7 @@ class Cluster(ElasticPools):
             raise
         if params.logprobs is not None:
             tracked.first_logprob = asyncio.get_running_loop().create_future()
-        asyncio.ensure_future(self._prefill(prefill, decode, tracked, wid, target, resume, charge))
+        self._spawn(self._prefill(prefill, decode, tracked, wid, target, resume, charge))
         return True
 
     def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
@@ -380,6 +388,13 @@ class Cluster(ElasticPools):
                 steps = now
                 decode.handle.keep_reserved.remote(wid)  # fire and forget: the next period retries
 
+    def _spawn(self, coro) -> None:
+        """Run `coro` on the router loop unawaited; the loop keeps only weak references to
+        tasks, so one nothing else holds could be collected before it ends."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _deliver(self, worker_id: str, event) -> None:
         tracked = self._attempts.get(worker_id)
         if tracked is not None:
@@ -399,13 +414,13 @@ class Cluster(ElasticPools):
         """Whatever of the attempt a live worker still holds is aborted; the next attempt runs
         under another id, so it need not wait for that (a restarting worker can take seconds)."""
         self._attempts.pop(tracked.worker_id, None)
-        asyncio.ensure_future(self.workers.abort_everywhere(tracked.worker_id))
+        self._spawn(self.workers.abort_everywhere(tracked.worker_id))
 
     def _notify_room(self) -> None:
         async def notify():
             async with self._room:
                 self._room.notify_all()
-        asyncio.ensure_future(notify())
+        self._spawn(notify())
 
     async def _abort(self, request_id: str) -> bool:
         tracked = self._requests.get(request_id)
