@@ -179,10 +179,10 @@ class DecodeWorker(EngineEndpoint):
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._crash_point({out.request_id for out in outputs})
-        for out in outputs:  # fresh objects: the router puts back the prompt it sent (Tracked.delivered)
-            out.prompt_token_ids = []  # else every step would ship every prompt (8k tokens: 1.5 MB a step for 64)
+        # Deltas: the router rebuilds the prompt, tokens, text and logprobs (Tracked.delivered),
+        # else each step would ship them all again (8k-token prompts: 1.5 MB a step for 64).
         with self._outbox_ready:
-            self._outbox.extend(outputs)
+            self._outbox.extend(out.delta() for out in outputs)
             self._outbox_ready.notify_all()
 
     def _take_outbox(self, timeout_s: float) -> list[RequestOutput]:

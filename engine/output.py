@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequest
@@ -20,11 +20,45 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)  # since the previous output
     new_text: str = ""  # since the previous output; held back while it may start a stop string
     logprobs: list[dict] | None = None
+    new_logprobs: list[dict] | None = None  # since the previous output
     num_cached_tokens: int = 0
     error: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def delta(self) -> RequestOutput:
+        """This output without what the request's earlier outputs carried (the prompt, and the
+        tokens, text and logprobs so far): what a worker ships each step, so a step's message
+        does not grow with the output (64 requests 4096 tokens in: 1.8 MB, 9 ms to unpickle).
+        Cumulative puts the rest back."""
+        return replace(self, prompt_token_ids=[], token_ids=[], text="", logprobs=None)
+
+
+class Cumulative:
+    """One request's outputs rebuilt whole from deltas: the tokens, text and logprobs so far
+    (starting from a resumed request's, if any) plus each output's new ones."""
+
+    def __init__(self, prompt_token_ids: list[int], token_ids: list[int] = (), text: str = "",
+                 logprobs: list[dict] | None = None):
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids = list(token_ids)
+        self.text = text
+        self.logprobs = logprobs
+
+    def add(self, out: RequestOutput, first_logprob: dict | None = None) -> RequestOutput:
+        """`out` whole; an error adds nothing. first_logprob: the entry of the first new token
+        when it was sampled elsewhere (a split request's, on the prefill worker)."""
+        new_logprobs = out.new_logprobs
+        if out.error is None:
+            self.token_ids += out.new_token_ids
+            self.text += out.new_text
+            if self.logprobs is not None:
+                new_logprobs = ([first_logprob] if first_logprob is not None else []) + list(new_logprobs or [])
+                self.logprobs += new_logprobs
+        return replace(out, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
+                       text=self.text, new_logprobs=new_logprobs,
+                       logprobs=list(self.logprobs) if self.logprobs is not None else None)
 
 
 class OutputTracker:
@@ -52,6 +86,7 @@ class OutputTracker:
                                      f"structured output: {request.grammar.error}")
         self.sent_tokens = request.num_output_tokens
         self.sent_text = min(max(sent_chars, 0), len(self.text))
+        self.sent_logprobs = 0
 
     def append(self, token_id: int, logprob: dict | None) -> None:
         request = self.request
@@ -86,10 +121,12 @@ class OutputTracker:
         visible = len(self.text) if request.finished else max(self.sent_text, len(self.text) - self._holdback)
         new_text = self.text[self.sent_text:visible]
         new_tokens = request.output_token_ids[self.sent_tokens:]
+        new_logprobs = self.logprobs[self.sent_logprobs:] if self.logprobs is not None else None
         self.sent_text, self.sent_tokens = visible, request.num_output_tokens
+        self.sent_logprobs += len(new_logprobs or ())
         return RequestOutput(
             request.request_id, request.prompt_token_ids, list(request.output_token_ids), self.text,
-            request.finished, request.finish_reason, new_tokens, new_text, self.logprobs,
+            request.finished, request.finish_reason, new_tokens, new_text, self.logprobs, new_logprobs,
             num_cached_tokens=request.num_cached_tokens or 0, error=request.error, arrival_time=request.arrival_time,
             first_token_time=request.first_token_time, finish_time=request.finish_time,
         )

@@ -22,6 +22,7 @@ from pathlib import Path
 import ray
 
 from engine.hub import resolve_model
+from engine.output import Cumulative
 from engine.tokenizer import Tokenizer
 from router.backend import ModelInfo
 
@@ -49,8 +50,13 @@ class ClusterRouter:
         return await asyncio.to_thread(self.cluster.status)
 
     async def stream(self, request_id: str, prompt, params):
+        """Deltas (RequestOutput.delta), the first with the prompt: RouterBackend rebuilds the rest."""
+        first = True
         async for out in self.cluster.stream(request_id, prompt, params):
-            yield out
+            delta = out.delta()
+            if first:
+                delta.prompt_token_ids, first = out.prompt_token_ids, False
+            yield delta
 
     async def abort(self, request_id: str) -> bool:
         return await self.cluster.abort(request_id)
@@ -111,12 +117,14 @@ class RouterBackend:
 
     async def stream(self, request_id: str, prompt, params):
         outputs = self.router.stream.options(num_returns="streaming").remote(request_id, prompt, params)
-        finished = False
+        finished, so_far = False, None
         try:
             async for ref in outputs:
                 out = await ref
+                if so_far is None:
+                    so_far = Cumulative(out.prompt_token_ids, logprobs=[] if params.logprobs is not None else None)
                 finished = out.finished
-                yield out
+                yield so_far.add(out)
         except Exception as e:
             self._relookup_if_dead(e)
             raise

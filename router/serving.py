@@ -130,7 +130,7 @@ class ServingCore:
                     outcome = "error"
                     raise GenerationFailed(out.error or "the backend failed this request")
                 if new or out.new_text:
-                    yield Delta(new, out.new_text, _logprobs_of_new(out, len(new)))
+                    yield Delta(new, out.new_text, list(out.new_logprobs or []))
                 if out.finished:
                     outcome = out.finish_reason or "stop"
                     yield self._final(out, start, first_token_at, now)
@@ -179,10 +179,3 @@ class ServingCore:
         return Final(out.request_id, out.finish_reason or "stop", usage, list(out.prompt_token_ids),
                      list(out.token_ids), out.text, list(out.logprobs or []), ttft, tpot, now - start)
 
-
-def _logprobs_of_new(out, num_new: int) -> list[dict]:
-    # out.logprobs is the request's whole list so far; the new tokens' entries are its tail.
-    if not out.logprobs or not num_new:
-        return []
-    end = len(out.token_ids)
-    return [lp for lp in out.logprobs[end - num_new:end] if lp is not None]

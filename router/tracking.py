@@ -12,7 +12,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from engine.output import RequestOutput
+from engine.output import Cumulative, RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
 
@@ -31,9 +31,7 @@ class Tracked:
     prompt_ids: list[int]
     params: SamplingParams
     attempt: int = 0
-    tokens: list[int] = field(default_factory=list)  # delivered to the caller so far
-    sent_chars: int = 0
-    logprobs: list[dict] = field(default_factory=list)
+    so_far: Cumulative = field(init=False)  # what the caller has been sent: tokens, text, logprobs
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # the current attempt's
@@ -42,7 +40,13 @@ class Tracked:
     tokens_this_attempt: int = 0
     num_cached_tokens: int | None = None  # split attempts: what the prefill worker found cached
     placing: object = None  # the decode worker call placing the current attempt, until it returns
-    _logprob_base: int = 0
+
+    def __post_init__(self):
+        self.so_far = Cumulative(self.prompt_ids, logprobs=[] if self.params.logprobs is not None else None)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.so_far.token_ids
 
     @property
     def worker_id(self) -> str:
@@ -53,14 +57,13 @@ class Tracked:
         return len(self.prompt_ids) + len(self.tokens)
 
     def resume(self) -> Resume | None:
-        return Resume(tuple(self.tokens), self.sent_chars) if self.tokens else None
+        return Resume(tuple(self.tokens), len(self.so_far.text)) if self.tokens else None
 
     def next_attempt(self) -> None:
         self.attempt += 1
         self.events = asyncio.Queue()
         self.split, self.first_logprob, self.tokens_this_attempt = False, None, 0
         self.num_cached_tokens = None
-        self._logprob_base = len(self.logprobs)
 
     def classify(self, event) -> Failure | None:
         """A Failure for events that end the attempt without finishing the request."""
@@ -71,26 +74,20 @@ class Tracked:
         return None
 
     async def delivered(self, out: RequestOutput) -> RequestOutput:
-        """The worker's output as the caller must see it, recorded as delivered."""
+        """The worker's output (a delta: RequestOutput.delta) as the caller must see it, whole,
+        recorded as delivered."""
+        first_logprob = None
         if out.error is None and out.new_token_ids:
+            if self.first_logprob is not None and self.tokens_this_attempt == 0:
+                first_logprob = await self.first_logprob  # the decode worker never saw the first token's
             self.tokens_this_attempt += len(out.new_token_ids)
             if self.first_token_time is None:
                 self.first_token_time = out.first_token_time or time.monotonic()
-        if self.params.logprobs is not None and out.error is None:
-            own = list(out.logprobs or [])
-            if self.first_logprob is not None:  # the decode worker never saw the first token's
-                entry = await self.first_logprob
-                own = ([entry] if entry is not None else []) + own
-            self.logprobs[self._logprob_base:] = own
-            out.logprobs = list(self.logprobs)
+        out = self.so_far.add(out, first_logprob)
         out.request_id = self.request_id
-        out.prompt_token_ids = self.prompt_ids  # decode workers do not send it back each step
         if self.num_cached_tokens is not None:
             out.num_cached_tokens = self.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
-        if out.error is None:
-            self.tokens = list(out.token_ids)
-            self.sent_chars += len(out.new_text)
         return out
 
     def failed(self, error: str) -> RequestOutput:

@@ -18,6 +18,7 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
+from engine.output import Cumulative
 from prefill_worker.worker import PrefillWorker
 
 LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
@@ -47,10 +48,13 @@ def test_an_abort_as_the_hand_off_lands_stops_the_request(model_factory, transpo
         await asyncio.sleep(0.05)
         gate.set()
         await aborting
+        whole = Cumulative([])  # the worker sends deltas
         while True:
             for out in await decode.poll(5.0):
-                if out.request_id == "a" and out.finished:
-                    return out
+                if out.request_id == "a":
+                    out = whole.add(out)
+                    if out.finished:
+                        return out
 
     try:
         final = asyncio.run(go())

@@ -199,12 +199,21 @@ def test_without_retries_left_a_death_fails_the_request_cleanly(rcluster):
 
 
 def test_decode_worker_dies_mid_stream(rcluster):
-    handle, _, hf = rcluster
+    """With logprobs: the split's first token's comes from the prefill worker, the rest from
+    two decode workers' deltas across the retry; the caller's stream and final output must
+    carry each token's once, in order, as the colocated engine computes them."""
+    handle, path, hf = rcluster
     retries = handle.retries
     before = arm_crash(handle.workers.decode, "dies-in-decode", after=4)  # 5th delivery: tokens are out
     prompt = [2, 71, 82, 81, 82, 84, 59]
-    seen, final = asyncio.run(collect(handle, "dies-in-decode", prompt, GREEDY))
+    params = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    seen, final = asyncio.run(collect(handle, "dies-in-decode", prompt, params))
     assert_one_clean_stream(seen, final, hf, prompt)
+    [solo] = LLM(path, block_size=4).generate([prompt], params)
+    assert final.token_ids == solo.token_ids and final.text == solo.text == "".join(o.new_text for o in seen)
+    assert [e["top"][0][0] for e in final.logprobs] == final.token_ids  # greedy: the best is the token
+    assert [e["token"] for e in final.logprobs] == pytest.approx([e["token"] for e in solo.logprobs], abs=1e-4)
+    assert [e for o in seen for e in o.new_logprobs] == final.logprobs
     assert handle.retries == retries + 1
     the_one_that_died(handle, handle.workers.decode, before)
     assert_every_pair_serves(handle, hf)

@@ -14,6 +14,7 @@ import pytest
 
 from decode_worker.worker import DecodeWorker
 from engine import SamplingParams
+from engine.output import Cumulative
 from engine.tp.rank_handoffs import RankOffers
 from prefill_worker.worker import PrefillWorker
 from tests.test_handoff_engine import judged_and_freed
@@ -60,8 +61,11 @@ class Pair:
         outcomes = await asyncio.gather(*[self.prefill.prefill(rid, prompts[i], PARAMS, target)
                                           for i, (rid, target) in enumerate(targets.items())])
         final = {}  # the decode worker ends every request it reserved, failed ones with an error
+        whole = {rid: Cumulative(prompts[i]) for i, rid in enumerate(targets)}  # it sends deltas
         while len(final) < len(prompts):
             for out in await self.decode.poll(1.0):
+                assert not (out.prompt_token_ids or out.token_ids or out.text or out.logprobs)  # deltas only
+                out = whole[out.request_id].add(out)
                 if out.finished:
                     final[out.request_id] = out
         return final, {o.request_id: o for o in outcomes}
