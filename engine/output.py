@@ -36,15 +36,14 @@ class RequestOutput:
 
 
 class Cumulative:
-    """One request's outputs rebuilt whole from deltas: the tokens, text and logprobs so far
-    (starting from a resumed request's, if any) plus each output's new ones."""
+    """One request's outputs rebuilt whole from deltas: the tokens, text and (when asked for)
+    logprobs so far, plus each output's new ones."""
 
-    def __init__(self, prompt_token_ids: list[int], token_ids: list[int] = (), text: str = "",
-                 logprobs: list[dict] | None = None):
+    def __init__(self, prompt_token_ids: list[int], with_logprobs: bool = False):
         self.prompt_token_ids = prompt_token_ids
-        self.token_ids = list(token_ids)
-        self.text = text
-        self.logprobs = logprobs
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict] | None = [] if with_logprobs else None
 
     def add(self, out: RequestOutput, first_logprob: dict | None = None) -> RequestOutput:
         """`out` whole; an error adds nothing. first_logprob: the entry of the first new token

@@ -122,7 +122,7 @@ class RouterBackend:
             async for ref in outputs:
                 out = await ref
                 if so_far is None:
-                    so_far = Cumulative(out.prompt_token_ids, logprobs=[] if params.logprobs is not None else None)
+                    so_far = Cumulative(out.prompt_token_ids, params.logprobs is not None)
                 finished = out.finished
                 yield so_far.add(out)
         except Exception as e:

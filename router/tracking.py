@@ -42,7 +42,7 @@ class Tracked:
     placing: object = None  # the decode worker call placing the current attempt, until it returns
 
     def __post_init__(self):
-        self.so_far = Cumulative(self.prompt_ids, logprobs=[] if self.params.logprobs is not None else None)
+        self.so_far = Cumulative(self.prompt_ids, self.params.logprobs is not None)
 
     @property
     def tokens(self) -> list[int]:

@@ -302,10 +302,10 @@ def test_a_cancelled_long_request_stops_at_once(rcluster):
     come back in a fraction of the time it would have taken to finish (timed here, so the
     bound follows the machine's load)."""
     handle, _, _ = rcluster
-    long, full = LONG, time_a_long_request(handle)
+    full = time_a_long_request(handle)
 
     async def start_and_cancel():
-        tasks = [asyncio.ensure_future(collect(handle, f"long-{i}", [5, 6, 7 + i], long)) for i in range(2)]
+        tasks = [asyncio.ensure_future(collect(handle, f"long-{i}", [5, 6, 7 + i], LONG)) for i in range(2)]
         await asyncio.sleep(full / 4)
         assert not any(t.done() for t in tasks)
         for t in tasks:
@@ -330,10 +330,10 @@ def test_a_caller_whose_event_loop_closes_mid_stream_does_not_leave_its_request_
     there, not run on to max_tokens for no one (it did: 1 cancel in 15 after worker restarts).
     Here the caller's loop closes with the stream still open, so every output finds it closed."""
     handle, _, _ = rcluster
-    long, full = LONG, time_a_long_request(handle)
+    full = time_a_long_request(handle)
 
     loop = asyncio.new_event_loop()
-    stream = handle.stream("loop-closes", [5, 6, 8], long)
+    stream = handle.stream("loop-closes", [5, 6, 8], LONG)
     first = loop.run_until_complete(stream.__anext__())
     assert not first.finished
     loop.close()
@@ -350,10 +350,9 @@ def test_a_cancel_while_the_reservation_is_being_made_frees_it_at_once(rcluster)
     until the transfer timeout (10 s). The router aborts once the reservation call returns."""
     handle, _, _ = rcluster
     wait_idle(handle, 30)
-    long = LONG
 
     async def start_and_cancel():
-        task = asyncio.ensure_future(collect(handle, "cancelled-while-placed", [5, 6, 9], long))
+        task = asyncio.ensure_future(collect(handle, "cancelled-while-placed", [5, 6, 9], LONG))
         await asyncio.sleep(0.5)
         assert handle.workers.owner and not task.done()  # placed, reservation still being made
         task.cancel()
