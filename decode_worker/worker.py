@@ -31,7 +31,7 @@ class DecodeWorker(EngineEndpoint):
                  transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
         # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
         launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
-        engine = LLMEngine(EngineConfig(model=model, mode="decode", **engine_options), launcher)
+        engine = LLMEngine(EngineConfig(model=model, mode="decode", output_kind="delta", **engine_options), launcher)
         self.staging = HandoffStaging(engine) if engine.tp is not None else None
         self._reservations: dict[str, Reservation] = {}  # tensor-parallel: where staging rows go
         self._slow_reservations = (0, 0.0)  # fault injection: (count, seconds) before reserving
@@ -179,10 +179,11 @@ class DecodeWorker(EngineEndpoint):
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         self._crash_point({out.request_id for out in outputs})
-        # Deltas: the router rebuilds the prompt, tokens, text and logprobs (Tracked.delivered),
-        # else each step would ship them all again (8k-token prompts: 1.5 MB a step for 64).
+        # Deltas (the engine's output_kind): the router rebuilds the prompt, tokens, text and
+        # logprobs (Tracked.delivered), else each step would ship them all again (8k-token
+        # prompts: 1.5 MB a step for 64).
         with self._outbox_ready:
-            self._outbox.extend(out.delta() for out in outputs)
+            self._outbox.extend(outputs)
             self._outbox_ready.notify_all()
 
     def _take_outbox(self, timeout_s: float) -> list[RequestOutput]:

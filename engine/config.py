@@ -12,6 +12,7 @@ from engine.hub import resolve_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")
+OUTPUT_KINDS = ("cumulative", "delta")
 
 
 @dataclass
@@ -43,6 +44,11 @@ class EngineConfig:
     # Ranks the model is sharded over (engine.tp): this process is rank 0 and starts the others
     # as processes of this machine, joined by a gloo group. CPU only, for now.
     tensor_parallel_size: int = 1
+    # "cumulative": every output carries the prompt and the tokens, text and logprobs so far.
+    # "delta": only what is new since the request's previous output (RequestOutput.delta()), for
+    # a consumer that rebuilds the rest (the decode worker's router): no per-step copy that grows
+    # with the output.
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
@@ -76,6 +82,8 @@ class EngineConfig:
         if tp > 1 and device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
                              "pass device='cuda'")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise ValueError(f"output_kind: {self.output_kind!r} not in {OUTPUT_KINDS}")
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -146,7 +146,8 @@ class LLMEngine:
                                      f"generate (max_tokens {params.max_tokens}, context {self.max_model_len})")
             request.output_token_ids = list(done)
         tracker = OutputTracker(request, self.tokenizer, self.eos_token_ids,
-                                self.max_model_len, resume.sent_chars if resume else 0)
+                                self.max_model_len, resume.sent_chars if resume else 0,
+                                deltas=self.config.output_kind == "delta")
         self.requests[request_id] = request
         self.trackers[request_id] = tracker
         return request

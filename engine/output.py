@@ -64,8 +64,9 @@ class OutputTracker:
     """Per-request text state and the stop rules applied after each new token."""
 
     def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_token_ids: list[int],
-                 max_model_len: int, sent_chars: int = 0):
+                 max_model_len: int, sent_chars: int = 0, deltas: bool = False):
         self.request = request
+        self.deltas = deltas  # outputs as RequestOutput.delta() gives them (EngineConfig.output_kind)
         params = request.sampling_params
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -123,9 +124,14 @@ class OutputTracker:
         new_logprobs = self.logprobs[self.sent_logprobs:] if self.logprobs is not None else None
         self.sent_text, self.sent_tokens = visible, request.num_output_tokens
         self.sent_logprobs += len(new_logprobs or ())
+        if self.deltas:
+            prompt, tokens, text, logprobs = [], [], "", None
+        else:
+            prompt, tokens, text, logprobs = request.prompt_token_ids, list(request.output_token_ids), self.text, \
+                self.logprobs
         return RequestOutput(
-            request.request_id, request.prompt_token_ids, list(request.output_token_ids), self.text,
-            request.finished, request.finish_reason, new_tokens, new_text, self.logprobs, new_logprobs,
+            request.request_id, prompt, tokens, text, request.finished, request.finish_reason, new_tokens,
+            new_text, logprobs, new_logprobs,
             num_cached_tokens=request.num_cached_tokens or 0, error=request.error, arrival_time=request.arrival_time,
             first_token_time=request.first_token_time, finish_time=request.finish_time,
         )

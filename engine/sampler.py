@@ -43,9 +43,9 @@ class Sampler:
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
 
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         tokens = cpu.row_argmax_cpu(logits) if uses_cpu_kernel(logits) else logits.argmax(dim=-1)
-        if not bool(greedy.all()):
+        if not all(p.greedy for p in params):
+            greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
                                        device=logits.device)
             scaled = logits / temperature[:, None]

@@ -84,3 +84,46 @@ def test_streamed_text_adds_up_and_holds_back_possible_stop(text_model):
             final = out
     assert "".join(pieces) == final.text
     assert final.finished and final.finish_reason == "length"
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(text_model):
+    """output_kind="delta" (what a decode worker runs with): no output carries the prompt or
+    anything sent before, and the new tokens, text and logprobs add up to what the cumulative
+    engine returns, through a stop string held back and found, a length finish and an abort."""
+    folder, _ = text_model
+    with pytest.raises(ValueError, match="output_kind: 'sideways' not in"):
+        LLM(folder, output_kind="sideways")
+    free = LLM(folder).generate(["def fibonacci(n):"], SamplingParams(max_tokens=24, temperature=0.0,
+                                                                      ignore_eos=True))[0]
+    stop = free.text[6:8]
+    requests = {"stop": ("def fibonacci(n):", dict(stop=[stop])), "length": ("for i in", {}),
+                "aborted": ("naïve café", {})}
+    finals, streams = {}, {}
+    for kind in ("cumulative", "delta"):
+        engine = LLM(folder, output_kind=kind).engine
+        for rid, (prompt, extra) in requests.items():
+            engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2,
+                                                      **extra), request_id=rid)
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if kind == "cumulative":
+                    finals[out.request_id] = out
+                    continue
+                assert not (out.prompt_token_ids or out.token_ids or out.text or out.logprobs), out
+                got = streams.setdefault(out.request_id, {"tokens": [], "text": "", "logprobs": [], "end": None})
+                got["tokens"] += out.new_token_ids
+                got["text"] += out.new_text
+                got["logprobs"] += out.new_logprobs or []
+                got["end"] = (out.finished, out.finish_reason)
+            steps += 1
+            if steps == 5:
+                engine.abort("aborted")
+    assert set(streams) == set(finals) == set(requests)
+    assert finals["stop"].finish_reason == "stop" and finals["length"].finish_reason == "length"
+    assert finals["aborted"].finish_reason == "abort" and 0 < len(finals["aborted"].token_ids) < 16
+    for rid, final in finals.items():
+        got = streams[rid]
+        assert got["tokens"] == final.token_ids and got["text"] == final.text, rid
+        assert got["logprobs"] == final.logprobs and len(final.logprobs) == len(final.token_ids), rid
+        assert got["end"] == (True, final.finish_reason), rid
