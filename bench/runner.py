@@ -53,7 +53,7 @@ class BackendTarget:
         from engine import SamplingParams
 
         params = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-        async for out in self.backend.stream(request_id, list(request.prompt_token_ids), params):
+        async for out in self.backend.stream(request_id, list(request.prompt_token_ids), params, whole=False):
             if out.error:
                 raise RuntimeError(out.error)
             yield len(out.new_token_ids)

@@ -42,19 +42,28 @@ class Cumulative:
     def __init__(self, prompt_token_ids: list[int], with_logprobs: bool = False):
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
-        self.text = ""
+        self._text = GrowingText()
         self.logprobs: list[dict] | None = [] if with_logprobs else None
 
-    def add(self, out: RequestOutput, first_logprob: dict | None = None) -> RequestOutput:
-        """`out` whole; an error adds nothing. first_logprob: the entry of the first new token
-        when it was sampled elsewhere (a split request's, on the prefill worker)."""
+    @property
+    def text(self) -> str:
+        return self._text.whole()
+
+    def add(self, out: RequestOutput, first_logprob: dict | None = None, whole: bool = True) -> RequestOutput:
+        """`out` whole, or (whole=False) as a delta until the final output, which is whole: each
+        step then costs what is new, not the output so far. An error adds nothing.
+        first_logprob: the entry of the first new token when it was sampled elsewhere (a split
+        request's, on the prefill worker)."""
         new_logprobs = out.new_logprobs
         if out.error is None:
             self.token_ids += out.new_token_ids
-            self.text += out.new_text
+            self._text.add(out.new_text)
+            self._text.settle(len(self._text))  # only ever read whole
             if self.logprobs is not None:
                 new_logprobs = ([first_logprob] if first_logprob is not None else []) + list(new_logprobs or [])
                 self.logprobs += new_logprobs
+        if not (whole or out.finished):
+            return replace(out, prompt_token_ids=[], token_ids=[], text="", logprobs=None, new_logprobs=new_logprobs)
         return replace(out, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
                        text=self.text, new_logprobs=new_logprobs,
                        logprobs=list(self.logprobs) if self.logprobs is not None else None)

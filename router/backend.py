@@ -46,9 +46,12 @@ class Backend(Protocol):
         """True once a request could be served now (all worker kinds alive)."""
         ...
 
-    def stream(self, request_id: str, prompt: str | list[int], params: SamplingParams
+    def stream(self, request_id: str, prompt: str | list[int], params: SamplingParams, whole: bool = True
                ) -> AsyncIterator[RequestOutput]:
         """Stream outputs (deltas in new_token_ids / new_text); the last has finished=True.
+        whole: every output also carries the prompt and the tokens, text and logprobs so far;
+        False: only the last one must (the others may leave them empty, so a step's cost does
+        not grow with the output).
 
         Raises engine.InvalidRequest for bad input (before anything is streamed), Overloaded,
         Unavailable. Closing the iterator early (or cancelling its task) aborts the request and

@@ -139,9 +139,10 @@ class Cluster(ElasticPools):
     def ready(self) -> bool:
         return self.workers.all_alive()
 
-    async def stream(self, request_id: str, prompt, params: SamplingParams
+    async def stream(self, request_id: str, prompt, params: SamplingParams, whole: bool = True
                      ) -> AsyncIterator[RequestOutput]:
-        """Usable from any event loop: the request itself runs on the router loop."""
+        """Usable from any event loop: the request itself runs on the router loop. whole=False:
+        each output carries only what is new except the final one (engine.output.Cumulative.add)."""
         caller = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
 
@@ -151,7 +152,7 @@ class Cluster(ElasticPools):
             except RuntimeError as e:  # its loop closed: asyncio.run() returned as it cancelled us
                 raise CallerGone(f"request {request_id}: the caller's event loop is closed") from e
 
-        task = asyncio.run_coroutine_threadsafe(self._serve(request_id, prompt, params, emit), self._loop)
+        task = asyncio.run_coroutine_threadsafe(self._serve(request_id, prompt, params, emit, whole), self._loop)
         finished = False
         try:
             while True:
@@ -210,7 +211,7 @@ class Cluster(ElasticPools):
 
     # ---- on the router loop ----
 
-    async def _serve(self, request_id: str, prompt, params: SamplingParams, emit) -> None:
+    async def _serve(self, request_id: str, prompt, params: SamplingParams, emit, whole: bool) -> None:
         try:
             if len(self._requests) >= self.config.max_queued:
                 raise Overloaded(f"{len(self._requests)} requests in flight (limit {self.config.max_queued})")
@@ -219,7 +220,7 @@ class Cluster(ElasticPools):
             check_prompt_length(len(ids), facts["max_model_len"])
             if request_id in self._requests:
                 raise InvalidRequest("request_id", f"{request_id!r} is already in flight")
-            tracked = Tracked(request_id, ids, params)
+            tracked = Tracked(request_id, ids, params, whole=whole)
             self._requests[request_id] = tracked
             self.record_arrival(len(ids))
             try:
@@ -247,11 +248,11 @@ class Cluster(ElasticPools):
                 failure = tracked.classify(event)
                 if failure is None:
                     out = await tracked.delivered(event)
-                    if first_seen is None and out.token_ids:
+                    if first_seen is None and tracked.tokens:
                         first_seen = time.monotonic()
                     if out.finished and out.error is None:
                         self._remember_answer(tracked)
-                        self.record_latency(tracked.arrival_time, first_seen, len(out.token_ids))
+                        self.record_latency(tracked.arrival_time, first_seen, len(tracked.tokens))
                     emit(out)
                     if out.finished:
                         return

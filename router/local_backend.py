@@ -40,8 +40,9 @@ class LocalBackend:
     def ready(self) -> bool:
         return True
 
-    async def stream(self, request_id: str, prompt, params: SamplingParams
+    async def stream(self, request_id: str, prompt, params: SamplingParams, whole: bool = True
                      ) -> AsyncIterator[RequestOutput]:
+        """Whole outputs either way (the engine's are cumulative), which whole=False allows."""
         if len(self.engine.requests) >= self.max_queued:
             raise Overloaded(f"{len(self.engine.requests)} requests in flight (limit {self.max_queued})")
         loop = asyncio.get_running_loop()

@@ -49,8 +49,13 @@ class ClusterRouter:
     async def status(self) -> dict:
         return await asyncio.to_thread(self.cluster.status)
 
-    async def stream(self, request_id: str, prompt, params):
-        """Deltas (RequestOutput.delta), the first with the prompt: RouterBackend rebuilds the rest."""
+    async def stream(self, request_id: str, prompt, params, whole: bool = True):
+        """whole=False: the cluster's deltas as they come (the final output whole). Else deltas
+        (RequestOutput.delta), the first with the prompt: RouterBackend rebuilds the rest."""
+        if not whole:
+            async for out in self.cluster.stream(request_id, prompt, params, whole=False):
+                yield out
+            return
         first = True
         async for out in self.cluster.stream(request_id, prompt, params):
             delta = out.delta()
@@ -115,15 +120,18 @@ class RouterBackend:
     async def abort(self, request_id: str) -> bool:
         return bool(await self.router.abort.remote(request_id))
 
-    async def stream(self, request_id: str, prompt, params):
-        outputs = self.router.stream.options(num_returns="streaming").remote(request_id, prompt, params)
+    async def stream(self, request_id: str, prompt, params, whole: bool = True):
+        outputs = self.router.stream.options(num_returns="streaming").remote(request_id, prompt, params, whole)
         finished, so_far = False, None
         try:
             async for ref in outputs:
                 out = await ref
+                finished = out.finished
+                if not whole:
+                    yield out
+                    continue
                 if so_far is None:
                     so_far = Cumulative(out.prompt_token_ids, params.logprobs is not None)
-                finished = out.finished
                 yield so_far.add(out)
         except Exception as e:
             self._relookup_if_dead(e)

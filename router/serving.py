@@ -113,7 +113,7 @@ class ServingCore:
             ids = await self._checked_prompt(prompt, params)
             if params.structured_output is not None:  # compiled here, off every engine loop
                 await asyncio.to_thread(self.grammars.compile, params.structured_output)
-            stream = self.backend.stream(request_id, ids, params)
+            stream = self.backend.stream(request_id, ids, params, whole=False)  # whole: the final only
             async for out in stream:
                 now = time.monotonic()
                 new = list(out.new_token_ids)

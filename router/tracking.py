@@ -40,6 +40,7 @@ class Tracked:
     tokens_this_attempt: int = 0
     num_cached_tokens: int | None = None  # split attempts: what the prefill worker found cached
     placing: object = None  # the decode worker call placing the current attempt, until it returns
+    whole: bool = True  # False: outputs are deltas until the final one (Cumulative.add)
 
     def __post_init__(self):
         self.so_far = Cumulative(self.prompt_ids, self.params.logprobs is not None)
@@ -83,7 +84,7 @@ class Tracked:
             self.tokens_this_attempt += len(out.new_token_ids)
             if self.first_token_time is None:
                 self.first_token_time = out.first_token_time or time.monotonic()
-        out = self.so_far.add(out, first_logprob)
+        out = self.so_far.add(out, first_logprob, self.whole)
         out.request_id = self.request_id
         if self.num_cached_tokens is not None:
             out.num_cached_tokens = self.num_cached_tokens

@@ -277,7 +277,7 @@ class WorkersRefuse:
     def ready(self):
         return True
 
-    async def stream(self, request_id, prompt, params):
+    async def stream(self, request_id, prompt, params, whole=True):
         import ray
 
         await ray.remote(_refuse).remote()

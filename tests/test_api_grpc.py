@@ -170,7 +170,7 @@ class NoDecodeWorkers:
     def ready(self):
         return False
 
-    async def stream(self, request_id, prompt, params):
+    async def stream(self, request_id, prompt, params, whole=True):
         raise Unavailable("no live decode worker")
         yield  # pragma: no cover
 

@@ -100,6 +100,34 @@ def test_max_tokens_one_and_cancellation_free_everything(cluster):
     wait_idle(handle)
 
 
+def test_a_stream_without_whole_outputs_sends_what_is_new_then_a_whole_final(cluster):
+    """whole=False (what the API front door asks for): a step's output does not carry the
+    prompt and everything so far; the tokens and logprobs add up to the whole=True stream's."""
+    handle, _, _, _ = cluster
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompt = list(range(240, 270))  # no other test's prefix: the workers cache prefixes
+
+    async def collect(request_id, whole):
+        return [out async for out in handle.stream(request_id, prompt, params, whole=whole)]
+
+    async def main():
+        return await asyncio.gather(collect("whole", True), collect("deltas", False))
+
+    whole, deltas = asyncio.run(main())
+    final = whole[-1]
+    assert final.finished and deltas[-1].finished and len(deltas) > 2
+    assert all(out.prompt_token_ids == prompt and len(out.token_ids) == len(out.logprobs) > 0 for out in whole)
+    for out in deltas[:-1]:
+        assert not (out.prompt_token_ids or out.token_ids or out.text or out.logprobs), out
+    tokens = [t for out in deltas for t in out.new_token_ids]
+    logprobs = [entry["token"] for out in deltas for entry in out.new_logprobs or []]
+    assert tokens == deltas[-1].token_ids == final.token_ids and len(tokens) == 12
+    assert deltas[-1].prompt_token_ids == final.prompt_token_ids
+    assert logprobs == pytest.approx([entry["token"] for entry in final.logprobs], abs=1e-4)
+    assert [entry["token"] for entry in deltas[-1].logprobs] == logprobs
+    wait_idle(handle)
+
+
 async def _drain(agen):
     async for _ in agen:
         pass
