@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine
-from engine.output import RequestOutput
+from engine.output import Cumulative, RequestOutput
 from engine.sampling_params import SamplingParams
 from router.backend import ModelInfo, Overloaded
 
@@ -17,7 +17,8 @@ from router.backend import ModelInfo, Overloaded
 class LocalBackend:
     def __init__(self, model: str | Path, model_name: str | None = None, max_queued: int = 1024,
                  **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_options))
+        # Deltas from the engine; each stream rebuilds what its caller asks for (Cumulative).
+        self.engine = LLMEngine(EngineConfig(**{**engine_options, "model": str(model), "output_kind": "delta"}))
         spec = self.engine.spec
         self.info = ModelInfo(model_name or Path(model).name, str(model), spec.model_type,
                               spec.vocab_size, self.engine.max_model_len, list(spec.layer_kinds),
@@ -42,7 +43,7 @@ class LocalBackend:
 
     async def stream(self, request_id: str, prompt, params: SamplingParams, whole: bool = True
                      ) -> AsyncIterator[RequestOutput]:
-        """Whole outputs either way (the engine's are cumulative), which whole=False allows."""
+        """Whole outputs, or (whole=False) what is new and a whole final one."""
         if len(self.engine.requests) >= self.max_queued:
             raise Overloaded(f"{len(self.engine.requests)} requests in flight (limit {self.max_queued})")
         loop = asyncio.get_running_loop()
@@ -50,10 +51,13 @@ class LocalBackend:
         self._sinks[request_id] = (loop, sink)
         finished = False
         try:
-            await asyncio.wrap_future(self._loop.call(
-                lambda engine: engine.add_request(prompt, params, request_id=request_id)))
+            def add(engine):
+                return engine.requests[engine.add_request(prompt, params, request_id=request_id)].prompt_token_ids
+
+            prompt_ids = await asyncio.wrap_future(self._loop.call(add))
+            so_far = Cumulative(prompt_ids, params.logprobs is not None)
             while True:
-                out = await sink.get()
+                out = so_far.add(await sink.get(), whole=whole)
                 finished = out.finished
                 yield out
                 if finished:

@@ -127,3 +127,40 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(text_model):
         assert got["tokens"] == final.token_ids and got["text"] == final.text, rid
         assert got["logprobs"] == final.logprobs and len(final.logprobs) == len(final.token_ids), rid
         assert got["end"] == (True, final.finish_reason), rid
+
+
+def test_local_backend_streams_whole_outputs_or_deltas_and_a_whole_final(text_model):
+    """router.local_backend runs its engine on deltas and rebuilds what each caller asks for."""
+    import asyncio
+
+    from router.local_backend import LocalBackend
+
+    folder, _ = text_model
+    reference = LLM(folder).generate(["def fibonacci(n):"], SamplingParams(max_tokens=16, temperature=0.0,
+                                                                           ignore_eos=True, logprobs=1))[0]
+    stop = reference.text[6:8]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1, stop=[stop])
+    expected = LLM(folder).generate(["def fibonacci(n):"], params)[0]
+    assert expected.finish_reason == "stop"
+    backend = LocalBackend(folder)
+    try:
+        async def collect(request_id, whole):
+            return [out async for out in backend.stream(request_id, "def fibonacci(n):", params, whole=whole)]
+
+        async def main():
+            return await asyncio.gather(collect("whole", True), collect("deltas", False))
+
+        whole, deltas = asyncio.run(main())
+    finally:
+        backend.shutdown()
+    for outputs in (whole, deltas):
+        final = outputs[-1]
+        assert (final.token_ids, final.text, final.finish_reason) == (expected.token_ids, expected.text, "stop")
+        assert final.prompt_token_ids == expected.prompt_token_ids and final.logprobs == expected.logprobs
+        assert [t for out in outputs for t in out.new_token_ids] == expected.token_ids
+        assert "".join(out.new_text for out in outputs) == expected.text
+    assert len(whole) == len(deltas) > 2
+    for out in whole[:-1]:
+        assert out.prompt_token_ids == expected.prompt_token_ids and len(out.logprobs) == len(out.token_ids) > 0
+    for out in deltas[:-1]:
+        assert not (out.prompt_token_ids or out.token_ids or out.text or out.logprobs), out
