@@ -27,12 +27,12 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    def delta(self) -> RequestOutput:
+    def delta(self, **changes) -> RequestOutput:
         """This output without what the request's earlier outputs carried (the prompt, and the
         tokens, text and logprobs so far): what a worker ships each step, so a step's message
         does not grow with the output (64 requests 4096 tokens in: 1.8 MB, 9 ms to unpickle).
         Cumulative puts the rest back."""
-        return replace(self, prompt_token_ids=[], token_ids=[], text="", logprobs=None)
+        return replace(self, prompt_token_ids=[], token_ids=[], text="", logprobs=None, **changes)
 
 
 class Cumulative:
@@ -63,7 +63,7 @@ class Cumulative:
                 new_logprobs = ([first_logprob] if first_logprob is not None else []) + list(new_logprobs or [])
                 self.logprobs += new_logprobs
         if not (whole or out.finished):
-            return replace(out, prompt_token_ids=[], token_ids=[], text="", logprobs=None, new_logprobs=new_logprobs)
+            return out.delta(new_logprobs=new_logprobs)
         return replace(out, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
                        text=self.text, new_logprobs=new_logprobs,
                        logprobs=list(self.logprobs) if self.logprobs is not None else None)
