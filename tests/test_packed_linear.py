@@ -33,6 +33,25 @@ def test_packed_matches_f_linear(rows, shape, bias, monkeypatch):
         torch.testing.assert_close(linear(t, weight, b, packed), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rows, shape", [(64, (48, 512)), (64, (8192, 256)), (700, (1030, 512)), (5, (4, 256))])
+def test_every_panel_is_computed_once_whatever_the_thread_count(rows, shape):
+    """The threads start from contiguous shares and take from each other's ends
+    (cpu_kernels.h steal_for): any team size writes every (chunk, panel) pair, each with the bits
+    one thread gives, into an output that starts as NaN."""
+    torch.manual_seed(1)
+    out_features, in_features = shape
+    weight, bias, x = torch.randn(shape), torch.randn(out_features), torch.randn(rows, in_features)
+    packed, results = pack(weight), []
+    for threads in (1, 2, 3, 5):
+        out = torch.full((rows, out_features), float("nan"))
+        native.library().packed_linear(x.data_ptr(), in_features, packed.panels.data_ptr(), bias.data_ptr(),
+                                       out.data_ptr(), out_features, rows, out_features, in_features, threads)
+        results.append(out)
+    torch.testing.assert_close(results[0], F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    for out in results[1:]:
+        assert torch.equal(out, results[0])
+
+
 def test_the_panel_layout_pads_with_zeros():
     weight = torch.arange(20 * 3, dtype=torch.float32).view(20, 3)
     packed = pack(weight)

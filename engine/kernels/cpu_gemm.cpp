@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_kernels.h"
+
 namespace {
 
 constexpr int PANEL = 16;
@@ -82,7 +84,8 @@ constexpr TileFn TILES[ROWS + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
 
 // out[rows, out_features] (row stride ldo) = x[rows, in_features] (row stride ldx) @ W^T + bias.
 // Rows are split into equal chunks that fit CHUNK_BYTES; the threads share the (chunk, panel)
-// pairs in order, so in decode (one chunk) each thread streams its own half of the weight.
+// pairs in order (splitserve::steal_for), so in decode (one chunk) each thread streams its own
+// half of the weight, and the first done takes panels from the end of the other's half.
 extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out,
                               int64_t ldo, int64_t rows, int64_t out_features, int64_t in_features, int threads) {
   if (rows <= 0 || out_features <= 0) return;
@@ -91,19 +94,17 @@ extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, 
   const int64_t most = std::max<int64_t>(1, std::min(fit, MOST_CHUNK_ROWS) / ROWS) * ROWS;
   const int64_t chunks = (rows + most - 1) / most;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS;
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t p = 0; p < num_panels; ++p) {
-      const int columns = static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL));
-      const float* panel = panels + p * PANEL * in_features;
-      const float* panel_bias = bias == nullptr ? nullptr : bias + p * PANEL;
-      const int64_t end = std::min(rows, (c + 1) * chunk_rows);
-      const float* ahead = rows >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
-                               ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
-      for (int64_t r = c * chunk_rows; r < end; r += ROWS, ahead = nullptr) {
-        TILES[std::min<int64_t>(ROWS, end - r)](x + r * ldx, ldx, panel, in_features, panel_bias,
-                                               out + r * ldo + p * PANEL, ldo, columns, ahead);
-      }
+  splitserve::steal_for(chunks * num_panels, threads, [&](int64_t item) {
+    const int64_t c = item / num_panels, p = item - c * num_panels;
+    const int columns = static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL));
+    const float* panel = panels + p * PANEL * in_features;
+    const float* panel_bias = bias == nullptr ? nullptr : bias + p * PANEL;
+    const int64_t end = std::min(rows, (c + 1) * chunk_rows);
+    const float* ahead = rows >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
+                             ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
+    for (int64_t r = c * chunk_rows; r < end; r += ROWS, ahead = nullptr) {
+      TILES[std::min<int64_t>(ROWS, end - r)](x + r * ldx, ldx, panel, in_features, panel_bias,
+                                             out + r * ldo + p * PANEL, ldo, columns, ahead);
     }
-  }
+  });
 }
