@@ -80,6 +80,13 @@ def token_slice(request: Request, begin: int, end: int) -> list[int]:
 
 
 def host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
+    if all(seq.phase is Phase.DECODE for seq in seqs):
+        return decode_host_batch(seqs, block_size, tables)
+    return general_host_batch(seqs, block_size, tables)
+
+
+def general_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
+    """Any mix of rows: prefill chunks expand to one position per token."""
     token_ids, rows = [], []
     for seq in seqs:
         begin = seq.request.num_computed_tokens
@@ -100,6 +107,28 @@ def host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTable
     return HostBatch(int64(token_ids), positions, write_index * block_size + positions % block_size,
                      torch.cat((torch.zeros(1, dtype=torch.long), ends)), begins + lens, slots, counts,
                      table, [s.phase for s in seqs])
+
+
+def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
+    """host_batch where every row decodes one token: each row's position and cache row are Python
+    ints, so no tensor is expanded per token and no table is gathered (the decode step's Python
+    runs on caches the layers just flushed, where each torch op costs tens of microseconds)."""
+    token_ids, begins, slots, counts, write_index = [], [], [], [], []
+    for seq in seqs:
+        request, table, slot = seq.request, seq.block_table, seq.slot
+        begin = request.num_computed_tokens
+        # A decode runs the request's last token (Phase.DECODE: begin == num_tokens - 1).
+        token_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
+        if tables.lists[slot] is not table or tables.lens[slot] != len(table):
+            tables.update(slot, table)
+        begins.append(begin)
+        slots.append(slot)
+        counts.append(len(table))
+        write_index.append(table[begin // block_size] * block_size + begin % block_size)
+    positions, slot_rows = int64(begins), int64(slots)
+    return HostBatch(int64(token_ids), positions, int64(write_index), torch.arange(len(seqs) + 1), positions + 1,
+                     slot_rows, int64(counts), tables.rows.index_select(0, slot_rows)[:, : max(counts)],
+                     [Phase.DECODE] * len(seqs))
 
 
 class ModelRunner:

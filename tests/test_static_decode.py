@@ -47,13 +47,13 @@ def reference_build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardB
         logits_indices=torch.tensor(starts[1:]) - 1)
 
 
-def random_schedule(rng: random.Random, block_size: int) -> list[ScheduledSeq]:
+def random_schedule(rng: random.Random, block_size: int, kinds=("fresh", "chunk", "decode")) -> list[ScheduledSeq]:
     """Fresh prefills (1-token prompts too), later chunks and decodes; tables non-contiguous."""
     seqs, free_blocks, slots = [], rng.sample(range(500), 500), rng.sample(range(64), 64)
     for i in range(rng.randint(1, 9)):
         prompt = [rng.randrange(320) for _ in range(rng.choice([1, 2, block_size, block_size + 1, 23, 40]))]
         request = Request(f"r{i}", prompt, SamplingParams())
-        kind = rng.choice(["fresh", "chunk", "decode"])
+        kind = rng.choice(kinds)
         if kind == "decode":
             request.output_token_ids = [rng.randrange(320) for _ in range(rng.randint(1, 9))]
             request.num_prefill_tokens = len(prompt)
@@ -94,6 +94,8 @@ def test_vectorised_build_batch_equals_the_per_token_one(model_factory):
             seqs = random_schedule(rng, block_size)
             phases_seen |= {s.phase for s in seqs}
             assert_same_batch(runner.build_batch(seqs), reference_build_batch(seqs, block_size))
+            decodes = random_schedule(rng, block_size, kinds=("decode",))  # model_runner.decode_host_batch
+            assert_same_batch(runner.build_batch(decodes), reference_build_batch(decodes, block_size))
     assert phases_seen == set(Phase)
 
 
