@@ -26,6 +26,35 @@ def _outside_unchanged(after, before, slots):
     assert torch.equal(after[outside], before[outside]), "a pool row outside the batch changed"
 
 
+@pytest.mark.parametrize("bias,softplus,limit", [(True, True, (0.0, float("inf"))), (True, True, (0.01, 2.0)),
+                                                 (False, False, (0.0, float("inf"))), (False, True, (0.0, 0.5))])
+def test_mamba2_dt_is_process_dt(bias, softplus, limit):
+    """Mamba2's dt in one C++ pass, read in place from a projection (a strided column block):
+    process_dt's values, negatives kept where no limit is set, both bounds where one is."""
+    from engine.kernels.mamba2_update import process_dt
+
+    torch.manual_seed(3)
+    proj = torch.randn(7, 30) * 8
+    dt, dt_bias = proj[:, 20:26], (torch.randn(6) if bias else None)
+    got = cpu.mamba2_dt_cpu(dt, dt_bias, softplus, limit)
+    torch.testing.assert_close(got, process_dt(dt, dt_bias, softplus, limit), atol=1e-6, rtol=1e-5)
+    if not softplus:
+        assert (got < 0).any()
+
+
+@pytest.mark.parametrize("cols,group", [(64, 64), (48, 16), (30, 10)])
+def test_group_rms_norm_is_the_gated_norms_definition(cols, group):
+    from engine.models.layers import GatedRMSNorm
+
+    torch.manual_seed(cols)
+    norm = GatedRMSNorm(cols, group, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(5, cols)
+    want = norm.weight * norm._group_rms(x)
+    torch.testing.assert_close(cpu.group_rms_norm_cpu(x, norm.weight.detach(), group, 1e-5), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(norm.normalise_gated(x), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("d_inner,d_state,batch", [(64, 16, 5), (33, 4, 1), (128, 7, 9)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_ssm_update(d_inner, d_state, batch, fused):

@@ -27,7 +27,7 @@ import torch
 from engine.kernels import native
 from engine.kernels.conv_update import check_conv_update
 from engine.kernels.gdn_scan import check_rule, check_step, prepare_qk
-from engine.kernels.mamba2_update import NO_LIMIT, check_state_update, process_dt
+from engine.kernels.mamba2_update import NO_LIMIT, check_state_update
 from engine.kernels.ssd_scan import check_chunk_scan
 
 
@@ -125,7 +125,7 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
                             dt_limit=NO_LIMIT, out=None):
     """See engine.kernels.mamba2_update.mamba2_state_update_ref."""
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
-    dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    dt = mamba2_dt_cpu(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
         native.call("mamba2_state_update", _pool(ssm_state, "ssm_state"), ids(slots), _f32(x), _f32(dt),
@@ -136,6 +136,25 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
         return y
     out.copy_(y)
     return out
+
+
+def mamba2_dt_cpu(dt: torch.Tensor, dt_bias=None, dt_softplus: bool = False, dt_limit=NO_LIMIT) -> torch.Tensor:
+    """process_dt of a decode step's dt [rows, heads] in one C++ pass (the kernel Mamba2's one-call
+    decode runs, so both give the same bits); rows may be a column block of the projection."""
+    rows = dt if rows_with_stride(dt) else _f32(dt)
+    out = torch.empty(dt.shape, dtype=torch.float32)
+    if dt.shape[0]:
+        native.call("mamba2_dt", rows, rows.stride(0), None if dt_bias is None else _f32(dt_bias), int(dt_softplus),
+                    *dt_bounds(dt_limit), out, *dt.shape)
+    return out
+
+
+def dt_bounds(dt_limit) -> tuple[float, float]:
+    """The (low, high) mamba2_dt clamps to: process_dt clamps only where a limit is set, and the
+    kernel, built with fast math, is given finite bounds."""
+    low, high = dt_limit
+    most = torch.finfo(torch.float32).max
+    return (float(low), min(float(high), most)) if low > 0.0 or high != float("inf") else (-most, most)
 
 
 def ssd_scan_cpu(x, dt, A, B, C, h0):
@@ -192,6 +211,20 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
+    return out
+
+
+def group_rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
+    """weight * x / sqrt(mean(x^2) + eps), the mean within each group of `group` columns of a
+    contiguous float32 x [rows, cols]; a new tensor."""
+    _in_place("group_rms_norm", x, weight)
+    rows, cols = x.shape
+    if not x.is_contiguous() or group <= 0 or cols % group or weight.shape != (cols,):
+        raise ValueError(f"group_rms_norm: x {tuple(x.shape)} contiguous, groups of {group} columns, "
+                         f"weight {tuple(weight.shape)} one per column")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        native.call("group_rms_norm", x, weight.detach().contiguous(), out, rows, cols, group, float(eps))
     return out
 
 

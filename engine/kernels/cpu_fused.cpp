@@ -40,6 +40,26 @@ void rms_norm(float* x, const float* add, const float* weight, float* out, int64
   }
 }
 
+// RMSNorm within groups of `group` columns (Mamba2's gated norm, engine.models.layers.GatedRMSNorm):
+// out[r, c] = weight[c] * (x[r, c] / sqrt(mean over c's group of x^2 + eps)); x, out [rows, cols]
+// contiguous. One group is the whole row's RMSNorm.
+void group_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t cols, int64_t group,
+                    float eps, int threads) {
+  const int64_t groups = cols / group;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const float* xg = x + i * group;
+    const float* w = weight + (i % groups) * group;
+    float* o = out + i * group;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < group; ++c) sum += xg[c] * xg[c];
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < group; ++c) o[c] = w[c] * (xg[c] * inv);
+  }
+}
+
 // Three RMSNorms of consecutive column blocks of each row, each with its own weight (Jamba's dt,
 // B and C norms over one x_proj output): block i is columns [offset_i, offset_i + n_i), offsets
 // running on from 0, of x (rows x_stride apart) and goes to out_i [rows, n_i].
@@ -125,6 +145,21 @@ void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int
     for (int64_t c = 0; c < cols; ++c) {
       const float v = bias != nullptr ? dt[r * cols + c] + bias[c] : dt[r * cols + c];
       dt[r * cols + c] = v > 20.f ? v : std::log1p(std::exp(v));
+    }
+  }
+}
+
+// Mamba2's dt (engine.kernels.mamba2_update.process_dt): out = min(max(softplus(dt + bias), lo),
+// hi), softplus where `softplus` is set, bias where given; dt rows `dt_stride` apart (read in
+// place from the input projection), out [rows, heads].
+void mamba2_dt(const float* dt, int64_t dt_stride, const float* bias, int64_t softplus, float lo, float hi,
+               float* out, int64_t rows, int64_t heads, int) {
+  for (int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (int64_t h = 0; h < heads; ++h) {
+      float v = bias != nullptr ? dt[r * dt_stride + h] + bias[h] : dt[r * dt_stride + h];
+      if (softplus) v = v > 20.f ? v : std::log1p(std::exp(v));
+      out[r * heads + h] = std::min(std::max(v, lo), hi);
     }
   }
 }

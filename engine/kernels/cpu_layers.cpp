@@ -34,6 +34,13 @@ void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, i
                int64_t top_k, int64_t num_experts, int threads);
 void moe_combine(const float* picks, const int64_t* position, const float* weights, float* out, int64_t tokens,
                  int64_t top_k, int64_t hidden, int threads);
+void mamba2_dt(const float* dt, int64_t dt_stride, const float* bias, int64_t softplus, float lo, float hi,
+               float* out, int64_t rows, int64_t heads, int threads);
+void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
+                         const float* B, const float* C, float* y, int64_t batch, int64_t heads, int64_t head_dim,
+                         int64_t groups, int64_t d_state, int threads);
+void group_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t cols, int64_t group,
+                    float eps, int threads);
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                             int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -161,6 +168,46 @@ void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner,
   ssm_state_update(ssm_state, slots, x, dt, A, B, C, y, rows, di, n, threads);
   gated_skip(y, x, di, D, proj + di, 2 * di, y, rows, di, threads);
   packed_linear(y, di, out_panels, out_bias, out, hidden, rows, hidden, di, threads);
+}
+
+// Mamba2's mixer (engine.models.mamba2.Mamba2Mixer) over rows that are all decodes, one token
+// each: [z | xBC | dt] = in_proj(h); xBC = silu(conv_update(xBC)), split into x, B, C; dt =
+// mamba2_dt(dt); y = mamba2_state_update(x, dt, A, B, C); y = (y + x D) silu(z), D one per
+// channel; y = group_rms_norm(y) where norm_weight is given; out = out_proj(y). The states update in place at their slots; scratch holds
+// rows * (width + conv_dim + heads + 3 d_ssm + 2 groups d_state) floats, width being in_proj's.
+void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t head_dim, int64_t groups,
+                   int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
+                   float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
+                   const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
+                   const float* norm_weight, int64_t norm_group, float norm_eps, const float* out_panels,
+                   const float* out_bias,
+                   float* scratch, float* out, int threads) {
+  const int64_t d_ssm = heads * head_dim, bc = groups * d_state, conv_dim = d_ssm + 2 * bc;
+  const int64_t width = d_ssm + conv_dim + heads;
+  float* proj = scratch;                  // [rows, width]: z, xBC, dt
+  float* conv = proj + rows * width;      // [rows, conv_dim]: x, B, C after the conv
+  float* dt = conv + rows * conv_dim;     // [rows, heads]
+  float* x = dt + rows * heads;           // [rows, d_ssm], contiguous as the state update reads it
+  float* B = x + rows * d_ssm;            // [rows, bc]
+  float* C = B + rows * bc;               // [rows, bc]
+  float* y = C + rows * bc;               // [rows, d_ssm]
+  float* normed = y + rows * d_ssm;       // [rows, d_ssm]
+  packed_linear(h, hidden, in_panels, in_bias, proj, width, rows, width, hidden, threads);
+  conv_update(conv_state, slots, proj + d_ssm, width, conv_weight, conv_bias, conv, rows, conv_dim, d_conv, 1,
+              threads);
+  mamba2_dt(proj + d_ssm + conv_dim, width, dt_bias, 1, dt_lo, dt_hi, dt, rows, heads, threads);
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(x + i * d_ssm, conv + i * conv_dim, d_ssm * sizeof(float));
+    std::memcpy(B + i * bc, conv + i * conv_dim + d_ssm, bc * sizeof(float));
+    std::memcpy(C + i * bc, conv + i * conv_dim + d_ssm + bc, bc * sizeof(float));
+  }
+  mamba2_state_update(ssm_state, slots, x, dt, A, B, C, y, rows, heads, head_dim, groups, d_state, threads);
+  gated_skip(y, conv, conv_dim, D, proj, width, y, rows, d_ssm, threads);
+  if (norm_weight != nullptr) {
+    group_rms_norm(y, norm_weight, normed, rows, d_ssm, norm_group, norm_eps, threads);
+    y = normed;
+  }
+  packed_linear(y, d_ssm, out_panels, out_bias, out, hidden, rows, hidden, d_ssm, threads);
 }
 
 // An attention layer (engine.models.attention.PagedAttention) over rows that are all decodes, one

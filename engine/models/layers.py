@@ -77,9 +77,10 @@ class GatedRMSNorm(nn.Module):
 
     def normalise_gated(self, gated: torch.Tensor) -> torch.Tensor:
         """The norm alone, for a float32 y * silu(z) computed elsewhere (norm_before_gate=False);
-        one C++ pass on CPU when the whole row is one group. (ShardedGatedRMSNorm has its own.)"""
-        if self.group_size == gated.shape[-1] and uses_cpu_kernel(gated):
-            return cpu.rms_norm_cpu(gated, self.weight, self.eps)
+        one C++ pass on CPU (the kernel Mamba2's one-call decode runs too, so both give the same
+        bits). (ShardedGatedRMSNorm has its own.)"""
+        if uses_cpu_kernel(gated) and gated.dim() == 2 and gated.is_contiguous() and self.weight.dtype == torch.float32:
+            return cpu.group_rms_norm_cpu(gated, self.weight, self.group_size, self.eps)
         return self.weight * self._group_rms(gated)
 
     def _group_rms(self, y: torch.Tensor) -> torch.Tensor:

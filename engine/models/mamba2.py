@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, ssd_chunk_scan
+from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan, uses_cpu_kernel
 from engine.kernels.mamba2_update import process_dt
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
@@ -49,6 +49,7 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.d_ssm, hidden, bias=proj_bias)
         self.act = activation(act)
         self.dt_limit = (float(dt_limit[0]), float(dt_limit[1]))
+        self._one_call_fit = ((), False)  # (the packed weights it was checked for, the answer)
 
     def state_spec(self) -> list[StateTensorSpec]:
         return [StateTensorSpec("conv", (self.conv_dim, self.d_conv)),
@@ -60,6 +61,8 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(hidden, batch, state):
+            return self._decode_in_one_call(hidden, batch, state)
         conv_state, ssm_state = state
         z, xbc, dt = self.split_projection(self.in_proj(hidden))
         xbc = conv_then_act(self.act, xbc, batch, conv_state, self.conv_weight, self.conv_bias)
@@ -96,6 +99,45 @@ class Mamba2Mixer(nn.Module):
             y = (y + x.float() * self.D.float()[:, None]).reshape(tokens, self.d_ssm)
             y = self.norm(y, z) if self.norm is not None else y * F.silu(z.float())
         return self.out_proj(y.to(hidden.dtype))
+
+
+    def fits_one_call(self) -> bool:
+        """SiLU, Mamba2's own split of the projection (not a family's scaled one), no norm or one
+        that normalises y * silu(z), both linears packed (so not sharded), every parameter float32
+        and contiguous. Checked again only when the packed weights change."""
+        packed = (getattr(self.in_proj, "packed_weight", None), getattr(self.out_proj, "packed_weight", None))
+        checked_for, fits = self._one_call_fit
+        if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
+            norm = self.norm
+            fits = (self.act is F.silu and type(self).split_projection is Mamba2Mixer.split_projection
+                    and (norm is None or (type(norm) is GatedRMSNorm and not norm.norm_before_gate))
+                    and all(w is not None for w in packed)
+                    and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+            self._one_call_fit = (packed, fits)
+        return fits
+
+    def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
+        """Every row a decode on the CPU kernels, float32 throughout: then forward's kernels run as
+        one C++ call (engine/kernels/cpu_layers.cpp mamba2_decode)."""
+        # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
+        return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden) and hidden.is_contiguous()
+                and all(uses_cpu_kernel(t) for t in state) and self.fits_one_call())
+
+    def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
+        conv_state, ssm_state = state
+        rows, size = hidden.shape
+        width, bc = self.in_proj.packed_weight.out_features, self.n_groups * self.d_state
+        # A and D as forward computes them, so the result is its bits
+        A, D = -torch.exp(self.A_log.float()), self.D.float().repeat_interleave(self.head_dim)
+        norm = self.norm
+        out = torch.empty(rows, size)
+        native.call("mamba2_decode", hidden, rows, size, self.num_heads, self.head_dim, self.n_groups, self.d_state,
+                    self.d_conv, self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
+                    cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias, self.dt_bias,
+                    *cpu.dt_bounds(self.dt_limit), A, D, None if norm is None else norm.weight,
+                    0 if norm is None else norm.group_size, 0.0 if norm is None else float(norm.eps), self.out_proj.packed_weight.panels, self.out_proj.bias,
+                    torch.empty(rows * (width + self.conv_dim + self.num_heads + 3 * self.d_ssm + 2 * bc)), out)
+        return out
 
 
 def dt_limit_of(value) -> tuple[float, float]:
