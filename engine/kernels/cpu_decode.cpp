@@ -28,8 +28,14 @@ void moe_layer(const float* x, int64_t rows, int64_t hidden, const float* router
                float* scratch, float* out, int threads);
 void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* panels, float* scratch, float* out,
                       int64_t experts, int64_t hidden, int64_t inter, int threads);
+void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t head_dim, int64_t groups,
+                   int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
+                   float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
+                   const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
+                   const float* norm_weight, int64_t norm_group, float norm_eps, const float* out_panels,
+                   const float* out_bias, float* scratch, float* out, int threads);
 
-enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2 };
+enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
 // One layer's weights, caches and sizes; mirrored field for field by engine.models.decode_layers.LayerPlan.
@@ -54,6 +60,11 @@ struct LayerPlan {
   int64_t experts, top_k, normalize, inter;
   const float* router_panels;
   const int64_t* expert_panels;
+  // Mamba2 (engine.models.mamba2.Mamba2Mixer): heads and head_dim above, its own state and
+  // projections in the Mamba fields (dt_bias its dt's bias, D one per channel)
+  int64_t groups, gate_norm_group;
+  const float* gate_norm;  // null without the norm
+  float dt_lo, dt_hi, gate_norm_eps;
 };
 
 int64_t decoder_layer_plan_bytes() { return sizeof(LayerPlan); }  // checked against the Python mirror
@@ -81,6 +92,11 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                    p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.x_panels, p.dt_norm, p.b_norm,
                    p.c_norm, p.bcdt_eps, p.dt_panels, p.dt_bias, p.A, p.D, p.out_panels, p.out_bias, work, mixed,
                    threads);
+    } else if (p.mixer == MAMBA2) {
+      mamba2_decode(normed, rows, hidden, p.heads, p.head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
+                    p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo, p.dt_hi, p.A,
+                    p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_eps, p.out_panels, p.out_bias, work, mixed,
+                    threads);
     } else {
       attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,

@@ -3,8 +3,8 @@
 On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
 step at 64 sequences. Where every layer is a plain DecoderLayer whose norms are RMSNorms, whose
-mixer runs as one call (MambaMixer, PagedAttention) and whose FFN does too (GatedMLP, SparseMoE,
-or none), the whole stack runs as one call of the same kernels in the same order, so the hidden
+mixer runs as one call (MambaMixer, Mamba2Mixer, PagedAttention) and whose FFN does too (GatedMLP,
+SparseMoE, or none), the whole stack runs as one call of the same kernels in the same order, so the hidden
 states are the bits of the layer-by-layer path. Anything else (another family, tensor
 parallelism, a prefill in the batch, GPUs) takes that path.
 
@@ -24,10 +24,11 @@ from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.hybrid import DecoderLayer
 from engine.models.layers import GatedMLP, RMSNorm, SparseMoE
+from engine.models.mamba2 import Mamba2Mixer
 from engine.models.ssm import MambaMixer
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-MAMBA, ATTENTION = 1, 2
+MAMBA, ATTENTION, MAMBA2 = 1, 2, 3
 NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
 HIDDEN_BUFFERS = 6  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 
@@ -46,6 +47,7 @@ class LayerPlan(ctypes.Structure):
         ("qkv_panels", P), ("qkv_bias", P), ("cos", P), ("sin", P), ("o_panels", P), ("o_bias", P),
         ("k_cache", P), ("v_cache", P),
         ("experts", I64), ("top_k", I64), ("normalize", I64), ("inter", I64), ("router_panels", P), ("expert_panels", P),
+        ("groups", I64), ("gate_norm_group", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
     ]
 
 
@@ -105,6 +107,9 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
         if type(mixer) is MambaMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
             mixer_needs = _plan_mamba(entry, mixer, caches.state[index], keep)
             uses_slots = True
+        elif type(mixer) is Mamba2Mixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
+            mixer_needs = _plan_mamba2(entry, mixer, caches.state[index], keep)
+            uses_slots = True
         elif type(mixer) is PagedAttention and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
             mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
             if mixer.rotary is not None:
@@ -152,6 +157,27 @@ def _plan_mamba(entry: LayerPlan, mixer: MambaMixer, state, keep: list) -> _Need
     entry.A, entry.D = A.data_ptr(), mixer.D.data_ptr()
     entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
     return _Needs(floats=5 * mixer.d_inner + 2 * mixer.dt_rank + 4 * mixer.d_state)
+
+
+def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Needs:
+    conv_state, ssm_state = state
+    # A and D as forward computes them each call; the weights are final
+    A, D = -torch.exp(mixer.A_log.float()), mixer.D.float().repeat_interleave(mixer.head_dim)
+    keep += [A, D]
+    norm = mixer.norm
+    entry.mixer = MAMBA2
+    entry.heads, entry.head_dim, entry.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
+    entry.d_state, entry.d_conv = mixer.d_state, mixer.d_conv
+    entry.in_panels, entry.in_bias = mixer.in_proj.packed_weight.panels.data_ptr(), _ptr(mixer.in_proj.bias)
+    entry.conv_state, entry.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
+    entry.conv_weight, entry.conv_bias = mixer.conv_weight.data_ptr(), _ptr(mixer.conv_bias)
+    entry.dt_bias, entry.A, entry.D = mixer.dt_bias.data_ptr(), A.data_ptr(), D.data_ptr()
+    entry.dt_lo, entry.dt_hi = cpu.dt_bounds(mixer.dt_limit)
+    if norm is not None:
+        entry.gate_norm, entry.gate_norm_group, entry.gate_norm_eps = norm.weight.data_ptr(), norm.group_size, norm.eps
+    entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
+    width = mixer.in_proj.packed_weight.out_features
+    return _Needs(floats=width + mixer.conv_dim + mixer.num_heads + 3 * mixer.d_ssm + 2 * mixer.n_groups * mixer.d_state)
 
 
 def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
