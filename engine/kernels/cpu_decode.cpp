@@ -65,13 +65,23 @@ struct LayerPlan {
   int64_t groups, gate_norm_group;
   const float* gate_norm;  // null without the norm
   float dt_lo, dt_hi, gate_norm_eps;
+  // A shared SwiGLU expert added to the routed ones (engine.models.layers.SummedFFN), or null;
+  // Granite's residual multiplier on the mixer's and the FFN's outputs (1: none)
+  float residual_scale;
+  int64_t shared_inter;
+  const int64_t* shared_panels;
 };
+
+// x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
+__attribute__((noinline)) void scale(float* x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
 
 int64_t decoder_layer_plan_bytes() { return sizeof(LayerPlan); }  // checked against the Python mirror
 
 // h [rows, hidden] through `layers` layers into out; every row a decode of one token, at state
 // slot slots[i], KV row write_index[i], with block table tables[i] and context lens[i]. scratch
-// holds 6 rows * hidden floats plus the most any layer's mixer or FFN needs; ids the MoE's ints.
+// holds 7 rows * hidden floats plus the most any layer's mixer or FFN needs; ids the MoE's ints.
 void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64_t rows, int64_t hidden,
                     const int64_t* slots, const int64_t* write_index, const int64_t* tables, int64_t table_width,
                     const int64_t* lens, float* scratch, int64_t* ids, float* out, int threads) {
@@ -80,8 +90,9 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
   float* mixed = normed + size;
   float* ffn_in = mixed + size;
   float* ffn_out = ffn_in + size;
-  float* states[2] = {ffn_out + size, ffn_out + 2 * size};
-  float* work = ffn_out + 3 * size;
+  float* shared_out = ffn_out + size;
+  float* states[2] = {shared_out + size, shared_out + 2 * size};
+  float* work = shared_out + 3 * size;
   const float* current = h;
   for (int64_t l = 0; l < layers; ++l) {
     const LayerPlan& p = plan[l];
@@ -102,6 +113,7 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, mixed, threads);
     }
+    if (p.residual_scale != 1.f) scale(mixed, size, p.residual_scale);
     if (p.ffn == NO_FFN) {
       for (int64_t i = 0; i < size; ++i) next[i] = current[i] + mixed[i];
       current = next;
@@ -116,6 +128,12 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       ids[0] = rows;
       moe_silu_experts(ffn_in, ids, p.expert_panels, work, ffn_out, 1, hidden, p.inter, threads);
     }
+    if (p.shared_panels != nullptr) {
+      ids[0] = rows;
+      moe_silu_experts(ffn_in, ids, p.shared_panels, work, shared_out, 1, hidden, p.shared_inter, threads);
+      for (int64_t i = 0; i < size; ++i) ffn_out[i] += shared_out[i];
+    }
+    if (p.residual_scale != 1.f) scale(ffn_out, size, p.residual_scale);
     for (int64_t i = 0; i < size; ++i) next[i] = mixed[i] + ffn_out[i];
     current = next;
   }

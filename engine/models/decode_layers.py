@@ -23,14 +23,14 @@ from engine.kernels import cpu, native, uses_cpu_kernel
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.hybrid import DecoderLayer
-from engine.models.layers import GatedMLP, RMSNorm, SparseMoE
+from engine.models.layers import GatedMLP, RMSNorm, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
 from engine.models.ssm import MambaMixer
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 MAMBA, ATTENTION, MAMBA2 = 1, 2, 3
 NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
-HIDDEN_BUFFERS = 6  # cpu_decode.cpp's per-step buffers of [rows, hidden]
+HIDDEN_BUFFERS = 7  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 
 
 class LayerPlan(ctypes.Structure):
@@ -48,6 +48,7 @@ class LayerPlan(ctypes.Structure):
         ("k_cache", P), ("v_cache", P),
         ("experts", I64), ("top_k", I64), ("normalize", I64), ("inter", I64), ("router_panels", P), ("expert_panels", P),
         ("groups", I64), ("gate_norm_group", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
+        ("residual_scale", F32), ("shared_inter", I64), ("shared_panels", P),
     ]
 
 
@@ -99,10 +100,11 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
     plans, keep, rotary, needs = (LayerPlan * len(layers))(), [], [], _Needs()
     uses_slots = uses_kv = False
     for index, layer in enumerate(layers):
-        if type(layer) is not DecoderLayer or layer.residual_scale != 1.0 or not _norm_fits(layer.input_norm):
+        if type(layer) is not DecoderLayer or not _norm_fits(layer.input_norm):
             return None
         entry = plans[index]
         entry.input_norm, entry.input_eps = layer.input_norm.weight.data_ptr(), layer.input_norm.eps
+        entry.residual_scale = layer.residual_scale
         mixer, ffn = layer.mixer, layer.ffn
         if type(mixer) is MambaMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
             mixer_needs = _plan_mamba(entry, mixer, caches.state[index], keep)
@@ -120,15 +122,31 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
         if ffn is None:
             ffn_needs = _Needs()
             entry.ffn = NO_FFN
-        elif _norm_fits(layer.ffn_norm) and type(ffn) in (GatedMLP, SparseMoE) and ffn.fits_one_call():
+        elif _norm_fits(layer.ffn_norm) and (parts := _ffn_parts(ffn)) is not None:
             entry.ffn_norm, entry.ffn_eps = layer.ffn_norm.weight.data_ptr(), layer.ffn_norm.eps
-            ffn_needs = _plan_moe(entry, ffn, layer.input_norm.weight.numel()) if type(ffn) is SparseMoE \
-                else _plan_mlp(entry, ffn)
+            first, shared = parts
+            ffn_needs = _plan_moe(entry, first, layer.input_norm.weight.numel()) if type(first) is SparseMoE \
+                else _plan_mlp(entry, first)
+            if shared is not None:
+                inter = shared.down_proj.in_features
+                entry.shared_inter, entry.shared_panels = inter, shared.one_call_pointers().data_ptr()
+                ffn_needs = _Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
         else:
             return None
         needs = _Needs(max(needs.floats, mixer_needs.floats, ffn_needs.floats), max(needs.ints, ffn_needs.ints),
                        max(needs.fixed_ints, ffn_needs.fixed_ints, 1))
     return DecodeLayersPlan(plans, keep, rotary, needs, uses_slots, uses_kv) if layers else None
+
+
+def _ffn_parts(ffn) -> tuple[GatedMLP | SparseMoE, GatedMLP | None] | None:
+    """(the MLP or routed experts, a shared MLP added to them or None) where every part runs as
+    one call: GatedMLP, SparseMoE, or a SummedFFN of a GatedMLP or of a SparseMoE and a GatedMLP
+    (Granite's routed and shared experts)."""
+    parts = list(ffn.parts) if type(ffn) is SummedFFN else [ffn]
+    kinds = [type(part) for part in parts]
+    if kinds not in ([GatedMLP], [SparseMoE], [SparseMoE, GatedMLP]) or not all(p.fits_one_call() for p in parts):
+        return None
+    return parts[0], (parts[1] if len(parts) == 2 else None)
 
 
 def _norm_fits(norm) -> bool:
