@@ -2,11 +2,12 @@
 
 On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
-step at 64 sequences. Where every layer is a plain DecoderLayer whose norms are RMSNorms, whose
-mixer runs as one call (MambaMixer, Mamba2Mixer, PagedAttention) and whose FFN does too (GatedMLP,
-SparseMoE, or none), the whole stack runs as one call of the same kernels in the same order, so the hidden
-states are the bits of the layer-by-layer path. Anything else (another family, tensor
-parallelism, a prefill in the batch, GPUs) takes that path.
+step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
+whose norms are RMSNorms, whose mixer runs as one call (MambaMixer, Mamba2Mixer, PagedAttention)
+and whose FFN does too (GatedMLP, SparseMoE, routed plus shared experts, or none), the whole stack
+runs as one call of the same kernels in the same order, so the hidden states are the bits of the
+layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
+GPUs) takes that path.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
 (which is when they are final) and rebuilt when the caches it points at change.
