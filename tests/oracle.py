@@ -95,6 +95,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                       mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
                                       chunk_size=8, n_routed_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=24, moe_shared_expert_intermediate_size=20)),
+    # Nemotron-H as the 8B and 56B are: Mamba2, squared-ReLU MLP and attention layers, no MoE.
+    "nemotron_h_dense": ("nemotron_h", dict(hidden_size=32, intermediate_size=40, hybrid_override_pattern="M-*M-",
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+                                            chunk_size=8, mlp_bias=True)),
     # Nemotron-H: grouped routing (2 groups, best 1), latent MoE, 6 heads of 4, one SSM group.
     "nemotron_h_latent": ("nemotron_h", dict(hidden_size=24, intermediate_size=32, hybrid_override_pattern="ME*M",
                                              num_attention_heads=2, num_key_value_heads=1, head_dim=12,

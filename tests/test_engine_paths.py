@@ -136,15 +136,15 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mo
                                        ("qwen2_bias_tied", True), ("jamba_top1_bias", True),
                                        ("mamba2", True), ("mamba2_tied_limit", True), ("bamba", True),
                                        ("granitemoehybrid", True), ("granitemoehybrid_dense_nope", True),
-                                       ("nemotron_h_latent", False)])
+                                       ("nemotron_h_dense", True), ("nemotron_h_latent", False)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
     bits of the layer-by-layer path (Mamba and Mamba2 with and without FFNs, projection biases, dt
     limits, MoE top-2 and top-1, MLPs, routed and shared experts, a residual multiplier,
     attention with and without rotary, a sliding window the contexts pass, q/k/v biases); where
-    some layer cannot run in it (Nemotron-H's squared-ReLU MLP) the layer path runs; the tokens
-    are transformers'."""
+    some layer cannot run in it (Nemotron-H's MoE) the layer path runs; the tokens are
+    transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases."""
     from engine.kernels import cpu
 
     if not cpu.available():

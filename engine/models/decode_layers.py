@@ -4,7 +4,8 @@ On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python bet
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
 step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
 whose norms are RMSNorms, whose mixer runs as one call (MambaMixer, Mamba2Mixer, PagedAttention)
-and whose FFN does too (GatedMLP, SparseMoE, routed plus shared experts, or none), the whole stack
+(or a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP,
+SparseMoE, routed plus shared experts, or none), the whole stack
 runs as one call of the same kernels in the same order, so the hidden states are the bits of the
 layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
 GPUs) takes that path.
@@ -23,13 +24,14 @@ import torch
 from engine.kernels import cpu, native, uses_cpu_kernel
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
-from engine.models.hybrid import DecoderLayer
-from engine.models.layers import GatedMLP, RMSNorm, SparseMoE, SummedFFN
+from engine.models.hybrid import DecoderLayer, FFNMixer
+from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
+from engine.models.nemotron_moe import NemotronMLP
 from engine.models.ssm import MambaMixer
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-MAMBA, ATTENTION, MAMBA2 = 1, 2, 3
+MAMBA, ATTENTION, MAMBA2, RELU2_MLP = 1, 2, 3, 4
 NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
 HIDDEN_BUFFERS = 7  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 
@@ -50,6 +52,7 @@ class LayerPlan(ctypes.Structure):
         ("experts", I64), ("top_k", I64), ("normalize", I64), ("inter", I64), ("router_panels", P), ("expert_panels", P),
         ("groups", I64), ("gate_norm_group", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
         ("residual_scale", F32), ("shared_inter", I64), ("shared_panels", P),
+        ("mlp_inter", I64), ("up_panels", P), ("up_bias", P), ("down_panels", P), ("down_bias", P),
     ]
 
 
@@ -113,6 +116,8 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
         elif type(mixer) is Mamba2Mixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
             mixer_needs = _plan_mamba2(entry, mixer, caches.state[index], keep)
             uses_slots = True
+        elif type(mixer) is FFNMixer and _relu2_mlp_fits(mixer.ffn):
+            mixer_needs = _plan_relu2_mlp(entry, mixer.ffn)
         elif type(mixer) is PagedAttention and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
             mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
             if mixer.rotary is not None:
@@ -197,6 +202,19 @@ def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Ne
     entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
     width = mixer.in_proj.packed_weight.out_features
     return _Needs(floats=width + mixer.conv_dim + mixer.num_heads + 3 * mixer.d_ssm + 2 * mixer.n_groups * mixer.d_state)
+
+
+def _relu2_mlp_fits(mlp) -> bool:
+    return (type(mlp) is NemotronMLP and mlp.act is ACTIVATIONS["relu2"]
+            and all(getattr(m, "packed_weight", None) is not None for m in (mlp.up_proj, mlp.down_proj))
+            and all(p.dtype == torch.float32 and p.is_contiguous() for p in mlp.parameters()))
+
+
+def _plan_relu2_mlp(entry: LayerPlan, mlp: NemotronMLP) -> _Needs:
+    entry.mixer, entry.mlp_inter = RELU2_MLP, mlp.up_proj.out_features
+    entry.up_panels, entry.up_bias = mlp.up_proj.packed_weight.panels.data_ptr(), _ptr(mlp.up_proj.bias)
+    entry.down_panels, entry.down_bias = mlp.down_proj.packed_weight.panels.data_ptr(), _ptr(mlp.down_proj.bias)
+    return _Needs(floats=mlp.up_proj.out_features)
 
 
 def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
