@@ -82,6 +82,10 @@ class FalconH1Mixer(Mamba2Mixer):
             _scale_rows(self.in_proj, scale, slice(start, end))
         self.in_scale, self.part_scales = 1.0, (1.0,) * 5
 
+    def splits_plainly(self) -> bool:
+        """Once the scales are folded into in_proj (at load), forward is Mamba2's."""
+        return self.in_scale == 1.0 and all(s == 1.0 for s in self.part_scales)
+
     def split_projection(self, zxbcdt: torch.Tensor):
         z, xbc, dt = super().split_projection(zxbcdt)
         if all(s == 1.0 for s in self.part_scales):

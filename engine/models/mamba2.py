@@ -59,6 +59,11 @@ class Mamba2Mixer(nn.Module):
         """in_proj output -> (z, xBC, dt). Families that scale the parts override this."""
         return torch.split(zxbcdt, [self.d_ssm, self.conv_dim, self.num_heads], dim=-1)
 
+    def splits_plainly(self) -> bool:
+        """Whether forward runs on in_proj(hidden) split as above, unscaled (a family that scales
+        the input or the parts says when it does not)."""
+        return type(self).split_projection is Mamba2Mixer.split_projection and type(self).forward is Mamba2Mixer.forward
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self._decodes_in_one_call(hidden, batch, state):
@@ -102,14 +107,14 @@ class Mamba2Mixer(nn.Module):
 
 
     def fits_one_call(self) -> bool:
-        """SiLU, Mamba2's own split of the projection (not a family's scaled one), no norm or one
+        """SiLU, the projection split as is (splits_plainly), no norm or one
         that normalises y * silu(z), both linears packed (so not sharded), every parameter float32
         and contiguous. Checked again only when the packed weights change."""
         packed = (getattr(self.in_proj, "packed_weight", None), getattr(self.out_proj, "packed_weight", None))
         checked_for, fits = self._one_call_fit
         if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
             norm = self.norm
-            fits = (self.act is F.silu and type(self).split_projection is Mamba2Mixer.split_projection
+            fits = (self.act is F.silu and self.splits_plainly()
                     and (norm is None or (type(norm) is GatedRMSNorm and not norm.norm_before_gate))
                     and all(w is not None for w in packed)
                     and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
