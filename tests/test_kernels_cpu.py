@@ -44,6 +44,8 @@ def test_mamba2_dt_is_process_dt(bias, softplus, limit):
 
 @pytest.mark.parametrize("cols,group", [(64, 64), (48, 16), (30, 10)])
 def test_group_rms_norm_is_the_gated_norms_definition(cols, group):
+    """The gated norm's two C++ forms against GatedRMSNorm's torch definition: the norm alone
+    (after the gate) and, from y, x, D and z read in place, the skip, the norm, then the gate."""
     from engine.models.layers import GatedRMSNorm
 
     torch.manual_seed(cols)
@@ -53,6 +55,14 @@ def test_group_rms_norm_is_the_gated_norms_definition(cols, group):
     want = norm.weight * norm._group_rms(x)
     torch.testing.assert_close(cpu.group_rms_norm_cpu(x, norm.weight.detach(), group, 1e-5), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(norm.normalise_gated(x), want, atol=1e-5, rtol=1e-5)
+    proj = torch.randn(5, 2 * cols + 7)
+    skip, z, D = proj[:, 3:3 + cols], proj[:, 3 + cols:3 + 2 * cols], torch.randn(cols)
+    first = GatedRMSNorm(cols, group, 1e-5, norm_before_gate=True)
+    first.weight.data.copy_(norm.weight.data)
+    with torch.no_grad():
+        want = first(x + skip * D, z)
+    got = cpu.skip_norm_gate_cpu(x, skip, D, z, first.weight.detach(), group, 1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("d_inner,d_state,batch", [(64, 16, 5), (33, 4, 1), (128, 7, 9)])

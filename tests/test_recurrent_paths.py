@@ -136,13 +136,13 @@ def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, 
     ("mamba2_tied_limit", "Mamba2Mixer", True), ("bamba", "Mamba2Mixer", True),
     ("nemotron_h_latent", "Mamba2Mixer", True), ("zamba2_untied_linear_rope", "Mamba2Mixer", True),
     ("granitemoehybrid", "Mamba2Mixer", True), ("falcon_h1", "Mamba2Mixer", True),
-    ("falcon_h1_nonorm", "Mamba2Mixer", True), ("falcon_h1_odd_tied", "Mamba2Mixer", False)])
+    ("falcon_h1_nonorm", "Mamba2Mixer", True), ("falcon_h1_odd_tied", "Mamba2Mixer", True)])
 def test_mamba_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mixer, fits, model_factory, monkeypatch):
     """A Mamba or Mamba2 mixer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp
     mamba_decode, mamba2_decode): at every decode step of a batch, from the same states, its output
     and both updated states are the bits that forward's chain of kernels gives (for Mamba2: one and
-    several norm groups, dt limits, no norm, Falcon-H1 with its scales folded into in_proj; a norm
-    before the gate keeps the chain); and the batch's tokens are transformers'."""
+    several norm groups, dt limits, no norm, the norm before the gate, Falcon-H1 with its scales
+    folded into in_proj); and the batch's tokens are transformers'."""
     from engine.kernels import cpu
     from engine.models.ssm import MambaMixer
 

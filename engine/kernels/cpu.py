@@ -228,6 +228,24 @@ def group_rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int, eps: f
     return out
 
 
+def skip_norm_gate_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
+                       group: int, eps: float) -> torch.Tensor:
+    """Mamba2's output with the norm before the gate: weight * group_rms(y + x D) * silu(z), as
+    GatedRMSNorm(norm_before_gate=True) gives it; y [rows, cols] contiguous float32, x and z float32
+    with unit column stride (views into the projections are fine). A new tensor."""
+    _in_place("skip_norm_gate", y, x, z, weight)
+    rows, cols = y.shape
+    if not y.is_contiguous() or x.shape != y.shape or z.shape != y.shape or x.stride(1) != 1 or z.stride(1) != 1 \
+            or group <= 0 or cols % group:
+        raise ValueError(f"skip_norm_gate: y {tuple(y.shape)} contiguous, x and z of its shape with unit column "
+                         f"stride, groups of {group} columns")
+    out = torch.empty(y.shape, dtype=torch.float32)
+    if y.numel():
+        native.call("skip_norm_gate", y, x, x.stride(0), _f32(D), z, z.stride(0), weight.detach().contiguous(),
+                    group, float(eps), out, rows, cols)
+    return out
+
+
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.Tensor | None = None):
     """weight * x / sqrt(mean(x^2) + eps) over the last dim of float32 x: contiguous, or a matrix
     with its own row stride (a column block of a projection). With `add` (same shape and

@@ -35,8 +35,8 @@ void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, 
                    int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
                    float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
                    const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
-                   const float* norm_weight, int64_t norm_group, float norm_eps, const float* out_panels,
-                   const float* out_bias, float* scratch, float* out, int threads);
+                   const float* norm_weight, int64_t norm_group, int64_t norm_first, float norm_eps,
+                   const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
 
 enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
@@ -65,7 +65,7 @@ struct LayerPlan {
   const int64_t* expert_panels;
   // Mamba2 (engine.models.mamba2.Mamba2Mixer): heads and head_dim above, its own state and
   // projections in the Mamba fields (dt_bias its dt's bias, D one per channel)
-  int64_t groups, gate_norm_group;
+  int64_t groups, gate_norm_group, gate_norm_first;
   const float* gate_norm;  // null without the norm
   float dt_lo, dt_hi, gate_norm_eps;
   // A shared SwiGLU expert added to the routed ones (engine.models.layers.SummedFFN), or null;
@@ -112,8 +112,8 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
     } else if (p.mixer == MAMBA2) {
       mamba2_decode(normed, rows, hidden, p.heads, p.head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
                     p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo, p.dt_hi, p.A,
-                    p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_eps, p.out_panels, p.out_bias, work, mixed,
-                    threads);
+                    p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_first, p.gate_norm_eps, p.out_panels, p.out_bias,
+                    work, mixed, threads);
     } else if (p.mixer == RELU2_MLP) {
       packed_linear(normed, hidden, p.up_panels, p.up_bias, work, p.mlp_inter, rows, p.mlp_inter, hidden, threads);
       for (int64_t i = 0; i < rows * p.mlp_inter; ++i) {

@@ -40,6 +40,32 @@ void rms_norm(float* x, const float* add, const float* weight, float* out, int64
   }
 }
 
+// Mamba2's output with the norm before the gate (a Falcon-H1 option): s = y + x D, then
+// out = (weight * (s / sqrt(mean over the group of s^2 + eps))) * silu(z), within groups of `group`
+// columns; x and z rows `x_stride` and `z_stride` apart (read in place), y and out [rows, cols].
+void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
+                    int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
+                    int64_t cols, int threads) {
+  const int64_t groups = cols / group;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
+  for (int64_t i = 0; i < rows * groups; ++i) {
+    const int64_t r = i / groups, c0 = (i - r * groups) * group;
+    const float* xr = x + r * x_stride + c0;
+    const float* zr = z + r * z_stride + c0;
+    float* o = out + r * cols + c0;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t c = 0; c < group; ++c) {
+      o[c] = y[r * cols + c0 + c] + xr[c] * D[c0 + c];
+      sum += o[c] * o[c];
+    }
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < group; ++c)
+      o[c] = (weight[c0 + c] * (o[c] * inv)) * (zr[c] / (1.f + fast_exp(-zr[c])));
+  }
+}
+
 // RMSNorm within groups of `group` columns (Mamba2's gated norm, engine.models.layers.GatedRMSNorm):
 // out[r, c] = weight[c] * (x[r, c] / sqrt(mean over c's group of x^2 + eps)); x, out [rows, cols]
 // contiguous. One group is the whole row's RMSNorm.

@@ -41,6 +41,9 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
                          int64_t groups, int64_t d_state, int threads);
 void group_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t cols, int64_t group,
                     float eps, int threads);
+void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
+                    int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
+                    int64_t cols, int threads);
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                             int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
@@ -173,15 +176,16 @@ void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner,
 // Mamba2's mixer (engine.models.mamba2.Mamba2Mixer) over rows that are all decodes, one token
 // each: [z | xBC | dt] = in_proj(h); xBC = silu(conv_update(xBC)), split into x, B, C; dt =
 // mamba2_dt(dt); y = mamba2_state_update(x, dt, A, B, C); y = (y + x D) silu(z), D one per
-// channel; y = group_rms_norm(y) where norm_weight is given; out = out_proj(y). The states update in place at their slots; scratch holds
-// rows * (width + conv_dim + heads + 3 d_ssm + 2 groups d_state) floats, width being in_proj's.
+// channel, then group_rms_norm(y) where norm_weight is given (with norm_first, skip_norm_gate:
+// the norm before the gate); out = out_proj(y). The states update in place at their slots;
+// scratch holds rows * (width + conv_dim + heads + 3 d_ssm + 2 groups d_state) floats, width
+// being in_proj's.
 void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t head_dim, int64_t groups,
                    int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
                    float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
                    const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
-                   const float* norm_weight, int64_t norm_group, float norm_eps, const float* out_panels,
-                   const float* out_bias,
-                   float* scratch, float* out, int threads) {
+                   const float* norm_weight, int64_t norm_group, int64_t norm_first, float norm_eps,
+                   const float* out_panels, const float* out_bias, float* scratch, float* out, int threads) {
   const int64_t d_ssm = heads * head_dim, bc = groups * d_state, conv_dim = d_ssm + 2 * bc;
   const int64_t width = d_ssm + conv_dim + heads;
   float* proj = scratch;                  // [rows, width]: z, xBC, dt
@@ -202,10 +206,15 @@ void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, 
     std::memcpy(C + i * bc, conv + i * conv_dim + d_ssm + bc, bc * sizeof(float));
   }
   mamba2_state_update(ssm_state, slots, x, dt, A, B, C, y, rows, heads, head_dim, groups, d_state, threads);
-  gated_skip(y, conv, conv_dim, D, proj, width, y, rows, d_ssm, threads);
-  if (norm_weight != nullptr) {
-    group_rms_norm(y, norm_weight, normed, rows, d_ssm, norm_group, norm_eps, threads);
+  if (norm_weight != nullptr && norm_first) {
+    skip_norm_gate(y, conv, conv_dim, D, proj, width, norm_weight, norm_group, norm_eps, normed, rows, d_ssm, threads);
     y = normed;
+  } else {
+    gated_skip(y, conv, conv_dim, D, proj, width, y, rows, d_ssm, threads);
+    if (norm_weight != nullptr) {
+      group_rms_norm(y, norm_weight, normed, rows, d_ssm, norm_group, norm_eps, threads);
+      y = normed;
+    }
   }
   packed_linear(y, d_ssm, out_panels, out_bias, out, hidden, rows, hidden, d_ssm, threads);
 }

@@ -50,7 +50,7 @@ class LayerPlan(ctypes.Structure):
         ("qkv_panels", P), ("qkv_bias", P), ("cos", P), ("sin", P), ("o_panels", P), ("o_bias", P),
         ("k_cache", P), ("v_cache", P),
         ("experts", I64), ("top_k", I64), ("normalize", I64), ("inter", I64), ("router_panels", P), ("expert_panels", P),
-        ("groups", I64), ("gate_norm_group", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
+        ("groups", I64), ("gate_norm_group", I64), ("gate_norm_first", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
         ("residual_scale", F32), ("shared_inter", I64), ("shared_panels", P),
         ("mlp_inter", I64), ("up_panels", P), ("up_bias", P), ("down_panels", P), ("down_bias", P),
     ]
@@ -199,6 +199,7 @@ def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Ne
     entry.dt_lo, entry.dt_hi = cpu.dt_bounds(mixer.dt_limit)
     if norm is not None:
         entry.gate_norm, entry.gate_norm_group, entry.gate_norm_eps = norm.weight.data_ptr(), norm.group_size, norm.eps
+        entry.gate_norm_first = int(norm.norm_before_gate)
     entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
     width = mixer.in_proj.packed_weight.out_features
     return _Needs(floats=width + mixer.conv_dim + mixer.num_heads + 3 * mixer.d_ssm + 2 * mixer.n_groups * mixer.d_state)

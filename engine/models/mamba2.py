@@ -94,12 +94,15 @@ class Mamba2Mixer(nn.Module):
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
-        if (cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
-                and (self.norm is None or not self.norm.norm_before_gate)):
+        norm, rows = self.norm, cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
+        D = self.D.float().repeat_interleave(self.head_dim) if rows else None  # one per channel
+        if rows and norm is not None and norm.norm_before_gate and type(norm) is GatedRMSNorm \
+                and norm.weight.dtype == torch.float32:  # y + x D, normed, then gated: one pass
+            y = cpu.skip_norm_gate_cpu(y.view(tokens, self.d_ssm), x_rows, D, z, norm.weight, norm.group_size, norm.eps)
+        elif rows and (norm is None or not norm.norm_before_gate):
             # (y + x D) * silu(z) in one pass over y, then the norm alone
-            D = self.D.float().repeat_interleave(self.head_dim)
             y = cpu.gated_skip_cpu(y.view(tokens, self.d_ssm), x_rows, D, z)
-            y = self.norm.normalise_gated(y) if self.norm is not None else y
+            y = norm.normalise_gated(y) if norm is not None else y
         else:
             y = (y + x.float() * self.D.float()[:, None]).reshape(tokens, self.d_ssm)
             y = self.norm(y, z) if self.norm is not None else y * F.silu(z.float())
@@ -107,15 +110,15 @@ class Mamba2Mixer(nn.Module):
 
 
     def fits_one_call(self) -> bool:
-        """SiLU, the projection split as is (splits_plainly), no norm or one
-        that normalises y * silu(z), both linears packed (so not sharded), every parameter float32
-        and contiguous. Checked again only when the packed weights change."""
+        """SiLU, the projection split as is (splits_plainly), no norm or a GatedRMSNorm (not a
+        sharded one), both linears packed (so not sharded), every parameter float32 and contiguous.
+        Checked again only when the packed weights change."""
         packed = (getattr(self.in_proj, "packed_weight", None), getattr(self.out_proj, "packed_weight", None))
         checked_for, fits = self._one_call_fit
         if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
             norm = self.norm
             fits = (self.act is F.silu and self.splits_plainly()
-                    and (norm is None or (type(norm) is GatedRMSNorm and not norm.norm_before_gate))
+                    and (norm is None or type(norm) is GatedRMSNorm)
                     and all(w is not None for w in packed)
                     and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
             self._one_call_fit = (packed, fits)
@@ -140,7 +143,8 @@ class Mamba2Mixer(nn.Module):
                     self.d_conv, self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
                     cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias, self.dt_bias,
                     *cpu.dt_bounds(self.dt_limit), A, D, None if norm is None else norm.weight,
-                    0 if norm is None else norm.group_size, 0.0 if norm is None else float(norm.eps), self.out_proj.packed_weight.panels, self.out_proj.bias,
+                    0 if norm is None else norm.group_size, int(norm is not None and norm.norm_before_gate),
+                    0.0 if norm is None else float(norm.eps), self.out_proj.packed_weight.panels, self.out_proj.bias,
                     torch.empty(rows * (width + self.conv_dim + self.num_heads + 3 * self.d_ssm + 2 * bc)), out)
         return out
 
