@@ -79,7 +79,7 @@ struct LayerPlan {
 };
 
 // x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
-__attribute__((noinline)) void scale(float* x, int64_t n, float s) {
+__attribute__((noinline)) static void scale_rows(float* x, int64_t n, float s) {
   for (int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 
@@ -127,7 +127,7 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, mixed, threads);
     }
-    if (p.residual_scale != 1.f) scale(mixed, size, p.residual_scale);
+    if (p.residual_scale != 1.f) scale_rows(mixed, size, p.residual_scale);
     if (p.ffn == NO_FFN) {
       for (int64_t i = 0; i < size; ++i) next[i] = current[i] + mixed[i];
       current = next;
@@ -147,7 +147,7 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       moe_silu_experts(ffn_in, ids, p.shared_panels, work, shared_out, 1, hidden, p.shared_inter, threads);
       for (int64_t i = 0; i < size; ++i) ffn_out[i] += shared_out[i];
     }
-    if (p.residual_scale != 1.f) scale(ffn_out, size, p.residual_scale);
+    if (p.residual_scale != 1.f) scale_rows(ffn_out, size, p.residual_scale);
     for (int64_t i = 0; i < size; ++i) next[i] = mixed[i] + ffn_out[i];
     current = next;
   }

@@ -36,7 +36,8 @@ inline float fast_exp(float v) {
   return e * scale;
 }
 
-// One thread's share of a loop, [front, back) packed in one word so a take is one compare-and-swap.
+// One thread's share of a loop, [front, back) packed in one word so a take is one compare-and-swap
+// (so a loop has fewer than 2^32 items: a GEMM's chunks times panels are far fewer).
 struct alignas(64) Share {
   std::atomic<uint64_t> range{0};
   void set(int64_t front, int64_t back) {

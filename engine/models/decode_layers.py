@@ -185,8 +185,7 @@ def _plan_mamba(entry: LayerPlan, mixer: MambaMixer, state, keep: list) -> _Need
 
 def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Needs:
     conv_state, ssm_state = state
-    # A and D as forward computes them each call; the weights are final
-    A, D = -torch.exp(mixer.A_log.float()), mixer.D.float().repeat_interleave(mixer.head_dim)
+    A, D = mixer.decay_and_skip()  # the weights are final
     keep += [A, D]
     norm = mixer.norm
     entry.mixer = MAMBA2

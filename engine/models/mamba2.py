@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan, uses_cpu_kernel
+from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan
 from engine.kernels.mamba2_update import process_dt
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
-from engine.models.ssm import conv_then_act
+from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
 from engine.phase import Phase
 
 
@@ -77,7 +77,7 @@ class Mamba2Mixer(nn.Module):
         x = x.reshape(tokens, self.num_heads, self.head_dim)
         B = B.reshape(tokens, self.n_groups, self.d_state)
         C = C.reshape(tokens, self.n_groups, self.d_state)
-        A = -torch.exp(self.A_log.float())
+        A, D = self.decay_and_skip()
         y = torch.empty(tokens, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if batch.prefill_rows:
             dt_full = process_dt(dt, self.dt_bias, True, self.dt_limit)
@@ -95,7 +95,6 @@ class Mamba2Mixer(nn.Module):
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
         norm, rows = self.norm, cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
-        D = self.D.float().repeat_interleave(self.head_dim) if rows else None  # one per channel
         if rows and norm is not None and norm.norm_before_gate and type(norm) is GatedRMSNorm \
                 and norm.weight.dtype == torch.float32:  # y + x D, normed, then gated: one pass
             y = cpu.skip_norm_gate_cpu(y.view(tokens, self.d_ssm), x_rows, D, z, norm.weight, norm.group_size, norm.eps)
@@ -108,35 +107,25 @@ class Mamba2Mixer(nn.Module):
             y = self.norm(y, z) if self.norm is not None else y * F.silu(z.float())
         return self.out_proj(y.to(hidden.dtype))
 
+    def decay_and_skip(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A [heads] and D one per channel, float32, as every path computes them (so the one-call
+        decode gives the chain's bits)."""
+        return -torch.exp(self.A_log.float()), self.D.float().repeat_interleave(self.head_dim)
 
     def fits_one_call(self) -> bool:
         """SiLU, the projection split as is (splits_plainly), no norm or a GatedRMSNorm (not a
-        sharded one), both linears packed (so not sharded), every parameter float32 and contiguous.
-        Checked again only when the packed weights change."""
-        packed = (getattr(self.in_proj, "packed_weight", None), getattr(self.out_proj, "packed_weight", None))
-        checked_for, fits = self._one_call_fit
-        if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
-            norm = self.norm
-            fits = (self.act is F.silu and self.splits_plainly()
-                    and (norm is None or type(norm) is GatedRMSNorm)
-                    and all(w is not None for w in packed)
-                    and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
-            self._one_call_fit = (packed, fits)
-        return fits
+        sharded one), both linears packed (so not sharded), every parameter float32 and contiguous."""
+        return packed_fit(self, (self.in_proj, self.out_proj), lambda: (
+            self.act is F.silu and self.splits_plainly() and (self.norm is None or type(self.norm) is GatedRMSNorm)))
 
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
-        """Every row a decode on the CPU kernels, float32 throughout: then forward's kernels run as
-        one C++ call (engine/kernels/cpu_layers.cpp mamba2_decode)."""
-        # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
-        return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden) and hidden.is_contiguous()
-                and all(uses_cpu_kernel(t) for t in state) and self.fits_one_call())
+        return decodes_in_one_call(self, hidden, batch, state)
 
     def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
         conv_state, ssm_state = state
         rows, size = hidden.shape
         width, bc = self.in_proj.packed_weight.out_features, self.n_groups * self.d_state
-        # A and D as forward computes them, so the result is its bits
-        A, D = -torch.exp(self.A_log.float()), self.D.float().repeat_interleave(self.head_dim)
+        A, D = self.decay_and_skip()
         norm = self.norm
         out = torch.empty(rows, size)
         native.call("mamba2_decode", hidden, rows, size, self.num_heads, self.head_dim, self.n_groups, self.d_state,

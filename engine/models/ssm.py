@@ -134,24 +134,11 @@ class MambaMixer(nn.Module):
         return self.out_proj(y.to(hidden.dtype))
 
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
-        """Every row a decode on the CPU kernels, float32 throughout, SiLU, the linears packed:
-        then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
-        # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
-        return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden)
-                and all(uses_cpu_kernel(t) for t in state) and self.fits_one_call())
+        return decodes_in_one_call(self, hidden, batch, state)
 
     def fits_one_call(self) -> bool:
-        """SiLU, the four linears packed, every parameter float32 and contiguous. Checked again
-        only when the packed weights change: weights are final before they are packed
-        (pack_linears), and walking the parameters every step cost more than the check."""
-        linears = (self.in_proj, self.x_proj, self.dt_proj, self.out_proj)
-        packed = tuple(getattr(m, "packed_weight", None) for m in linears)
-        checked_for, fits = self._one_call_fit
-        if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
-            fits = (self.act is F.silu and all(w is not None for w in packed)
-                    and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
-            self._one_call_fit = (packed, fits)
-        return fits
+        """SiLU, the four linears packed, every parameter float32 and contiguous."""
+        return packed_fit(self, (self.in_proj, self.x_proj, self.dt_proj, self.out_proj), lambda: self.act is F.silu)
 
     def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
         conv_state, ssm_state = state
@@ -196,6 +183,28 @@ class MambaMixer(nn.Module):
 
     def _conv(self, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor) -> torch.Tensor:
         return conv_then_act(self.act, x, batch, conv_state, self.conv_weight, self.conv_bias)
+
+
+def decodes_in_one_call(mixer: nn.Module, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
+    """Every row a decode on the CPU kernels, float32 throughout, and `mixer` fits its one-call
+    path: then its forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
+    # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
+    return (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(hidden) and hidden.is_contiguous()
+            and all(uses_cpu_kernel(t) for t in state) and mixer.fits_one_call())
+
+
+def packed_fit(mixer: nn.Module, linears, fits) -> bool:
+    """Whether `mixer` can take its one-call path: `linears` packed, every parameter float32 and
+    contiguous, and fits(). Asked again only when the packed weights change (kept in
+    mixer._one_call_fit): weights are final before they are packed (pack_linears), and walking
+    the parameters every step cost more than the check."""
+    packed = tuple(getattr(m, "packed_weight", None) for m in linears)
+    checked_for, answer = mixer._one_call_fit
+    if len(checked_for) != len(packed) or any(a is not b for a, b in zip(checked_for, packed)):
+        answer = (all(w is not None for w in packed) and fits()
+                  and all(p.dtype == torch.float32 and p.is_contiguous() for p in mixer.parameters()))
+        mixer._one_call_fit = (packed, answer)
+    return answer
 
 
 def conv_then_act(act, x: torch.Tensor, batch: ForwardBatch, conv_state: torch.Tensor,
