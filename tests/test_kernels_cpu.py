@@ -152,6 +152,41 @@ def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
     assert kernels.uses_cpu_kernel(pool)  # so the engine's gated_delta_step takes this kernel
 
 
+@pytest.mark.parametrize("k_heads,heads,k_dim,v_dim", [(2, 4, 8, 8), (3, 3, 6, 10), (1, 4, 16, 8)])
+def test_gated_deltanet_elementwise_kernels_are_their_torch_definitions(k_heads, heads, k_dim, v_dim):
+    """The C++ steps around the delta rule (the chain and the one-call decode both take them):
+    q and k prepared from column blocks of the conv's output, the gates (softplus past its
+    threshold of 20 included), and the per-head norm times silu(z) from z's blocks per key head."""
+    from engine.kernels.gdn_scan import prepare_qk
+    from engine.models.gated_deltanet import HeadGatedRMSNorm
+
+    torch.manual_seed(heads + k_dim)
+    key_dim = k_heads * k_dim
+    conv = torch.randn(7, 2 * key_dim + heads * v_dim) * 3
+    q, k = conv[:, :key_dim].view(7, k_heads, k_dim), conv[:, key_dim:2 * key_dim].view(7, k_heads, k_dim)
+    got, want = cpu.prepare_qk_cpu(q, k, heads), prepare_qk(q, k, heads)
+    for ours, ref in zip(got, want):
+        assert ours.shape == (7, heads, k_dim)
+        torch.testing.assert_close(ours, ref, atol=1e-6, rtol=1e-5)
+
+    b, a = torch.randn(7, heads) * 4, torch.randn(7, heads) * 12  # some a + dt_bias past 20
+    A_log, dt_bias = torch.randn(heads), torch.randn(heads) * 10
+    beta, g = cpu.gdn_gates_cpu(b, a, -torch.exp(A_log), dt_bias)
+    torch.testing.assert_close(beta, b.sigmoid(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(g, -torch.exp(A_log) * torch.nn.functional.softplus(a + dt_bias), atol=1e-5, rtol=1e-5)
+    assert ((a + dt_bias) > 20).any()
+
+    norm = HeadGatedRMSNorm(v_dim, 1e-6)
+    torch.nn.init.normal_(norm.weight)
+    y = torch.randn(7, heads, v_dim)
+    z = torch.randn(7, k_heads, 2 * (heads // k_heads) * v_dim)[..., :(heads // k_heads) * v_dim]  # blocks apart
+    z = z.reshape(7, heads, v_dim) if k_heads == 1 else z.view(7, k_heads, -1).reshape(7, heads, v_dim)
+    with torch.no_grad():
+        ours = norm(y, z)
+        want = norm.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)) * torch.nn.functional.silu(z)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim", [(1, 1, 1, 5, 7), (70, 2, 4, 16, 8), (130, 4, 8, 32, 32)])
 def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_heads, heads, k_dim, v_dim):
     """The token-by-token CPU prefill, through the dispatcher, on strided views of one projection."""

@@ -136,20 +136,24 @@ def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, 
     ("mamba2_tied_limit", "Mamba2Mixer", True), ("bamba", "Mamba2Mixer", True),
     ("nemotron_h_latent", "Mamba2Mixer", True), ("zamba2_untied_linear_rope", "Mamba2Mixer", True),
     ("granitemoehybrid", "Mamba2Mixer", True), ("falcon_h1", "Mamba2Mixer", True),
-    ("falcon_h1_nonorm", "Mamba2Mixer", True), ("falcon_h1_odd_tied", "Mamba2Mixer", True)])
-def test_mamba_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mixer, fits, model_factory, monkeypatch):
-    """A Mamba or Mamba2 mixer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp
-    mamba_decode, mamba2_decode): at every decode step of a batch, from the same states, its output
-    and both updated states are the bits that forward's chain of kernels gives (for Mamba2: one and
-    several norm groups, dt limits, no norm, the norm before the gate, Falcon-H1 with its scales
-    folded into in_proj); and the batch's tokens are transformers'."""
+    ("falcon_h1_nonorm", "Mamba2Mixer", True), ("falcon_h1_odd_tied", "Mamba2Mixer", True),
+    ("qwen3_next", "GatedDeltaNetMixer", True), ("qwen3_next_sparse_step_tied", "GatedDeltaNetMixer", True),
+    ("qwen3_next_dense_mqa", "GatedDeltaNetMixer", True)])
+def test_recurrent_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mixer, fits, model_factory, monkeypatch):
+    """A Mamba, Mamba2 or Gated DeltaNet mixer's all-decode step as one C++ call
+    (engine/kernels/cpu_layers.cpp mamba_decode, mamba2_decode; cpu_deltanet.cpp gdn_decode): at
+    every decode step of a batch, from the same states, its output and both updated states are the
+    bits that forward's chain of kernels gives (for Mamba2: one and several norm groups, dt limits,
+    no norm, the norm before the gate, Falcon-H1 with its scales folded into in_proj; for Gated
+    DeltaNet: key heads serving 2 and 4 value heads or one each, dk != dv, conv kernels 4 and 3);
+    and the batch's tokens are transformers'."""
     from engine.kernels import cpu
     from engine.models.ssm import MambaMixer
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    mixer_class = {"MambaMixer": MambaMixer, "Mamba2Mixer": Mamba2Mixer}[mixer]
+    mixer_class = {"MambaMixer": MambaMixer, "Mamba2Mixer": Mamba2Mixer, "GatedDeltaNetMixer": GatedDeltaNetMixer}[mixer]
     compared = compare_each_one_call_with_the_chain(monkeypatch, mixer_class, lambda hidden, batch, state: hidden.shape[0])
     prompts = [[random.Random(i).randrange(1, 100) for _ in range(3 + 2 * i)] for i in range(3)]
     outputs = LLM(path, max_num_seqs=4).generate(prompts, GREEDY)

@@ -26,7 +26,7 @@ import torch
 
 from engine.kernels import native
 from engine.kernels.conv_update import check_conv_update
-from engine.kernels.gdn_scan import check_rule, check_step, prepare_qk
+from engine.kernels.gdn_scan import check_rule, check_step
 from engine.kernels.mamba2_update import NO_LIMIT, check_state_update
 from engine.kernels.ssd_scan import check_chunk_scan
 
@@ -174,10 +174,38 @@ def ssd_scan_cpu(x, dt, A, B, C, h0):
     return y, h
 
 
+def prepare_qk_cpu(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.kernels.gdn_scan.prepare_qk in one C++ pass (the kernel the one-call Gated DeltaNet
+    decode runs, so both give the same bits): q, k [rows, Hk, dk] -> [rows, Hv, dk] float32; rows
+    may be column blocks of one tensor (views into the conv's output)."""
+    def heads_in_rows(t):
+        return t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+    if not (heads_in_rows(q) and heads_in_rows(k) and q.stride(0) == k.stride(0)):
+        q, k = _f32(q), _f32(k)
+    rows, k_heads, k_dim = q.shape
+    q_out, k_out = torch.empty(rows, num_v_heads, k_dim), torch.empty(rows, num_v_heads, k_dim)
+    if rows:
+        native.call("gdn_prepare_qk", q, k, q.stride(0), rows, k_heads, num_v_heads, k_dim, q_out, k_out)
+    return q_out, k_out
+
+
+def gdn_gates_cpu(b: torch.Tensor, a: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor):
+    """Gated DeltaNet's beta = sigmoid(b) and g = A softplus(a + dt_bias) (A = -exp(A_log)), each
+    [rows, heads] float32, in one C++ pass (the one-call decode's kernel)."""
+    if b.shape != a.shape or b.dim() != 2 or A.shape != b.shape[1:] or dt_bias.shape != b.shape[1:]:
+        raise ValueError(f"gdn_gates: b, a [rows, heads], A and dt_bias [heads]; got {tuple(b.shape)}, "
+                         f"{tuple(a.shape)}, {tuple(A.shape)}, {tuple(dt_bias.shape)}")
+    beta, g = torch.empty(b.shape), torch.empty(b.shape)
+    if b.numel():
+        native.call("gdn_gates", _f32(b), _f32(a), _f32(A), _f32(dt_bias), beta, g, *b.shape)
+    return beta, g
+
+
 def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
     """See engine.kernels.gdn_scan.gated_delta_step_ref."""
     check_step(state, slots, q, k, v, g, beta)
-    q, k = prepare_qk(q, k, v.shape[1])
+    q, k = prepare_qk_cpu(q, k, v.shape[1])
     o = torch.empty(v.shape, dtype=torch.float32)
     if v.shape[0]:
         native.call("gated_delta_step", _pool(state, "state"), ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
@@ -189,7 +217,7 @@ def gated_delta_rule_cpu(q, k, v, g, beta, h0):
     """See engine.kernels.gdn_scan.gated_delta_rule_ref: one sequence's prefill from h0
     [Hv, dk, dv], one token at a time; returns o [L, Hv, dv] and S_L, float32."""
     check_rule(q, k, v, g, beta, h0)
-    q, k = prepare_qk(q, k, v.shape[1])
+    q, k = prepare_qk_cpu(q, k, v.shape[1])
     length, heads, v_dim = v.shape
     o = torch.empty(length, heads, v_dim, dtype=torch.float32)
     S = h0.detach().float().clone().contiguous()
@@ -228,21 +256,24 @@ def group_rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int, eps: f
     return out
 
 
-def skip_norm_gate_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
-                       group: int, eps: float) -> torch.Tensor:
+def skip_norm_gate_cpu(y: torch.Tensor, x: torch.Tensor | None, D: torch.Tensor | None, z: torch.Tensor,
+                       weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
     """Mamba2's output with the norm before the gate: weight * group_rms(y + x D) * silu(z), as
-    GatedRMSNorm(norm_before_gate=True) gives it; y [rows, cols] contiguous float32, x and z float32
-    with unit column stride (views into the projections are fine). A new tensor."""
+    GatedRMSNorm(norm_before_gate=True) gives it; without x and D, weight * group_rms(y) * silu(z)
+    (Gated DeltaNet's HeadGatedRMSNorm, its weight repeated per head). y [rows, cols] contiguous
+    float32, x and z float32 with unit column stride (views into the projections are fine). A new
+    tensor."""
     _in_place("skip_norm_gate", y, x, z, weight)
     rows, cols = y.shape
-    if not y.is_contiguous() or x.shape != y.shape or z.shape != y.shape or x.stride(1) != 1 or z.stride(1) != 1 \
+    skip_ok = (x is None and D is None) or (x is not None and D is not None and x.shape == y.shape and x.stride(1) == 1)
+    if not y.is_contiguous() or not skip_ok or z.shape != y.shape or z.stride(1) != 1 or weight.shape != (cols,) \
             or group <= 0 or cols % group:
-        raise ValueError(f"skip_norm_gate: y {tuple(y.shape)} contiguous, x and z of its shape with unit column "
-                         f"stride, groups of {group} columns")
+        raise ValueError(f"skip_norm_gate: y {tuple(y.shape)} contiguous, z (and x with D, or neither) of its shape "
+                         f"with unit column stride, a weight per column, groups of {group} columns")
     out = torch.empty(y.shape, dtype=torch.float32)
     if y.numel():
-        native.call("skip_norm_gate", y, x, x.stride(0), _f32(D), z, z.stride(0), weight.detach().contiguous(),
-                    group, float(eps), out, rows, cols)
+        native.call("skip_norm_gate", y, x, 0 if x is None else x.stride(0), None if D is None else _f32(D), z,
+                    z.stride(0), weight.detach().contiguous(), group, float(eps), out, rows, cols)
     return out
 
 

@@ -43,6 +43,7 @@ void rms_norm(float* x, const float* add, const float* weight, float* out, int64
 // Mamba2's output with the norm before the gate (a Falcon-H1 option): s = y + x D, then
 // out = (weight * (s / sqrt(mean over the group of s^2 + eps))) * silu(z), within groups of `group`
 // columns; x and z rows `x_stride` and `z_stride` apart (read in place), y and out [rows, cols].
+// Without D (and x) there is no skip, s = y: Gated DeltaNet's norm of each head, then its gate.
 void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
                     int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
                     int64_t cols, int threads) {
@@ -50,14 +51,22 @@ void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const floa
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= 32768)
   for (int64_t i = 0; i < rows * groups; ++i) {
     const int64_t r = i / groups, c0 = (i - r * groups) * group;
-    const float* xr = x + r * x_stride + c0;
+    const float* xr = D != nullptr ? x + r * x_stride + c0 : nullptr;
     const float* zr = z + r * z_stride + c0;
     float* o = out + r * cols + c0;
     float sum = 0.f;
+    if (D != nullptr) {
 #pragma omp simd reduction(+ : sum)
-    for (int64_t c = 0; c < group; ++c) {
-      o[c] = y[r * cols + c0 + c] + xr[c] * D[c0 + c];
-      sum += o[c] * o[c];
+      for (int64_t c = 0; c < group; ++c) {
+        o[c] = y[r * cols + c0 + c] + xr[c] * D[c0 + c];
+        sum += o[c] * o[c];
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < group; ++c) {
+        o[c] = y[r * cols + c0 + c];
+        sum += o[c] * o[c];
+      }
     }
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(group) + eps);
 #pragma omp simd

@@ -1,4 +1,4 @@
-"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp,
+"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp, cpu_deltanet.cpp,
 cpu_kernels.h):
 compiled on first use into one library, cached on disk, called by ctypes.
 
@@ -31,7 +31,8 @@ import torch  # first: its libgomp must be the one the library's libgomp.so.1 re
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp", "cpu_decode.cpp")]
+           for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp", "cpu_decode.cpp",
+                         "cpu_deltanet.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.
@@ -72,6 +73,10 @@ SIGNATURES = {
     "attention_decode": [P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P, P, P,
                          INT],
     "decoder_layers": [P, I64, P, I64, I64, P, P, P, I64, P, P, P, P, INT],
+    "gdn_split": [P, P, I64, I64, I64, I64, I64, P, P, P, P, INT],
+    "gdn_gates": [P, P, P, P, P, P, I64, I64, INT],
+    "gdn_prepare_qk": [P, P, I64, I64, I64, I64, I64, P, P, INT],
+    "gdn_decode": [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, F32, P, P, P, INT],
 }
 
 

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import chunk_gated_delta_rule, gated_delta_step
+from engine.kernels import chunk_gated_delta_rule, cpu, gated_delta_step, native, uses_cpu_kernel
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
-from engine.models.ssm import conv_then_act
+from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
 from engine.phase import Phase
 
 
@@ -34,8 +34,23 @@ class HeadGatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps = eps
+        self._per_channel = (None, -1, None)  # (the weight it repeats, its version, [heads * head_dim])
+
+    def per_channel(self, heads: int) -> torch.Tensor:
+        """The weight repeated for every head, as the C++ norm takes it (made again when the weight
+        is replaced or written in place, or the head count changes)."""
+        source, version, repeated = self._per_channel
+        if source is not self.weight or version != self.weight._version or repeated.numel() != heads * self.weight.numel():
+            repeated = self.weight.detach().float().repeat(heads)
+            self._per_channel = (self.weight, self.weight._version, repeated)
+        return repeated
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        tokens, heads, head_dim = y.shape
+        if uses_cpu_kernel(y) and z.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # z's heads may sit apart in the projection (one block per key head): reshape copies then
+            return cpu.skip_norm_gate_cpu(y.view(tokens, -1), None, None, z.reshape(tokens, -1),
+                                          self.per_channel(heads), head_dim, self.eps).view(y.shape)
         dtype = y.dtype
         y = y.float()
         y = self.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
@@ -66,6 +81,7 @@ class GatedDeltaNetMixer(nn.Module):
         self.norm = HeadGatedRMSNorm(v_head_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.act = activation(act)
+        self._one_call_fit = ((), False)  # (the packed weights it was checked for, the answer)
 
     def state_spec(self) -> list[StateTensorSpec]:
         return [StateTensorSpec("conv", (self.conv_dim, self.conv_kernel)),
@@ -87,8 +103,20 @@ class GatedDeltaNetMixer(nn.Module):
         return (qkv, z.reshape(tokens, self.num_v_heads, self.v_head_dim),
                 b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads))
 
+    def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and the log decay g = -exp(A_log) softplus(a + dt_bias), float32."""
+        if uses_cpu_kernel(b) and uses_cpu_kernel(a):
+            return cpu.gdn_gates_cpu(b, a, self.decay(), self.dt_bias)
+        return b.sigmoid().float(), self.decay() * F.softplus(a.float() + self.dt_bias.float())
+
+    def decay(self) -> torch.Tensor:
+        """-exp(A_log) [Hv], float32, as every path computes it (so the one call gives the chain's bits)."""
+        return -torch.exp(self.A_log.float())
+
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(hidden, batch, state):
+            return self._decode_in_one_call(hidden, batch, state)
         conv_state, recurrent_state = state
         tokens = hidden.shape[0]
         qkv, z, b, a = self.split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
@@ -97,8 +125,7 @@ class GatedDeltaNetMixer(nn.Module):
         q = q.view(tokens, self.num_k_heads, self.k_head_dim)
         k = k.view(tokens, self.num_k_heads, self.k_head_dim)
         v = v.view(tokens, self.num_v_heads, self.v_head_dim)
-        beta = b.sigmoid().float()
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        beta, g = self.gates(b, a)
 
         out = torch.empty(tokens, self.num_v_heads, self.v_head_dim, dtype=torch.float32, device=hidden.device)
         for row in batch.prefill_rows:
@@ -115,3 +142,28 @@ class GatedDeltaNetMixer(nn.Module):
                                         g[idx], beta[idx])
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
+
+    def fits_one_call(self) -> bool:
+        """SiLU, the projections in Qwen3-Next's layout (split_projections as is), the norm as
+        defined here, the three linears packed (so not sharded), every parameter float32 and
+        contiguous."""
+        return packed_fit(self, (self.in_proj_qkvz, self.in_proj_ba, self.out_proj), lambda: (
+            self.act is F.silu and type(self).split_projections is GatedDeltaNetMixer.split_projections
+            and type(self).forward is GatedDeltaNetMixer.forward and type(self.norm) is HeadGatedRMSNorm
+            and all(m.bias is None for m in (self.in_proj_qkvz, self.in_proj_ba, self.out_proj))))
+
+    def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
+        return decodes_in_one_call(self, hidden, batch, state)
+
+    def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
+        conv_state, recurrent_state = state
+        rows, size = hidden.shape
+        heads, k_dim = self.num_v_heads, self.k_head_dim
+        out = torch.empty(rows, size)
+        scratch = rows * (2 * self.key_dim + 6 * self.value_dim + 2 * self.conv_dim + 6 * heads + 2 * heads * k_dim)
+        native.call("gdn_decode", hidden, rows, size, self.num_k_heads, heads, k_dim, self.v_head_dim,
+                    self.conv_kernel, self.in_proj_qkvz.packed_weight.panels, self.in_proj_ba.packed_weight.panels,
+                    conv_state, recurrent_state, cpu.ids(batch.decode_slots), self.conv_weight, self.decay(),
+                    self.dt_bias, self.norm.per_channel(heads), float(self.norm.eps),
+                    self.out_proj.packed_weight.panels, torch.empty(scratch), out)
+        return out
