@@ -246,6 +246,10 @@ def save_tiny_model(name: str, path: Path):
                         eos_token_id=2, pad_token_id=0, **kwargs)
     torch.manual_seed(sum(map(ord, name)))
     model = model_cls(config).eval()
+    with torch.no_grad():  # norm weights off their constant init, so a norm with the wrong weight shows
+        for param_name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in param_name.lower():
+                param.add_(torch.randn_like(param) * 0.2)
     model.save_pretrained(path)
     return model
 
