@@ -272,10 +272,13 @@ def test_uncapturable_model_decodes_eagerly_on_cuda(model_factory):
 
 # ---------------------------------------------------------------- bf16 end to end
 
-# transformers itself in bf16 differs from its own float32 logits by up to ~0.13 on these tiny
-# models (logits of magnitude 2-4, where one bf16 ulp is 1/64); our bf16 forward rounds in
-# other places (float32 recurrent state and residual stream), so its argmax may pick any
-# token within that distance of bf16 transformers' best: 8 ulps.
+# transformers itself in bf16 differs from its own float32 logits by about 0.06-0.13 on most of
+# these tiny models (logits of magnitude 2-4, where one bf16 ulp is 1/64), and by up to 0.57 on
+# the Jamba one with its norm weights spread (tests.oracle); our bf16 forward rounds in other
+# places (float32 recurrent state and residual stream) with errors of the same size (measured on
+# that Jamba: ours 0.49 max, 0.019 mean from transformers' float32; its own bf16 0.49, 0.019), so
+# its argmax may pick any token within 8 ulps of bf16 transformers' best, or within twice the
+# largest drift transformers' bf16 shows from its float32 in the run where that is more.
 BF16_MARGIN = 0.125
 
 
@@ -290,12 +293,14 @@ def test_bf16_engine_agrees_with_bf16_transformers(model_factory, name):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (1, 5, 9, 17, 40)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    rows = [tuple(hf_logits(model, prompt + out.token_ids)[len(prompt) - 1:-1] for model in (hf16, hf))
+            for prompt, out in zip(prompts, outs)]
+    margin = max(BF16_MARGIN, 2 * max(float((bf16 - exact).abs().max()) for bf16, exact in rows))
     exact = 0
-    for prompt, out in zip(prompts, outs):
-        logits = hf_logits(hf16, prompt + out.token_ids)
+    for (logits, _), out in zip(rows, outs):
         for i, token in enumerate(out.token_ids):
-            row = logits[len(prompt) - 1 + i]
+            row = logits[i]
             gap = float(row.max() - row[token])
-            assert gap <= BF16_MARGIN, f"{name}: token {i} is {gap} below bf16 transformers' best"
+            assert gap <= margin, f"{name}: token {i} is {gap} below bf16 transformers' best (margin {margin})"
             exact += gap == 0
     assert exact >= 0.9 * sum(len(o.token_ids) for o in outs)
