@@ -111,19 +111,26 @@ def test_guard_fires_when_a_decode_is_handed_a_stranger_slot(model_factory):
         engine.runner.execute(plan.seqs)
 
 
-@pytest.mark.parametrize("name", ["jamba", "llama", "mistral_mqa_window", "qwen2_bias_tied"])
-def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, model_factory, monkeypatch):
-    """PagedAttention's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp): at every
-    decode step, from the same caches, its output and the K/V it writes are the bits forward's
-    chain of kernels gives (no rotary, rotary, MQA with a sliding window the contexts pass,
-    q/k/v biases); and the tokens are transformers'."""
+@pytest.mark.parametrize("name,layer", [
+    ("jamba", "PagedAttention"), ("llama", "PagedAttention"), ("mistral_mqa_window", "PagedAttention"),
+    ("qwen2_bias_tied", "PagedAttention"), ("qwen3_next", "GatedAttention"),
+    ("qwen3_next_sparse_step_tied", "GatedAttention"), ("qwen3_next_dense_mqa", "GatedAttention")])
+def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, layer, model_factory, monkeypatch):
+    """An attention layer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp
+    attention_decode; Qwen3-Next's gated_attention_decode): at every decode step, from the same
+    caches, its output and the K/V it writes are the bits forward's chain of kernels gives (no
+    rotary, rotary, MQA with a sliding window the contexts pass, q/k/v biases; Qwen3-Next's
+    normed q and k, partial rotary and output gate, with GQA, MHA with biases and MQA); and the
+    tokens are transformers'."""
     from engine.kernels import cpu
     from engine.models.attention import PagedAttention
+    from engine.models.families_qwen3_next import GatedAttention
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    compared = compare_each_one_call_with_the_chain(monkeypatch, PagedAttention,
+    compared = compare_each_one_call_with_the_chain(monkeypatch, {"PagedAttention": PagedAttention,
+                                                                  "GatedAttention": GatedAttention}[layer],
                                                     lambda x, batch, cache: int(batch.decode_context_lens.max()))
     llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
     prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 5)

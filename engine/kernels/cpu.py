@@ -354,6 +354,19 @@ def rows_of_heads(x: torch.Tensor) -> bool:
             and x.stride(2) == 1 and x.stride(1) == x.shape[2])
 
 
+def sigmoid_gate_cpu(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) into contiguous float32 x [tokens, heads * head_dim], returned; gate
+    [tokens, heads, head_dim] float32 with unit column stride (each head's gate beside its query
+    in the projection is fine)."""
+    _in_place("head_gate", x, gate)
+    tokens, heads, head_dim = gate.shape
+    if not x.is_contiguous() or x.shape != (tokens, heads * head_dim) or gate.stride(2) != 1:
+        raise ValueError(f"head_gate: x {tuple(x.shape)} contiguous, gate {tuple(gate.shape)} with unit column stride")
+    if x.numel():
+        native.call("head_gate", x, gate, gate.stride(0), gate.stride(1), tokens, heads, head_dim)
+    return x
+
+
 def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Mamba's (y + x * D) * silu(z), written into contiguous float32 y [rows, cols] and returned;
     x and z float32 with unit column stride (views into the projections are fine)."""

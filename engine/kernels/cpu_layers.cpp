@@ -1,8 +1,8 @@
 // Layers whose glue cost more than their kernels, each as one call of the kernels the
 // layer's Python would call one by one, in the same order on the same buffers, so the results
 // are the same bits (engine.models.layers.SparseMoE and GatedMLP, engine.models.ssm.MambaMixer,
-// engine.models.attention.PagedAttention). Built with the other C++ kernels into one library
-// (engine.kernels.native).
+// engine.models.attention.PagedAttention, Qwen3-Next's GatedAttention). Built with the other C++
+// kernels into one library (engine.kernels.native).
 
 #include <algorithm>
 #include <cmath>
@@ -20,6 +20,8 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int6
 void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width, int64_t silu,
                  int threads);
+void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
+              int64_t x_stride, float eps, int threads);
 void rms_norm_3(const float* x, int64_t x_stride, const float* w0, const float* w1, const float* w2, int64_t n0,
                 int64_t n1, int64_t n2, float* o0, float* o1, float* o2, int64_t rows, float eps, int threads);
 void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads);
@@ -219,6 +221,22 @@ void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, 
   packed_linear(y, d_ssm, out_panels, out_bias, out, hidden, rows, hidden, d_ssm, threads);
 }
 
+// Each row's k and v into the cache rows write_index[i], then paged attention of q [rows, heads,
+// head_dim] contiguous over each row's blocks into attended. k and v rows k_stride and v_stride apart.
+static void store_kv_and_attend(const float* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                                int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, float* k_cache,
+                                float* v_cache, const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                                const int64_t* lens, int64_t block_size, float scale, int64_t window, float* attended,
+                                int threads) {
+  const int64_t kv_width = kv_heads * head_dim;
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(k_cache + write_index[i] * kv_width, k + i * k_stride, kv_width * sizeof(float));
+    std::memcpy(v_cache + write_index[i] * kv_width, v + i * v_stride, kv_width * sizeof(float));
+  }
+  paged_attention_decode(q, k_cache, v_cache, tables, table_width, lens, attended, rows, heads, kv_heads, head_dim,
+                         block_size, scale, window, threads);
+}
+
 // An attention layer (engine.models.attention.PagedAttention) over rows that are all decodes, one
 // token each: [q | k | v] = qkv(h) (the fused packed projection); rotate-half RoPE of q and k by
 // cos and sin [rows, rotary_dim] where given; k and v into the cache rows write_index[i]; paged
@@ -239,14 +257,56 @@ void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t head
     rotary(qkv, width, cos, sin, rows, heads, head_dim, rotary_dim, threads);
     rotary(qkv + q_width, width, cos, sin, rows, kv_heads, head_dim, rotary_dim, threads);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = qkv + i * width;
-    std::memcpy(q + i * q_width, row, q_width * sizeof(float));
-    std::memcpy(k_cache + write_index[i] * kv_width, row + q_width, kv_width * sizeof(float));
-    std::memcpy(v_cache + write_index[i] * kv_width, row + q_width + kv_width, kv_width * sizeof(float));
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(q + i * q_width, qkv + i * width, q_width * sizeof(float));
+  store_kv_and_attend(q, qkv + q_width, width, qkv + q_width + kv_width, width, rows, heads, kv_heads, head_dim,
+                      k_cache, v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended,
+                      threads);
+  packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
+}
+
+// x[r, h, c] *= sigmoid(gate[r, h, c]) for x [rows, heads, head_dim] contiguous, gate rows
+// `gate_row_stride` and heads `gate_head_stride` apart (Qwen3-Next's gate beside each head's query).
+void head_gate(float* x, const float* gate, int64_t gate_row_stride, int64_t gate_head_stride, int64_t rows,
+               int64_t heads, int64_t head_dim, int) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t hd = 0; hd < heads; ++hd) {
+      float* xr = x + (r * heads + hd) * head_dim;
+      const float* g = gate + r * gate_row_stride + hd * gate_head_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < head_dim; ++c) xr[c] = xr[c] * (1.f / (1.f + std::exp(-g[c])));
+    }
+}
+
+// Qwen3-Next's gated attention (engine.models.families_qwen3_next.GatedAttention) over rows that
+// are all decodes: [q_and_gate | k | v] = qkv(h), q_and_gate holding per head its query, then its
+// gate; each head's query and key RMS-normed (rms_norm, weights folded to 1 + w); rotary on both;
+// k and v into the cache; paged attention; head_gate by the gates; out = o_proj. scratch holds
+// rows * (4 heads + 3 kv_heads) * head_dim floats.
+void gated_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                            const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                            const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                            const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                            const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
+                            float norm_eps, float* scratch, float* out, int threads) {
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = 2 * q_width + 2 * kv_width;
+  float* qkv = scratch;                  // [rows, width]
+  float* q = qkv + rows * width;         // [rows, q_width]
+  float* k = q + rows * q_width;         // [rows, kv_width]
+  float* attended = k + rows * kv_width;  // [rows, q_width]
+  packed_linear(h, hidden, qkv_panels, qkv_bias, qkv, width, rows, width, hidden, threads);
+  for (int64_t i = 0; i < rows; ++i) {  // the norms read the query halves and the keys in place
+    rms_norm(qkv + i * width, nullptr, q_norm, q + i * q_width, heads, head_dim, 2 * head_dim, norm_eps, threads);
+    rms_norm(qkv + i * width + 2 * q_width, nullptr, k_norm, k + i * kv_width, kv_heads, head_dim, head_dim,
+             norm_eps, threads);
   }
-  paged_attention_decode(q, k_cache, v_cache, tables, table_width, lens, attended, rows, heads, kv_heads, head_dim,
-                         block_size, scale, window, threads);
+  if (cos != nullptr) {
+    rotary(q, q_width, cos, sin, rows, heads, head_dim, rotary_dim, threads);
+    rotary(k, kv_width, cos, sin, rows, kv_heads, head_dim, rotary_dim, threads);
+  }
+  store_kv_and_attend(q, k, kv_width, qkv + 2 * q_width + kv_width, width, rows, heads, kv_heads, head_dim, k_cache,
+                      v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended, threads);
+  head_gate(attended, qkv + head_dim, width, 2 * head_dim, rows, heads, head_dim, threads);
   packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
 }
 

@@ -67,19 +67,29 @@ class PagedAttention(nn.Module):
 
     def _decode_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        rows, heads, kv_heads, head_dim = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        rows = x.shape[0]
         packed, bias, _ = self.qkv_fused
+        cos, sin, tables = self._one_call_tables(batch)
+        kernel, extra, scratch = self._one_call_kernel()
+        out = torch.empty(rows, x.shape[1])
+        native.call(kernel, x, rows, x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, packed.panels, bias,
+                    cos, sin, 0 if cos is None else cos.shape[1], k_cache, v_cache, cpu.ids(batch.kv_write_index),
+                    tables, tables.shape[1], cpu.ids(batch.decode_context_lens), k_cache.shape[1],
+                    float(self.scale), int(self.sliding_window or 0), self.o_proj.packed_weight.panels,
+                    self.o_proj.bias, *extra, torch.empty(rows * scratch), out)
+        return out
+
+    def _one_call_kernel(self) -> tuple[str, tuple, int]:
+        """The C++ layer a one-call decode runs, its arguments after o_proj's, its scratch floats per row."""
+        return "attention_decode", (), (3 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def _one_call_tables(self, batch: ForwardBatch):
+        """What a one-call decode reads besides the weights: the rotary tables (None without
+        rotary) and the block tables."""
         cos = sin = None
         if self.rotary is not None:
             cos, sin = self.rotary._tables(batch.positions, torch.float32)
-        tables = cpu.ids(batch.decode_block_tables)
-        out = torch.empty(rows, x.shape[1])
-        native.call("attention_decode", x, rows, x.shape[1], heads, kv_heads, head_dim, packed.panels, bias, cos,
-                    sin, 0 if cos is None else cos.shape[1], k_cache, v_cache, cpu.ids(batch.kv_write_index),
-                    tables, tables.shape[1], cpu.ids(batch.decode_context_lens), k_cache.shape[1],
-                    float(self.scale), int(self.sliding_window or 0), self.o_proj.packed_weight.panels,
-                    self.o_proj.bias, torch.empty(rows * (3 * heads + 2 * kv_heads) * head_dim), out)
-        return out
+        return cos, sin, cpu.ids(batch.decode_block_tables)
 
     def project(self, x: torch.Tensor, batch: ForwardBatch):
         """q [T, heads, head_dim], k and v [T, kv_heads, head_dim], rotary applied."""

@@ -13,37 +13,56 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import cpu, uses_cpu_kernel
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch
 from engine.models.checkpoint import ConfigReader
 from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_level_name
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, HybridLM, ModelSpec
-from engine.models.layers import ACTIVATIONS, GatedMLP, RotaryEmbedding, SparseMoE
+from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from engine.models.packed_linear import fused_linear, pack_fused
 
 GDN_CHUNK_SIZE = 64  # tokens per chunk of the prefill scan (an engine choice; fla uses 64 too)
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
 ATTENTION_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
-class OffsetRMSNorm(nn.Module):
-    """RMSNorm computed in float32 and scaled by (1 + weight) before casting back."""
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm computed in float32 and scaled by (1 + weight) before casting back. At load the 1 is
+    folded into the weight (fold_scales, the same float32 sum the forward would compute), after
+    which it is a plain RMSNorm: (1 + w) x and w' x with w' = 1 + w are the same bits."""
 
     def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
+        super().__init__(size, eps)
+        nn.init.zeros_(self.weight)
+        self.offset = 1.0
+
+    def fold_scales(self) -> None:
+        with torch.no_grad():
+            self.weight.add_(self.offset)
+        self.offset = 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.offset:
+            return super().forward(x)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).to(x.dtype)
+        return (y * (self.offset + self.weight.float())).to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.offset:
+            return super().add_and_norm(x, residual)
+        h = residual + x
+        return h, self(h)
 
 
 class GatedAttention(PagedAttention):
     """Full attention with an output gate: q_proj yields per head the query (head_dim) then a
     gate (head_dim); q and k are normalised per head (OffsetRMSNorm) before rotary; the
-    attention output is multiplied by sigmoid(gate) before o_proj."""
+    attention output is multiplied by sigmoid(gate) before o_proj. On the CPU the three
+    projections run as one packed GEMM, the norms, rotary and the gate as C++ kernels, and an
+    all-decode step as one call of them (gated_attention_decode)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  rotary: RotaryEmbedding | None, eps: float):
@@ -52,17 +71,37 @@ class GatedAttention(PagedAttention):
         self.q_norm = OffsetRMSNorm(head_dim, eps)
         self.k_norm = OffsetRMSNorm(head_dim, eps)
 
+    def pack_weights(self) -> int:
+        self.qkv_fused = pack_fused(self.q_proj, self.k_proj, self.v_proj)
+        return int(self.qkv_fused is not None)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self._decodes_in_one_call(x, batch, kv_cache):
+            return self._decode_in_one_call(x, batch, kv_cache)
+        tokens, heads, size = x.shape[0], self.num_heads, self.head_dim
+        q_and_gate, k, v = fused_linear(x, self.qkv_fused, self.q_proj, self.k_proj, self.v_proj)
+        q_and_gate = q_and_gate.reshape(tokens * heads, 2 * size)
+        q = self.q_norm(q_and_gate[:, :size]).view(tokens, heads, size)  # reads the query halves in place
+        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, size)).view(tokens, self.num_kv_heads, size)
+        v = v.view(tokens, self.num_kv_heads, size)
         if self.rotary is not None:
             q, k = self.rotary(batch.positions, q, k)
         out = self.attend(q, k, v, batch, kv_cache).reshape(tokens, -1)
+        gate = q_and_gate[:, size:]
+        if uses_cpu_kernel(out) and gate.dtype == torch.float32:
+            return self.o_proj(cpu.sigmoid_gate_cpu(out, gate.view(tokens, heads, size)))
         return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+    def fits_one_call(self) -> bool:
+        """The PagedAttention conditions, with both norms folded and float32."""
+        return (super().fits_one_call() and not self.q_norm.offset and not self.k_norm.offset
+                and self.q_norm.eps == self.k_norm.eps
+                and self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32)
+
+    def _one_call_kernel(self) -> tuple[str, tuple, int]:
+        return ("gated_attention_decode", (self.q_norm.weight, self.k_norm.weight, float(self.q_norm.eps)),
+                (4 * self.num_heads + 3 * self.num_kv_heads) * self.head_dim)
 
 
 class SharedExpertMoE(nn.Module):

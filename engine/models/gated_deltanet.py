@@ -40,7 +40,8 @@ class HeadGatedRMSNorm(nn.Module):
         """The weight repeated for every head, as the C++ norm takes it (made again when the weight
         is replaced or written in place, or the head count changes)."""
         source, version, repeated = self._per_channel
-        if source is not self.weight or version != self.weight._version or repeated.numel() != heads * self.weight.numel():
+        if (source is not self.weight or version != self.weight._version
+                or repeated.numel() != heads * self.weight.numel()):
             repeated = self.weight.detach().float().repeat(heads)
             self._per_channel = (self.weight, self.weight._version, repeated)
         return repeated
