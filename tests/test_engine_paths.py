@@ -143,7 +143,9 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, la
                                        ("qwen2_bias_tied", True), ("jamba_top1_bias", True),
                                        ("mamba2", True), ("mamba2_tied_limit", True), ("bamba", True),
                                        ("granitemoehybrid", True), ("granitemoehybrid_dense_nope", True),
-                                       ("nemotron_h_dense", True), ("nemotron_h_latent", False)])
+                                       ("nemotron_h_dense", True), ("nemotron_h_latent", False),
+                                       ("qwen3_next", True), ("qwen3_next_sparse_step_tied", True),
+                                       ("qwen3_next_dense_mqa", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
@@ -151,7 +153,9 @@ def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, m
     limits, MoE top-2 and top-1, MLPs, routed and shared experts, a residual multiplier,
     attention with and without rotary, a sliding window the contexts pass, q/k/v biases); where
     some layer cannot run in it (Nemotron-H's MoE) the layer path runs; the tokens are
-    transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases."""
+    transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases; so do Qwen3-Next's
+    Gated DeltaNet and gated attention layers, its folded (1 + w) norms, its MoE with a sigmoid-gated
+    shared expert and its dense MLPs."""
     from engine.kernels import cpu
 
     if not cpu.available():

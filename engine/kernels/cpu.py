@@ -367,6 +367,20 @@ def sigmoid_gate_cpu(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def sigmoid_gated_add_cpu(out: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """out += sigmoid(gate) * x in place and returned: out, x [rows, cols] and gate [rows, 1], all
+    contiguous float32 (Qwen3-Next's gated shared expert onto the routed experts' output)."""
+    _in_place("sigmoid_gated_add", out, gate, x)
+    rows, cols = out.shape
+    if not (out.is_contiguous() and x.is_contiguous() and gate.is_contiguous()) or x.shape != out.shape \
+            or gate.shape != (rows, 1):
+        raise ValueError(f"sigmoid_gated_add: out and x {tuple(out.shape)}, gate [rows, 1], contiguous; "
+                         f"got x {tuple(x.shape)}, gate {tuple(gate.shape)}")
+    if out.numel():
+        native.call("sigmoid_gated_add", out, gate, x, rows, cols)
+    return out
+
+
 def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """Mamba's (y + x * D) * silu(z), written into contiguous float32 y [rows, cols] and returned;
     x and z float32 with unit column stride (views into the projections are fine)."""

@@ -9,7 +9,7 @@
 
 extern "C" {
 
-// cpu_gemm.cpp, cpu_fused.cpp, cpu_layers.cpp
+// cpu_gemm.cpp, cpu_fused.cpp, cpu_layers.cpp, cpu_deltanet.cpp
 void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
                    int64_t rows, int64_t out_features, int64_t in_features, int threads);
 void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
@@ -38,7 +38,21 @@ void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, 
                    const float* norm_weight, int64_t norm_group, int64_t norm_first, float norm_eps,
                    const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
 
-enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4 };
+void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, int64_t v_heads, int64_t k_dim,
+                int64_t v_dim, int64_t d_conv, const float* qkvz_panels, const float* ba_panels, float* conv_state,
+                float* recurrent_state, const int64_t* slots, const float* conv_weight, const float* A,
+                const float* dt_bias, const float* norm_weight, float norm_eps, const float* out_panels,
+                float* scratch, float* out, int threads);
+void gated_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                            const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                            const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                            const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                            const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
+                            float norm_eps, float* scratch, float* out, int threads);
+void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int threads);
+
+enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATED_DELTANET = 5, GATED_ATTENTION = 6 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
 // One layer's weights, caches and sizes; mirrored field for field by engine.models.decode_layers.LayerPlan.
@@ -76,6 +90,15 @@ struct LayerPlan {
   // A squared-ReLU MLP in the mixer's place (Nemotron-H's MLP layers): down(relu(up(x))^2)
   int64_t mlp_inter;
   const float *up_panels, *up_bias, *down_panels, *down_bias;
+  // Gated DeltaNet (engine.models.gated_deltanet): its sizes here; in_proj_qkvz in in_panels,
+  // in_proj_ba in x_panels, its conv and recurrent states in conv_state and ssm_state, -exp(A_log)
+  // in A, the output norm's weight (repeated per head) in gate_norm, gate_norm_eps, out_panels
+  int64_t key_heads, value_heads, key_dim, value_dim;
+  // Qwen3-Next's gated attention: the attention fields, and the folded q and k norm weights
+  const float *q_norm, *k_norm;
+  float qk_norm_eps;
+  // The shared expert's sigmoid gate (a packed [1, hidden] linear), or null: no gate
+  const float* shared_gate_panels;
 };
 
 // x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
@@ -122,6 +145,15 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       }
       packed_linear(work, p.mlp_inter, p.down_panels, p.down_bias, mixed, hidden, rows, hidden, p.mlp_inter,
                     threads);
+    } else if (p.mixer == GATED_DELTANET) {
+      gdn_decode(normed, rows, hidden, p.key_heads, p.value_heads, p.key_dim, p.value_dim, p.d_conv, p.in_panels,
+                 p.x_panels, p.conv_state, p.ssm_state, slots, p.conv_weight, p.A, p.dt_bias, p.gate_norm,
+                 p.gate_norm_eps, p.out_panels, work, mixed, threads);
+    } else if (p.mixer == GATED_ATTENTION) {
+      gated_attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
+                             p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
+                             p.block_size, p.scale, p.window, p.o_panels, p.o_bias, p.q_norm, p.k_norm,
+                             p.qk_norm_eps, work, mixed, threads);
     } else {
       attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
@@ -145,7 +177,12 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
     if (p.shared_panels != nullptr) {
       ids[0] = rows;
       moe_silu_experts(ffn_in, ids, p.shared_panels, work, shared_out, 1, hidden, p.shared_inter, threads);
-      for (int64_t i = 0; i < size; ++i) ffn_out[i] += shared_out[i];
+      if (p.shared_gate_panels != nullptr) {
+        packed_linear(ffn_in, hidden, p.shared_gate_panels, nullptr, work, 1, rows, 1, hidden, threads);
+        sigmoid_gated_add(ffn_out, work, shared_out, rows, hidden, threads);
+      } else {
+        for (int64_t i = 0; i < size; ++i) ffn_out[i] += shared_out[i];
+      }
     }
     if (p.residual_scale != 1.f) scale_rows(ffn_out, size, p.residual_scale);
     for (int64_t i = 0; i < size; ++i) next[i] = mixed[i] + ffn_out[i];

@@ -277,6 +277,18 @@ void head_gate(float* x, const float* gate, int64_t gate_row_stride, int64_t gat
     }
 }
 
+// out[r, c] += sigmoid(gate[r]) * x[r, c] for out and x [rows, cols] contiguous, gate [rows]:
+// Qwen3-Next's shared expert, scaled by its one-column gate, added to the routed experts.
+void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = 1.f / (1.f + std::exp(-gate[r]));
+    float* o = out + r * cols;
+    const float* xr = x + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) o[c] += s * xr[c];
+  }
+}
+
 // Qwen3-Next's gated attention (engine.models.families_qwen3_next.GatedAttention) over rows that
 // are all decodes: [q_and_gate | k | v] = qkv(h), q_and_gate holding per head its query, then its
 // gate; each head's query and key RMS-normed (rms_norm, weights folded to 1 + w); rotary on both;

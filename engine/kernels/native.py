@@ -74,6 +74,7 @@ SIGNATURES = {
                          INT],
     "decoder_layers": [P, I64, P, I64, I64, P, P, P, I64, P, P, P, P, INT],
     "head_gate": [P, P, I64, I64, I64, I64, I64, INT],
+    "sigmoid_gated_add": [P, P, P, I64, I64, INT],
     "gated_attention_decode": [P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P,
                                P, P, F32, P, P, INT],
     "gdn_split": [P, P, I64, I64, I64, I64, I64, P, P, P, P, INT],

@@ -3,11 +3,11 @@
 On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
 step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
-whose norms are RMSNorms, whose mixer runs as one call (MambaMixer, Mamba2Mixer, PagedAttention)
-(or a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP,
-SparseMoE, routed plus shared experts, or none), the whole stack
-runs as one call of the same kernels in the same order, so the hidden states are the bits of the
-layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
+whose norms are RMSNorms (Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer,
+Mamba2Mixer, GatedDeltaNetMixer, PagedAttention, Qwen3-Next's GatedAttention; or a squared-ReLU
+MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP, SparseMoE, routed plus
+shared experts, the shared one gated or not, or none), the whole stack runs as one call of the
+same kernels in the same order, so the hidden states are the bits of the layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
 GPUs) takes that path.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
@@ -24,6 +24,8 @@ import torch
 from engine.kernels import cpu, native, uses_cpu_kernel
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.families_qwen3_next import GatedAttention, OffsetRMSNorm, SharedExpertMoE
+from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, FFNMixer
 from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
@@ -31,7 +33,7 @@ from engine.models.nemotron_moe import NemotronMLP
 from engine.models.ssm import MambaMixer
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-MAMBA, ATTENTION, MAMBA2, RELU2_MLP = 1, 2, 3, 4
+MAMBA, ATTENTION, MAMBA2, RELU2_MLP, GATED_DELTANET, GATED_ATTENTION = 1, 2, 3, 4, 5, 6
 NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
 HIDDEN_BUFFERS = 7  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 
@@ -53,6 +55,8 @@ class LayerPlan(ctypes.Structure):
         ("groups", I64), ("gate_norm_group", I64), ("gate_norm_first", I64), ("gate_norm", P), ("dt_lo", F32), ("dt_hi", F32), ("gate_norm_eps", F32),
         ("residual_scale", F32), ("shared_inter", I64), ("shared_panels", P),
         ("mlp_inter", I64), ("up_panels", P), ("up_bias", P), ("down_panels", P), ("down_bias", P),
+        ("key_heads", I64), ("value_heads", I64), ("key_dim", I64), ("value_dim", I64),
+        ("q_norm", P), ("k_norm", P), ("qk_norm_eps", F32), ("shared_gate_panels", P),
     ]
 
 
@@ -118,7 +122,10 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
             uses_slots = True
         elif type(mixer) is FFNMixer and _relu2_mlp_fits(mixer.ffn):
             mixer_needs = _plan_relu2_mlp(entry, mixer.ffn)
-        elif type(mixer) is PagedAttention and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
+        elif type(mixer) is GatedDeltaNetMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
+            mixer_needs = _plan_gated_deltanet(entry, mixer, caches.state[index], keep)
+            uses_slots = True
+        elif type(mixer) in (PagedAttention, GatedAttention) and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
             mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
             if mixer.rotary is not None:
                 rotary.append((entry, mixer.rotary))
@@ -130,12 +137,13 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
             entry.ffn = NO_FFN
         elif _norm_fits(layer.ffn_norm) and (parts := _ffn_parts(ffn)) is not None:
             entry.ffn_norm, entry.ffn_eps = layer.ffn_norm.weight.data_ptr(), layer.ffn_norm.eps
-            first, shared = parts
+            first, shared, shared_gate = parts
             ffn_needs = _plan_moe(entry, first, layer.input_norm.weight.numel()) if type(first) is SparseMoE \
                 else _plan_mlp(entry, first)
             if shared is not None:
                 inter = shared.down_proj.in_features
                 entry.shared_inter, entry.shared_panels = inter, shared.one_call_pointers().data_ptr()
+                entry.shared_gate_panels = _ptr(shared_gate)
                 ffn_needs = _Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
         else:
             return None
@@ -144,19 +152,28 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
     return DecodeLayersPlan(plans, keep, rotary, needs, uses_slots, uses_kv) if layers else None
 
 
-def _ffn_parts(ffn) -> tuple[GatedMLP | SparseMoE, GatedMLP | None] | None:
-    """(the MLP or routed experts, a shared MLP added to them or None) where every part runs as
-    one call: GatedMLP, SparseMoE, or a SummedFFN of a GatedMLP or of a SparseMoE and a GatedMLP
-    (Granite's routed and shared experts)."""
-    parts = list(ffn.parts) if type(ffn) is SummedFFN else [ffn]
+def _ffn_parts(ffn):
+    """(the MLP or routed experts, a shared MLP added to them or None, the packed panels of the
+    shared MLP's sigmoid gate or None) where every part runs as one call: GatedMLP, SparseMoE, a
+    SummedFFN of a GatedMLP or of a SparseMoE and a GatedMLP (Granite's routed and shared experts),
+    or a SharedExpertMoE (Qwen3-Next's, the shared expert gated)."""
+    gate = None
+    if type(ffn) is SharedExpertMoE:
+        parts, gate = [ffn.routed, ffn.shared], getattr(ffn.shared_gate, "packed_weight", None)
+        if gate is None or ffn.shared_gate.bias is not None:
+            return None
+    else:
+        parts = list(ffn.parts) if type(ffn) is SummedFFN else [ffn]
     kinds = [type(part) for part in parts]
     if kinds not in ([GatedMLP], [SparseMoE], [SparseMoE, GatedMLP]) or not all(p.fits_one_call() for p in parts):
         return None
-    return parts[0], (parts[1] if len(parts) == 2 else None)
+    return parts[0], (parts[1] if len(parts) == 2 else None), (None if gate is None else gate.panels)
 
 
 def _norm_fits(norm) -> bool:
-    return type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
+    """A plain RMSNorm, or Qwen3-Next's once its offset is folded into the weight (then the same)."""
+    plain = type(norm) is RMSNorm or (type(norm) is OffsetRMSNorm and not norm.offset)
+    return plain and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
 
 
 def _all_cpu(tensors) -> bool:
@@ -217,16 +234,35 @@ def _plan_relu2_mlp(entry: LayerPlan, mlp: NemotronMLP) -> _Needs:
     return _Needs(floats=mlp.up_proj.out_features)
 
 
+def _plan_gated_deltanet(entry: LayerPlan, mixer: GatedDeltaNetMixer, state, keep: list) -> _Needs:
+    conv_state, recurrent_state = state
+    A, norm_weight = mixer.decay(), mixer.norm.per_channel(mixer.num_v_heads)  # the weights are final
+    keep += [A, norm_weight]
+    entry.mixer = GATED_DELTANET
+    entry.key_heads, entry.value_heads = mixer.num_k_heads, mixer.num_v_heads
+    entry.key_dim, entry.value_dim, entry.d_conv = mixer.k_head_dim, mixer.v_head_dim, mixer.conv_kernel
+    entry.in_panels = mixer.in_proj_qkvz.packed_weight.panels.data_ptr()
+    entry.x_panels = mixer.in_proj_ba.packed_weight.panels.data_ptr()
+    entry.conv_state, entry.ssm_state = conv_state.data_ptr(), recurrent_state.data_ptr()
+    entry.conv_weight, entry.A, entry.dt_bias = mixer.conv_weight.data_ptr(), A.data_ptr(), mixer.dt_bias.data_ptr()
+    entry.gate_norm, entry.gate_norm_eps = norm_weight.data_ptr(), mixer.norm.eps
+    entry.out_panels = mixer.out_proj.packed_weight.panels.data_ptr()
+    return _Needs(floats=mixer.one_call_scratch())
+
+
 def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
     k_cache, v_cache = kv
     packed, bias, _ = mixer.qkv_fused
     entry.mixer = ATTENTION
+    if type(mixer) is GatedAttention:
+        entry.mixer, entry.qk_norm_eps = GATED_ATTENTION, mixer.q_norm.eps
+        entry.q_norm, entry.k_norm = mixer.q_norm.weight.data_ptr(), mixer.k_norm.weight.data_ptr()
     entry.heads, entry.kv_heads, entry.head_dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
     entry.block_size, entry.window, entry.scale = k_cache.shape[1], int(mixer.sliding_window or 0), float(mixer.scale)
     entry.qkv_panels, entry.qkv_bias = packed.panels.data_ptr(), _ptr(bias)
     entry.o_panels, entry.o_bias = mixer.o_proj.packed_weight.panels.data_ptr(), _ptr(mixer.o_proj.bias)
     entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-    return _Needs(floats=(3 * mixer.num_heads + 2 * mixer.num_kv_heads) * mixer.head_dim)
+    return _Needs(floats=mixer._one_call_kernel()[2])
 
 
 def _plan_moe(entry: LayerPlan, moe: SparseMoE, hidden: int) -> _Needs:

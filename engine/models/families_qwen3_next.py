@@ -114,7 +114,10 @@ class SharedExpertMoE(nn.Module):
         self.shared_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.routed(x) + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        routed, gate, shared = self.routed(x), self.shared_gate(x), self.shared(x)
+        if uses_cpu_kernel(routed) and uses_cpu_kernel(gate) and uses_cpu_kernel(shared):
+            return cpu.sigmoid_gated_add_cpu(routed, gate, shared)  # the routed output is this call's own
+        return routed + torch.sigmoid(gate) * shared
 
 
 def _layer_types(cfg: ConfigReader, layers_n: int) -> list[str]:

@@ -161,10 +161,14 @@ class GatedDeltaNetMixer(nn.Module):
         rows, size = hidden.shape
         heads, k_dim = self.num_v_heads, self.k_head_dim
         out = torch.empty(rows, size)
-        scratch = rows * (2 * self.key_dim + 6 * self.value_dim + 2 * self.conv_dim + 6 * heads + 2 * heads * k_dim)
         native.call("gdn_decode", hidden, rows, size, self.num_k_heads, heads, k_dim, self.v_head_dim,
                     self.conv_kernel, self.in_proj_qkvz.packed_weight.panels, self.in_proj_ba.packed_weight.panels,
                     conv_state, recurrent_state, cpu.ids(batch.decode_slots), self.conv_weight, self.decay(),
                     self.dt_bias, self.norm.per_channel(heads), float(self.norm.eps),
-                    self.out_proj.packed_weight.panels, torch.empty(scratch), out)
+                    self.out_proj.packed_weight.panels, torch.empty(rows * self.one_call_scratch()), out)
         return out
+
+    def one_call_scratch(self) -> int:
+        """gdn_decode's scratch floats per row."""
+        heads = self.num_v_heads
+        return 2 * self.key_dim + 6 * self.value_dim + 2 * self.conv_dim + 6 * heads + 2 * heads * self.k_head_dim
