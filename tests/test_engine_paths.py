@@ -113,24 +113,25 @@ def test_guard_fires_when_a_decode_is_handed_a_stranger_slot(model_factory):
 
 @pytest.mark.parametrize("name,layer", [
     ("jamba", "PagedAttention"), ("llama", "PagedAttention"), ("mistral_mqa_window", "PagedAttention"),
-    ("qwen2_bias_tied", "PagedAttention"), ("qwen3_next", "GatedAttention"),
-    ("qwen3_next_sparse_step_tied", "GatedAttention"), ("qwen3_next_dense_mqa", "GatedAttention")])
+    ("qwen2_bias_tied", "PagedAttention"), ("qwen3_next", "NormedAttention"),
+    ("qwen3_next_sparse_step_tied", "NormedAttention"), ("qwen3_next_dense_mqa", "NormedAttention"),
+    ("lfm2", "NormedAttention"), ("lfm2_attn_first_bias_untied", "NormedAttention"),
+    ("lfm2_mqa_kernel4", "NormedAttention")])
 def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, layer, model_factory, monkeypatch):
     """An attention layer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp
-    attention_decode; Qwen3-Next's gated_attention_decode): at every decode step, from the same
-    caches, its output and the K/V it writes are the bits forward's chain of kernels gives (no
-    rotary, rotary, MQA with a sliding window the contexts pass, q/k/v biases; Qwen3-Next's
-    normed q and k, partial rotary and output gate, with GQA, MHA with biases and MQA); and the
-    tokens are transformers'."""
+    attention_decode, normed_attention_decode): at every decode step, from the same caches, its
+    output and the K/V it writes are the bits forward's chain of kernels gives (no rotary, rotary,
+    MQA with a sliding window the contexts pass, q/k/v biases; Qwen3-Next's normed q and k,
+    partial rotary and output gate, with GQA, MHA with biases and MQA; LFM2's normed q and k);
+    and the tokens are transformers'."""
     from engine.kernels import cpu
-    from engine.models.attention import PagedAttention
-    from engine.models.families_qwen3_next import GatedAttention
+    from engine.models.attention import NormedAttention, PagedAttention
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
     compared = compare_each_one_call_with_the_chain(monkeypatch, {"PagedAttention": PagedAttention,
-                                                                  "GatedAttention": GatedAttention}[layer],
+                                                                  "NormedAttention": NormedAttention}[layer],
                                                     lambda x, batch, cache: int(batch.decode_context_lens.max()))
     llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
     prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 5)
@@ -145,7 +146,8 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, la
                                        ("granitemoehybrid", True), ("granitemoehybrid_dense_nope", True),
                                        ("nemotron_h_dense", True), ("nemotron_h_latent", False),
                                        ("qwen3_next", True), ("qwen3_next_sparse_step_tied", True),
-                                       ("qwen3_next_dense_mqa", True)])
+                                       ("qwen3_next_dense_mqa", True), ("lfm2", True),
+                                       ("lfm2_attn_first_bias_untied", True), ("lfm2_mqa_kernel4", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
@@ -155,7 +157,7 @@ def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, m
     some layer cannot run in it (Nemotron-H's MoE) the layer path runs; the tokens are
     transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases; so do Qwen3-Next's
     Gated DeltaNet and gated attention layers, its folded (1 + w) norms, its MoE with a sigmoid-gated
-    shared expert and its dense MLPs."""
+    shared expert and its dense MLPs; and LFM2's short-conv and normed attention layers."""
     from engine.kernels import cpu
 
     if not cpu.available():

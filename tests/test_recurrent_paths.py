@@ -18,6 +18,7 @@ from engine.llm_engine import LLMEngine
 from engine.models import load_model
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.mamba2 import Mamba2Mixer
+from engine.models.short_conv import ShortConvMixer
 from engine.request import Resume
 from tests.one_call import compare_each_one_call_with_the_chain
 from tests.oracle import CONFIGS, MAMBA2_FAMILIES, RECURRENT_FAMILIES, judge_greedy
@@ -138,22 +139,26 @@ def test_cache_holds_and_poisons_exactly_what_the_layers_declare(model_factory, 
     ("granitemoehybrid", "Mamba2Mixer", True), ("falcon_h1", "Mamba2Mixer", True),
     ("falcon_h1_nonorm", "Mamba2Mixer", True), ("falcon_h1_odd_tied", "Mamba2Mixer", True),
     ("qwen3_next", "GatedDeltaNetMixer", True), ("qwen3_next_sparse_step_tied", "GatedDeltaNetMixer", True),
-    ("qwen3_next_dense_mqa", "GatedDeltaNetMixer", True)])
+    ("qwen3_next_dense_mqa", "GatedDeltaNetMixer", True), ("lfm2", "ShortConvMixer", True),
+    ("lfm2_attn_first_bias_untied", "ShortConvMixer", True), ("lfm2_mqa_kernel4", "ShortConvMixer", True)])
 def test_recurrent_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, mixer, fits, model_factory, monkeypatch):
-    """A Mamba, Mamba2 or Gated DeltaNet mixer's all-decode step as one C++ call
-    (engine/kernels/cpu_layers.cpp mamba_decode, mamba2_decode; cpu_deltanet.cpp gdn_decode): at
+    """A Mamba, Mamba2, Gated DeltaNet or short-conv mixer's all-decode step as one C++ call
+    (engine/kernels/cpu_layers.cpp mamba_decode, mamba2_decode, short_conv_decode;
+    cpu_deltanet.cpp gdn_decode): at
     every decode step of a batch, from the same states, its output and both updated states are the
     bits that forward's chain of kernels gives (for Mamba2: one and several norm groups, dt limits,
     no norm, the norm before the gate, Falcon-H1 with its scales folded into in_proj; for Gated
-    DeltaNet: key heads serving 2 and 4 value heads or one each, dk != dv, conv kernels 4 and 3);
-    and the batch's tokens are transformers'."""
+    DeltaNet: key heads serving 2 and 4 value heads or one each, dk != dv, conv kernels 4 and 3;
+    for LFM2: conv kernels 3 and 4, with and without biases); and the batch's tokens are
+    transformers'."""
     from engine.kernels import cpu
     from engine.models.ssm import MambaMixer
 
     if not cpu.available():
         pytest.skip("no C++ compiler for the CPU kernels")
     path, hf = model_factory(name)
-    mixer_class = {"MambaMixer": MambaMixer, "Mamba2Mixer": Mamba2Mixer, "GatedDeltaNetMixer": GatedDeltaNetMixer}[mixer]
+    mixer_class = {"MambaMixer": MambaMixer, "Mamba2Mixer": Mamba2Mixer, "GatedDeltaNetMixer": GatedDeltaNetMixer,
+                   "ShortConvMixer": ShortConvMixer}[mixer]
     compared = compare_each_one_call_with_the_chain(monkeypatch, mixer_class, lambda hidden, batch, state: hidden.shape[0])
     prompts = [[random.Random(i).randrange(1, 100) for _ in range(3 + 2 * i)] for i in range(3)]
     outputs = LLM(path, max_num_seqs=4).generate(prompts, GREEDY)

@@ -43,16 +43,21 @@ void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, i
                 float* recurrent_state, const int64_t* slots, const float* conv_weight, const float* A,
                 const float* dt_bias, const float* norm_weight, float norm_eps, const float* out_panels,
                 float* scratch, float* out, int threads);
-void gated_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                            const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
-                            const int64_t* write_index, const int64_t* tables, int64_t table_width,
-                            const int64_t* lens, int64_t block_size, float scale, int64_t window,
-                            const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
-                            float norm_eps, float* scratch, float* out, int threads);
+void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                             const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                             const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                             const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
+                             float norm_eps, int64_t gated, float* scratch, float* out, int threads);
+void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t kernel, const float* in_panels,
+                       const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
+                       const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
+                       float* out, int threads);
 void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int threads);
 
-enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATED_DELTANET = 5, GATED_ATTENTION = 6 };
+enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATED_DELTANET = 5, NORMED_ATTENTION = 6,
+                       SHORT_CONV = 7 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
 // One layer's weights, caches and sizes; mirrored field for field by engine.models.decode_layers.LayerPlan.
@@ -94,9 +99,11 @@ struct LayerPlan {
   // in_proj_ba in x_panels, its conv and recurrent states in conv_state and ssm_state, -exp(A_log)
   // in A, the output norm's weight (repeated per head) in gate_norm, gate_norm_eps, out_panels
   int64_t key_heads, value_heads, key_dim, value_dim;
-  // Qwen3-Next's gated attention: the attention fields, and the folded q and k norm weights
+  // attention with q and k normed per head (LFM2's, Qwen3-Next's gated one): the attention
+  // fields, the norm weights (Qwen3-Next's folded), whether q_proj carries a gate per head
   const float *q_norm, *k_norm;
   float qk_norm_eps;
+  int64_t gated;
   // The shared expert's sigmoid gate (a packed [1, hidden] linear), or null: no gate
   const float* shared_gate_panels;
 };
@@ -149,11 +156,14 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       gdn_decode(normed, rows, hidden, p.key_heads, p.value_heads, p.key_dim, p.value_dim, p.d_conv, p.in_panels,
                  p.x_panels, p.conv_state, p.ssm_state, slots, p.conv_weight, p.A, p.dt_bias, p.gate_norm,
                  p.gate_norm_eps, p.out_panels, work, mixed, threads);
-    } else if (p.mixer == GATED_ATTENTION) {
-      gated_attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
-                             p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
-                             p.block_size, p.scale, p.window, p.o_panels, p.o_bias, p.q_norm, p.k_norm,
-                             p.qk_norm_eps, work, mixed, threads);
+    } else if (p.mixer == SHORT_CONV) {  // LFM2's: the Mamba fields hold its projections, conv and state
+      short_conv_decode(normed, rows, hidden, p.d_conv, p.in_panels, p.in_bias, p.conv_state, slots, p.conv_weight,
+                        p.conv_bias, p.out_panels, p.out_bias, work, mixed, threads);
+    } else if (p.mixer == NORMED_ATTENTION) {
+      normed_attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
+                              p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
+                              p.block_size, p.scale, p.window, p.o_panels, p.o_bias, p.q_norm, p.k_norm,
+                              p.qk_norm_eps, p.gated, work, mixed, threads);
     } else {
       attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,

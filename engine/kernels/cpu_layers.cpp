@@ -1,7 +1,8 @@
 // Layers whose glue cost more than their kernels, each as one call of the kernels the
 // layer's Python would call one by one, in the same order on the same buffers, so the results
 // are the same bits (engine.models.layers.SparseMoE and GatedMLP, engine.models.ssm.MambaMixer,
-// engine.models.attention.PagedAttention, Qwen3-Next's GatedAttention). Built with the other C++
+// engine.models.short_conv.ShortConvMixer,
+// engine.models.attention.PagedAttention and NormedAttention). Built with the other C++
 // kernels into one library (engine.kernels.native).
 
 #include <algorithm>
@@ -221,6 +222,32 @@ void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, 
   packed_linear(y, d_ssm, out_panels, out_bias, out, hidden, rows, hidden, d_ssm, threads);
 }
 
+// LFM2's gated short convolution (engine.models.short_conv.ShortConvMixer) over rows that are all
+// decodes: [b | c | x] = in_proj(h); y = conv_update(b * x) (no activation); out = out_proj(c * y).
+// The state updates in place at the slots; scratch holds rows * 6 hidden floats.
+void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t kernel, const float* in_panels,
+                       const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
+                       const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
+                       float* out, int threads) {
+  float* proj = scratch;                // [rows, 3 hidden]: b, c, x
+  float* bx = proj + rows * 3 * hidden;  // [rows, hidden]
+  float* y = bx + rows * hidden;         // [rows, hidden]
+  float* cy = y + rows * hidden;         // [rows, hidden]
+  packed_linear(h, hidden, in_panels, in_bias, proj, 3 * hidden, rows, 3 * hidden, hidden, threads);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* p = proj + i * 3 * hidden;
+#pragma omp simd
+    for (int64_t c = 0; c < hidden; ++c) bx[i * hidden + c] = p[c] * p[2 * hidden + c];
+  }
+  conv_update(conv_state, slots, bx, hidden, conv_weight, conv_bias, y, rows, hidden, kernel, 0, threads);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* p = proj + i * 3 * hidden;
+#pragma omp simd
+    for (int64_t c = 0; c < hidden; ++c) cy[i * hidden + c] = p[hidden + c] * y[i * hidden + c];
+  }
+  packed_linear(cy, hidden, out_panels, out_bias, out, hidden, rows, hidden, hidden, threads);
+}
+
 // Each row's k and v into the cache rows write_index[i], then paged attention of q [rows, heads,
 // head_dim] contiguous over each row's blocks into attended. k and v rows k_stride and v_stride apart.
 static void store_kv_and_attend(const float* q, const float* k, int64_t k_stride, const float* v, int64_t v_stride,
@@ -289,36 +316,37 @@ void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t ro
   }
 }
 
-// Qwen3-Next's gated attention (engine.models.families_qwen3_next.GatedAttention) over rows that
-// are all decodes: [q_and_gate | k | v] = qkv(h), q_and_gate holding per head its query, then its
-// gate; each head's query and key RMS-normed (rms_norm, weights folded to 1 + w); rotary on both;
-// k and v into the cache; paged attention; head_gate by the gates; out = o_proj. scratch holds
-// rows * (4 heads + 3 kv_heads) * head_dim floats.
-void gated_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                            const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
-                            const int64_t* write_index, const int64_t* tables, int64_t table_width,
-                            const int64_t* lens, int64_t block_size, float scale, int64_t window,
-                            const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
-                            float norm_eps, float* scratch, float* out, int threads) {
-  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, width = 2 * q_width + 2 * kv_width;
+// Attention with q and k RMS-normed per head (engine.models.attention.NormedAttention: LFM2's and
+// Qwen3-Next's) over rows that are all decodes: [q | k | v] = qkv(h), where `gated` q holding
+// per head its query, then its gate; each head's query and key normed (rms_norm); rotary on both;
+// k and v into the cache; paged attention; where gated, head_gate by the gates; out = o_proj.
+// scratch holds rows * (4 heads + 3 kv_heads) * head_dim floats.
+void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                             const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                             const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                             const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
+                             float norm_eps, int64_t gated, float* scratch, float* out, int threads) {
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim, q_unit = (1 + gated) * head_dim;
+  const int64_t q_block = heads * q_unit, width = q_block + 2 * kv_width;
   float* qkv = scratch;                  // [rows, width]
   float* q = qkv + rows * width;         // [rows, q_width]
   float* k = q + rows * q_width;         // [rows, kv_width]
   float* attended = k + rows * kv_width;  // [rows, q_width]
   packed_linear(h, hidden, qkv_panels, qkv_bias, qkv, width, rows, width, hidden, threads);
-  for (int64_t i = 0; i < rows; ++i) {  // the norms read the query halves and the keys in place
-    rms_norm(qkv + i * width, nullptr, q_norm, q + i * q_width, heads, head_dim, 2 * head_dim, norm_eps, threads);
-    rms_norm(qkv + i * width + 2 * q_width, nullptr, k_norm, k + i * kv_width, kv_heads, head_dim, head_dim,
-             norm_eps, threads);
+  for (int64_t i = 0; i < rows; ++i) {  // the norms read the queries and the keys in place
+    rms_norm(qkv + i * width, nullptr, q_norm, q + i * q_width, heads, head_dim, q_unit, norm_eps, threads);
+    rms_norm(qkv + i * width + q_block, nullptr, k_norm, k + i * kv_width, kv_heads, head_dim, head_dim, norm_eps,
+             threads);
   }
   if (cos != nullptr) {
     rotary(q, q_width, cos, sin, rows, heads, head_dim, rotary_dim, threads);
     rotary(k, kv_width, cos, sin, rows, kv_heads, head_dim, rotary_dim, threads);
   }
-  store_kv_and_attend(q, k, kv_width, qkv + 2 * q_width + kv_width, width, rows, heads, kv_heads, head_dim, k_cache,
+  store_kv_and_attend(q, k, kv_width, qkv + q_block + kv_width, width, rows, heads, kv_heads, head_dim, k_cache,
                       v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended, threads);
-  head_gate(attended, qkv + head_dim, width, 2 * head_dim, rows, heads, head_dim, threads);
+  if (gated) head_gate(attended, qkv + head_dim, width, q_unit, rows, heads, head_dim, threads);
   packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
 }
 

@@ -14,7 +14,7 @@ from torch import nn
 from engine.kernels import cpu, cpu_kernels_ready, native, paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
-from engine.models.layers import RotaryEmbedding
+from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.packed_linear import fused_linear, pack_fused
 
 
@@ -174,3 +174,53 @@ class PagedAttention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return o.squeeze(2)
+
+
+class NormedAttention(PagedAttention):
+    """Attention whose queries and keys are RMS-normalised per head before rotary (LFM2,
+    Qwen3-Next) and, where `gated`, whose q_proj yields per head the query then a gate (head_dim
+    each) and whose output is multiplied by sigmoid(gate) before o_proj (Qwen3-Next). On the CPU
+    the three projections run as one packed GEMM, the norms, rotary and the gate as C++ kernels,
+    and an all-decode step as one call of them (normed_attention_decode)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 rotary: RotaryEmbedding | None, q_norm: RMSNorm, k_norm: RMSNorm, gated: bool):
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias, bias, rotary)
+        self.gated = gated
+        self.q_proj = nn.Linear(hidden, (1 + gated) * num_heads * head_dim, bias=bias)
+        self.q_norm, self.k_norm = q_norm, k_norm
+
+    def pack_weights(self) -> int:
+        self.qkv_fused = pack_fused(self.q_proj, self.k_proj, self.v_proj)
+        return int(self.qkv_fused is not None)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(x, batch, kv_cache):
+            return self._decode_in_one_call(x, batch, kv_cache)
+        tokens, heads, size = x.shape[0], self.num_heads, self.head_dim
+        q_and_gate, k, v = fused_linear(x, self.qkv_fused, self.q_proj, self.k_proj, self.v_proj)
+        q_and_gate = q_and_gate.reshape(tokens * heads, (1 + self.gated) * size)
+        q = self.q_norm(q_and_gate[:, :size]).view(tokens, heads, size)  # reads the queries in place
+        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, size)).view(tokens, self.num_kv_heads, size)
+        v = v.view(tokens, self.num_kv_heads, size)
+        if self.rotary is not None:
+            q, k = self.rotary(batch.positions, q, k)
+        out = self.attend(q, k, v, batch, kv_cache).reshape(tokens, -1)
+        if not self.gated:
+            return self.o_proj(out)
+        gate = q_and_gate[:, size:]
+        if uses_cpu_kernel(out) and gate.dtype == torch.float32:
+            return self.o_proj(cpu.sigmoid_gate_cpu(out, gate.view(tokens, heads, size)))
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+    def fits_one_call(self) -> bool:
+        """The PagedAttention conditions, with both norms plain RMSNorms (Qwen3-Next's once folded)
+        of one epsilon, float32."""
+        return (super().fits_one_call() and not self.q_norm.offset and not self.k_norm.offset
+                and self.q_norm.eps == self.k_norm.eps
+                and self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32)
+
+    def _one_call_kernel(self) -> tuple[str, tuple, int]:
+        extra = (self.q_norm.weight, self.k_norm.weight, float(self.q_norm.eps), int(self.gated))
+        return "normed_attention_decode", extra, (4 * self.num_heads + 3 * self.num_kv_heads) * self.head_dim

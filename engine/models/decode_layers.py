@@ -4,8 +4,8 @@ On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python bet
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
 step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
 whose norms are RMSNorms (Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer,
-Mamba2Mixer, GatedDeltaNetMixer, PagedAttention, Qwen3-Next's GatedAttention; or a squared-ReLU
-MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP, SparseMoE, routed plus
+Mamba2Mixer, GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's normed
+attention; or a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP, SparseMoE, routed plus
 shared experts, the shared one gated or not, or none), the whole stack runs as one call of the
 same kernels in the same order, so the hidden states are the bits of the layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
 GPUs) takes that path.
@@ -22,19 +22,22 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels import cpu, native, uses_cpu_kernel
-from engine.models.attention import PagedAttention
+from engine.models.attention import NormedAttention, PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.families_lfm2 import Lfm2Attention
 from engine.models.families_qwen3_next import GatedAttention, OffsetRMSNorm, SharedExpertMoE
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, FFNMixer
 from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
 from engine.models.nemotron_moe import NemotronMLP
+from engine.models.short_conv import ShortConvMixer
 from engine.models.ssm import MambaMixer
 
 P, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-MAMBA, ATTENTION, MAMBA2, RELU2_MLP, GATED_DELTANET, GATED_ATTENTION = 1, 2, 3, 4, 5, 6
+MAMBA, ATTENTION, MAMBA2, RELU2_MLP, GATED_DELTANET, NORMED_ATTENTION, SHORT_CONV = 1, 2, 3, 4, 5, 6, 7
 NO_FFN, SWIGLU_MLP, MOE = 0, 1, 2
+ATTENTIONS = (PagedAttention, GatedAttention, Lfm2Attention)  # the attention layers with a one-call decode
 HIDDEN_BUFFERS = 7  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 
 
@@ -56,7 +59,7 @@ class LayerPlan(ctypes.Structure):
         ("residual_scale", F32), ("shared_inter", I64), ("shared_panels", P),
         ("mlp_inter", I64), ("up_panels", P), ("up_bias", P), ("down_panels", P), ("down_bias", P),
         ("key_heads", I64), ("value_heads", I64), ("key_dim", I64), ("value_dim", I64),
-        ("q_norm", P), ("k_norm", P), ("qk_norm_eps", F32), ("shared_gate_panels", P),
+        ("q_norm", P), ("k_norm", P), ("qk_norm_eps", F32), ("gated", I64), ("shared_gate_panels", P),
     ]
 
 
@@ -125,7 +128,10 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
         elif type(mixer) is GatedDeltaNetMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
             mixer_needs = _plan_gated_deltanet(entry, mixer, caches.state[index], keep)
             uses_slots = True
-        elif type(mixer) in (PagedAttention, GatedAttention) and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
+        elif type(mixer) is ShortConvMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
+            mixer_needs = _plan_short_conv(entry, mixer, caches.state[index])
+            uses_slots = True
+        elif type(mixer) in ATTENTIONS and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
             mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
             if mixer.rotary is not None:
                 rotary.append((entry, mixer.rotary))
@@ -250,12 +256,21 @@ def _plan_gated_deltanet(entry: LayerPlan, mixer: GatedDeltaNetMixer, state, kee
     return _Needs(floats=mixer.one_call_scratch())
 
 
+def _plan_short_conv(entry: LayerPlan, mixer: ShortConvMixer, state) -> _Needs:
+    (conv_state,) = state
+    entry.mixer, entry.d_conv, entry.conv_state = SHORT_CONV, mixer.kernel, conv_state.data_ptr()
+    entry.in_panels, entry.in_bias = mixer.in_proj.packed_weight.panels.data_ptr(), _ptr(mixer.in_proj.bias)
+    entry.conv_weight, entry.conv_bias = mixer.conv_weight.data_ptr(), _ptr(mixer.conv_bias)
+    entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
+    return _Needs(floats=mixer.one_call_scratch())
+
+
 def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
     k_cache, v_cache = kv
     packed, bias, _ = mixer.qkv_fused
     entry.mixer = ATTENTION
-    if type(mixer) is GatedAttention:
-        entry.mixer, entry.qk_norm_eps = GATED_ATTENTION, mixer.q_norm.eps
+    if isinstance(mixer, NormedAttention):
+        entry.mixer, entry.qk_norm_eps, entry.gated = NORMED_ATTENTION, mixer.q_norm.eps, int(mixer.gated)
         entry.q_norm, entry.k_norm = mixer.q_norm.weight.data_ptr(), mixer.k_norm.weight.data_ptr()
     entry.heads, entry.kv_heads, entry.head_dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
     entry.block_size, entry.window, entry.scale = k_cache.shape[1], int(mixer.sliding_window or 0), float(mixer.scale)

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch import nn
-
-from engine.models.attention import PagedAttention
+from engine.models.attention import NormedAttention
 from engine.models.checkpoint import ConfigReader
 from engine.models.families import _eos_ids, rotary_of, top_level_name
 from engine.models.hybrid import DecoderLayer, HybridLM, ModelSpec
@@ -25,27 +22,12 @@ LAYER_KINDS = {"full_attention": "attention", "conv": "short_conv"}
 DEFAULT_ROPE_THETA = 1_000_000.0  # LFM2's default, not the usual 10000
 
 
-class HeadNormedLinear(nn.Linear):
-    """A bias-free projection whose output is RMS-normalised over each head's channels."""
-
-    def __init__(self, hidden: int, heads: int, head_dim: int, eps: float):
-        super().__init__(hidden, heads * head_dim, bias=False)
-        self.head_dim = head_dim
-        self.norm = RMSNorm(head_dim, eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        return self.norm(y.view(*y.shape[:-1], -1, self.head_dim)).flatten(-2)
-
-
-class Lfm2Attention(PagedAttention):
-    """PagedAttention with q_layernorm / k_layernorm, which must run before rope: they are
-    folded into the q and k projections, so the rest of PagedAttention is unchanged."""
+class Lfm2Attention(NormedAttention):
+    """Attention with q_layernorm / k_layernorm, RMSNorms over each head that run before rope."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, rotary):
-        super().__init__(hidden, heads, kv_heads, head_dim, False, False, rotary)
-        self.q_proj = HeadNormedLinear(hidden, heads, head_dim, eps)
-        self.k_proj = HeadNormedLinear(hidden, kv_heads, head_dim, eps)
+        super().__init__(hidden, heads, kv_heads, head_dim, False, rotary, RMSNorm(head_dim, eps),
+                         RMSNorm(head_dim, eps), gated=False)
 
 
 def _layer_types(cfg: ConfigReader, layers_n: int) -> list[str]:
@@ -119,8 +101,8 @@ def build_lfm2(cfg: ConfigReader) -> HybridLM:
 
 
 _FFN = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_ATTENTION = {"q_proj.weight": "q_proj.weight", "q_proj.norm.weight": "q_layernorm.weight",
-              "k_proj.weight": "k_proj.weight", "k_proj.norm.weight": "k_layernorm.weight",
+_ATTENTION = {"q_proj.weight": "q_proj.weight", "q_norm.weight": "q_layernorm.weight",
+              "k_proj.weight": "k_proj.weight", "k_norm.weight": "k_layernorm.weight",
               "v_proj.weight": "v_proj.weight", "o_proj.weight": "out_proj.weight"}
 
 

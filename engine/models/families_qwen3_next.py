@@ -14,14 +14,12 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu, uses_cpu_kernel
-from engine.models.attention import PagedAttention
-from engine.models.batch import ForwardBatch
+from engine.models.attention import NormedAttention
 from engine.models.checkpoint import ConfigReader
 from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_level_name
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, HybridLM, ModelSpec
 from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
-from engine.models.packed_linear import fused_linear, pack_fused
 
 GDN_CHUNK_SIZE = 64  # tokens per chunk of the prefill scan (an engine choice; fla uses 64 too)
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
@@ -57,51 +55,15 @@ class OffsetRMSNorm(RMSNorm):
         return h, self(h)
 
 
-class GatedAttention(PagedAttention):
+class GatedAttention(NormedAttention):
     """Full attention with an output gate: q_proj yields per head the query (head_dim) then a
     gate (head_dim); q and k are normalised per head (OffsetRMSNorm) before rotary; the
-    attention output is multiplied by sigmoid(gate) before o_proj. On the CPU the three
-    projections run as one packed GEMM, the norms, rotary and the gate as C++ kernels, and an
-    all-decode step as one call of them (gated_attention_decode)."""
+    attention output is multiplied by sigmoid(gate) before o_proj."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
                  rotary: RotaryEmbedding | None, eps: float):
-        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias, bias, rotary)
-        self.q_proj = nn.Linear(hidden, 2 * num_heads * head_dim, bias=bias)
-        self.q_norm = OffsetRMSNorm(head_dim, eps)
-        self.k_norm = OffsetRMSNorm(head_dim, eps)
-
-    def pack_weights(self) -> int:
-        self.qkv_fused = pack_fused(self.q_proj, self.k_proj, self.v_proj)
-        return int(self.qkv_fused is not None)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if self._decodes_in_one_call(x, batch, kv_cache):
-            return self._decode_in_one_call(x, batch, kv_cache)
-        tokens, heads, size = x.shape[0], self.num_heads, self.head_dim
-        q_and_gate, k, v = fused_linear(x, self.qkv_fused, self.q_proj, self.k_proj, self.v_proj)
-        q_and_gate = q_and_gate.reshape(tokens * heads, 2 * size)
-        q = self.q_norm(q_and_gate[:, :size]).view(tokens, heads, size)  # reads the query halves in place
-        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, size)).view(tokens, self.num_kv_heads, size)
-        v = v.view(tokens, self.num_kv_heads, size)
-        if self.rotary is not None:
-            q, k = self.rotary(batch.positions, q, k)
-        out = self.attend(q, k, v, batch, kv_cache).reshape(tokens, -1)
-        gate = q_and_gate[:, size:]
-        if uses_cpu_kernel(out) and gate.dtype == torch.float32:
-            return self.o_proj(cpu.sigmoid_gate_cpu(out, gate.view(tokens, heads, size)))
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
-
-    def fits_one_call(self) -> bool:
-        """The PagedAttention conditions, with both norms folded and float32."""
-        return (super().fits_one_call() and not self.q_norm.offset and not self.k_norm.offset
-                and self.q_norm.eps == self.k_norm.eps
-                and self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32)
-
-    def _one_call_kernel(self) -> tuple[str, tuple, int]:
-        return ("gated_attention_decode", (self.q_norm.weight, self.k_norm.weight, float(self.q_norm.eps)),
-                (4 * self.num_heads + 3 * self.num_kv_heads) * self.head_dim)
+        super().__init__(hidden, num_heads, num_kv_heads, head_dim, bias, rotary, OffsetRMSNorm(head_dim, eps),
+                         OffsetRMSNorm(head_dim, eps), gated=True)
 
 
 class SharedExpertMoE(nn.Module):

@@ -24,6 +24,8 @@ def activation(name: str):
 
 
 class RMSNorm(nn.Module):
+    offset = 0.0  # what a subclass adds to the weight before scaling (Qwen3-Next's OffsetRMSNorm); 0 here
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels import cpu, native
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
-from engine.models.ssm import varlen_causal_conv
+from engine.models.ssm import decodes_in_one_call, packed_fit, varlen_causal_conv
 
 
 class ShortConvMixer(nn.Module):
@@ -30,13 +31,39 @@ class ShortConvMixer(nn.Module):
         self.conv_weight = nn.Parameter(torch.empty(hidden, kernel))
         self.conv_bias = nn.Parameter(torch.zeros(hidden)) if bias else None
         self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self._one_call_fit = ((), False)  # (the packed weights it was checked for, the answer)
 
     def state_spec(self) -> list[StateTensorSpec]:
         return [StateTensorSpec("conv", (self.hidden, self.kernel))]
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch,
                 state: tuple[torch.Tensor]) -> torch.Tensor:
+        if self._decodes_in_one_call(hidden, batch, state):
+            return self._decode_in_one_call(hidden, batch, state)
         (conv_state,) = state
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)  # in this order in the checkpoint
         y = varlen_causal_conv(b * x, batch, conv_state, self.conv_weight, self.conv_bias)
         return self.out_proj(c * y)
+
+    def fits_one_call(self) -> bool:
+        """Both linears packed (so not sharded), every parameter float32 and contiguous: then an
+        all-decode step's kernels run as one C++ call (short_conv_decode). Alone it is no faster
+        than the chain (docs/benchmarks.md, session 11); the decode stack's one call needs it."""
+        return packed_fit(self, (self.in_proj, self.out_proj), lambda: type(self).forward is ShortConvMixer.forward)
+
+    def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
+        return decodes_in_one_call(self, hidden, batch, state)
+
+    def one_call_scratch(self) -> int:
+        """short_conv_decode's scratch floats per row."""
+        return 6 * self.hidden
+
+    def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
+        (conv_state,) = state
+        rows = hidden.shape[0]
+        out = torch.empty(rows, self.hidden)
+        native.call("short_conv_decode", hidden, rows, self.hidden, self.kernel, self.in_proj.packed_weight.panels,
+                    self.in_proj.bias, conv_state, cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias,
+                    self.out_proj.packed_weight.panels, self.out_proj.bias,
+                    torch.empty(rows * self.one_call_scratch()), out)
+        return out

@@ -17,7 +17,7 @@ from torch import nn
 
 from engine.models.attention import PagedAttention
 from engine.models.families_falcon_h1 import FalconH1MLP, FalconH1Mixer, ScaledLinear
-from engine.models.families_lfm2 import HeadNormedLinear, Lfm2Attention
+from engine.models.families_lfm2 import Lfm2Attention
 from engine.models.families_qwen3_next import GatedAttention, SharedExpertMoE
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.layers import GatedMLP, GatedRMSNorm, SparseMoE, SummedFFN
@@ -33,7 +33,7 @@ Apply = Callable[[], None]
 
 
 def check_linear(linear, what: str, row_sliceable: bool = False) -> None:
-    allowed = (nn.Linear, ScaledLinear, HeadNormedLinear) if row_sliceable else (nn.Linear,)
+    allowed = (nn.Linear, ScaledLinear) if row_sliceable else (nn.Linear,)
     if type(linear) not in allowed:
         raise ValueError(f"tensor parallelism: {what} is a {type(linear).__name__}, not "
                          f"{' or '.join(t.__name__ for t in allowed)}")
