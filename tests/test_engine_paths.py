@@ -147,7 +147,8 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, la
                                        ("nemotron_h_dense", True), ("nemotron_h_latent", False),
                                        ("qwen3_next", True), ("qwen3_next_sparse_step_tied", True),
                                        ("qwen3_next_dense_mqa", True), ("lfm2", True),
-                                       ("lfm2_attn_first_bias_untied", True), ("lfm2_mqa_kernel4", True)])
+                                       ("lfm2_attn_first_bias_untied", True), ("lfm2_mqa_kernel4", True),
+                                       ("falcon_h1", False), ("falcon_h1_odd_tied", True), ("falcon_h1_nonorm", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
@@ -157,7 +158,9 @@ def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, m
     some layer cannot run in it (Nemotron-H's MoE) the layer path runs; the tokens are
     transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases; so do Qwen3-Next's
     Gated DeltaNet and gated attention layers, its folded (1 + w) norms, its MoE with a sigmoid-gated
-    shared expert and its dense MLPs; and LFM2's short-conv and normed attention layers."""
+    shared expert and its dense MLPs; LFM2's short-conv and normed attention layers; and Falcon-H1's
+    layers, attention beside Mamba2 on one input, with their multipliers folded in (not with MLP
+    biases, which the one-call MLP does not take)."""
     from engine.kernels import cpu
 
     if not cpu.available():

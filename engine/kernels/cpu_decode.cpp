@@ -106,6 +106,11 @@ struct LayerPlan {
   int64_t gated;
   // The shared expert's sigmoid gate (a packed [1, hidden] linear), or null: no gate
   const float* shared_gate_panels;
+  // Mamba2's head count and size (the attention fields keep theirs: Falcon-H1 runs both)
+  int64_t ssm_heads, ssm_head_dim;
+  // Falcon-H1: an attention (the attention fields) beside the mixer on the same normed input,
+  // its output added to the mixer's
+  int64_t parallel_attention;
 };
 
 // x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
@@ -140,7 +145,7 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                    p.c_norm, p.bcdt_eps, p.dt_panels, p.dt_bias, p.A, p.D, p.out_panels, p.out_bias, work, mixed,
                    threads);
     } else if (p.mixer == MAMBA2) {
-      mamba2_decode(normed, rows, hidden, p.heads, p.head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
+      mamba2_decode(normed, rows, hidden, p.ssm_heads, p.ssm_head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
                     p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo, p.dt_hi, p.A,
                     p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_first, p.gate_norm_eps, p.out_panels, p.out_bias,
                     work, mixed, threads);
@@ -168,6 +173,12 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
                        p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, mixed, threads);
+    }
+    if (p.parallel_attention) {  // h + (ssm + attention): shared_out is free until the FFN
+      attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
+                       p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
+                       p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, shared_out, threads);
+      for (int64_t i = 0; i < size; ++i) mixed[i] += shared_out[i];
     }
     if (p.residual_scale != 1.f) scale_rows(mixed, size, p.residual_scale);
     if (p.ffn == NO_FFN) {

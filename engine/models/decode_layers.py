@@ -24,6 +24,7 @@ import torch
 from engine.kernels import cpu, native, uses_cpu_kernel
 from engine.models.attention import NormedAttention, PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
+from engine.models.families_falcon_h1 import FalconH1Layer
 from engine.models.families_lfm2 import Lfm2Attention
 from engine.models.families_qwen3_next import GatedAttention, OffsetRMSNorm, SharedExpertMoE
 from engine.models.gated_deltanet import GatedDeltaNetMixer
@@ -60,6 +61,7 @@ class LayerPlan(ctypes.Structure):
         ("mlp_inter", I64), ("up_panels", P), ("up_bias", P), ("down_panels", P), ("down_bias", P),
         ("key_heads", I64), ("value_heads", I64), ("key_dim", I64), ("value_dim", I64),
         ("q_norm", P), ("k_norm", P), ("qk_norm_eps", F32), ("gated", I64), ("shared_gate_panels", P),
+        ("ssm_heads", I64), ("ssm_head_dim", I64), ("parallel_attention", I64),
     ]
 
 
@@ -109,42 +111,30 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
     if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
         raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_layers.LayerPlan differ")
     plans, keep, rotary, needs = (LayerPlan * len(layers))(), [], [], _Needs()
-    uses_slots = uses_kv = False
     for index, layer in enumerate(layers):
-        if type(layer) is not DecoderLayer or not _norm_fits(layer.input_norm):
+        parts = _layer_parts(layer)
+        if parts is None or not _norm_fits(parts[0]):
             return None
+        input_norm, mixer, beside, ffn_norm, ffn, residual_scale = parts
         entry = plans[index]
-        entry.input_norm, entry.input_eps = layer.input_norm.weight.data_ptr(), layer.input_norm.eps
-        entry.residual_scale = layer.residual_scale
-        mixer, ffn = layer.mixer, layer.ffn
-        if type(mixer) is MambaMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_mamba(entry, mixer, caches.state[index], keep)
-            uses_slots = True
-        elif type(mixer) is Mamba2Mixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_mamba2(entry, mixer, caches.state[index], keep)
-            uses_slots = True
-        elif type(mixer) is FFNMixer and _relu2_mlp_fits(mixer.ffn):
-            mixer_needs = _plan_relu2_mlp(entry, mixer.ffn)
-        elif type(mixer) is GatedDeltaNetMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_gated_deltanet(entry, mixer, caches.state[index], keep)
-            uses_slots = True
-        elif type(mixer) is ShortConvMixer and _all_cpu(caches.state[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_short_conv(entry, mixer, caches.state[index])
-            uses_slots = True
-        elif type(mixer) in ATTENTIONS and _all_cpu(caches.kv[index]) and mixer.fits_one_call():
-            mixer_needs = _plan_attention(entry, mixer, caches.kv[index])
-            if mixer.rotary is not None:
-                rotary.append((entry, mixer.rotary))
-            uses_kv = True
-        else:
+        entry.input_norm, entry.input_eps, entry.residual_scale = input_norm.weight.data_ptr(), input_norm.eps, residual_scale
+        mixer_needs = _plan_mixer(entry, mixer, caches, index, keep, rotary)
+        if mixer_needs is None:
             return None
+        if beside is not None:  # Falcon-H1's attention beside its Mamba2 mixer
+            if type(beside) is not PagedAttention or not _all_cpu(caches.kv[index]) or not beside.fits_one_call():
+                return None
+            mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index]).floats))
+            entry.parallel_attention = 1
+            if beside.rotary is not None:
+                rotary.append((entry, beside.rotary))
         if ffn is None:
             ffn_needs = _Needs()
             entry.ffn = NO_FFN
-        elif _norm_fits(layer.ffn_norm) and (parts := _ffn_parts(ffn)) is not None:
-            entry.ffn_norm, entry.ffn_eps = layer.ffn_norm.weight.data_ptr(), layer.ffn_norm.eps
-            first, shared, shared_gate = parts
-            ffn_needs = _plan_moe(entry, first, layer.input_norm.weight.numel()) if type(first) is SparseMoE \
+        elif _norm_fits(ffn_norm) and (ffn_parts := _ffn_parts(ffn)) is not None:
+            entry.ffn_norm, entry.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
+            first, shared, shared_gate = ffn_parts
+            ffn_needs = _plan_moe(entry, first, input_norm.weight.numel()) if type(first) is SparseMoE \
                 else _plan_mlp(entry, first)
             if shared is not None:
                 inter = shared.down_proj.in_features
@@ -155,7 +145,42 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
             return None
         needs = _Needs(max(needs.floats, mixer_needs.floats, ffn_needs.floats), max(needs.ints, ffn_needs.ints),
                        max(needs.fixed_ints, ffn_needs.fixed_ints, 1))
-    return DecodeLayersPlan(plans, keep, rotary, needs, uses_slots, uses_kv) if layers else None
+    if not layers:
+        return None
+    # Every mixer with per-sequence state has a conv state; every attention a K cache.
+    return DecodeLayersPlan(plans, keep, rotary, needs, any(e.conv_state for e in plans), any(e.k_cache for e in plans))
+
+
+def _layer_parts(layer):
+    """(input norm, mixer, an attention beside the mixer or None, FFN norm, FFN, residual scale)
+    of a DecoderLayer, or of a Falcon-H1 layer whose multipliers are folded into its weights;
+    None for any other layer."""
+    if type(layer) is DecoderLayer:
+        return layer.input_norm, layer.mixer, None, layer.ffn_norm, layer.ffn, layer.residual_scale
+    if type(layer) is FalconH1Layer and layer.attn_in == layer.attn_out == layer.ssm_out == 1.0:
+        return layer.input_layernorm, layer.mamba, layer.self_attn, layer.pre_ff_layernorm, layer.feed_forward, 1.0
+    return None
+
+
+def _plan_mixer(entry: LayerPlan, mixer, caches: LayerCaches, index: int, keep: list, rotary: list) -> _Needs | None:
+    """Fill the mixer's fields of `entry`, where it runs as one call; its needs, or None."""
+    state, kv = caches.state[index], caches.kv[index]
+    if isinstance(mixer, Mamba2Mixer) and _all_cpu(state) and mixer.fits_one_call():  # Falcon-H1's once folded
+        return _plan_mamba2(entry, mixer, state, keep)
+    if type(mixer) is MambaMixer and _all_cpu(state) and mixer.fits_one_call():
+        return _plan_mamba(entry, mixer, state, keep)
+    if type(mixer) is FFNMixer and _relu2_mlp_fits(mixer.ffn):
+        return _plan_relu2_mlp(entry, mixer.ffn)
+    if type(mixer) is GatedDeltaNetMixer and _all_cpu(state) and mixer.fits_one_call():
+        return _plan_gated_deltanet(entry, mixer, state, keep)
+    if type(mixer) is ShortConvMixer and _all_cpu(state) and mixer.fits_one_call():
+        return _plan_short_conv(entry, mixer, state)
+    if type(mixer) in ATTENTIONS and _all_cpu(kv) and mixer.fits_one_call():
+        if mixer.rotary is not None:
+            rotary.append((entry, mixer.rotary))
+        entry.mixer = NORMED_ATTENTION if isinstance(mixer, NormedAttention) else ATTENTION
+        return _plan_attention(entry, mixer, kv)
+    return None
 
 
 def _ffn_parts(ffn):
@@ -170,7 +195,8 @@ def _ffn_parts(ffn):
             return None
     else:
         parts = list(ffn.parts) if type(ffn) is SummedFFN else [ffn]
-    kinds = [type(part) for part in parts]
+    # a GatedMLP subclass whose forward is GatedMLP's (Falcon-H1's, its multipliers folded) counts as one
+    kinds = [GatedMLP if isinstance(part, GatedMLP) and part.packs_fused() else type(part) for part in parts]
     if kinds not in ([GatedMLP], [SparseMoE], [SparseMoE, GatedMLP]) or not all(p.fits_one_call() for p in parts):
         return None
     return parts[0], (parts[1] if len(parts) == 2 else None), (None if gate is None else gate.panels)
@@ -212,7 +238,7 @@ def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Ne
     keep += [A, D]
     norm = mixer.norm
     entry.mixer = MAMBA2
-    entry.heads, entry.head_dim, entry.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
+    entry.ssm_heads, entry.ssm_head_dim, entry.groups = mixer.num_heads, mixer.head_dim, mixer.n_groups
     entry.d_state, entry.d_conv = mixer.d_state, mixer.d_conv
     entry.in_panels, entry.in_bias = mixer.in_proj.packed_weight.panels.data_ptr(), _ptr(mixer.in_proj.bias)
     entry.conv_state, entry.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
@@ -266,11 +292,11 @@ def _plan_short_conv(entry: LayerPlan, mixer: ShortConvMixer, state) -> _Needs:
 
 
 def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
+    """The attention fields (not the mixer kind: Falcon-H1's attention sits beside a Mamba2 mixer)."""
     k_cache, v_cache = kv
     packed, bias, _ = mixer.qkv_fused
-    entry.mixer = ATTENTION
     if isinstance(mixer, NormedAttention):
-        entry.mixer, entry.qk_norm_eps, entry.gated = NORMED_ATTENTION, mixer.q_norm.eps, int(mixer.gated)
+        entry.qk_norm_eps, entry.gated = mixer.q_norm.eps, int(mixer.gated)
         entry.q_norm, entry.k_norm = mixer.q_norm.weight.data_ptr(), mixer.k_norm.weight.data_ptr()
     entry.heads, entry.kv_heads, entry.head_dim = mixer.num_heads, mixer.num_kv_heads, mixer.head_dim
     entry.block_size, entry.window, entry.scale = k_cache.shape[1], int(mixer.sliding_window or 0), float(mixer.scale)

@@ -139,8 +139,8 @@ class FalconH1Layer(nn.Module):
         normed = self.input_layernorm(h.to(self.input_layernorm.weight.dtype))
         ssm = _times(self.mamba(normed, batch, caches.state[index]), self.ssm_out)
         attn = _times(self.self_attn(_times(normed, self.attn_in), batch, caches.kv[index]), self.attn_out)
-        h = h + (ssm + attn)
-        return h + self.feed_forward(self.pre_ff_layernorm(h))
+        h, normed = self.pre_ff_layernorm.add_and_norm(ssm + attn, h)  # h + (ssm + attn), normed in one pass
+        return h + self.feed_forward(normed)
 
     def fold_scales(self) -> None:
         """attention's input scale into q/k/v (not their biases), the output scales into the
