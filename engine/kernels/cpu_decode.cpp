@@ -145,10 +145,10 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                    p.c_norm, p.bcdt_eps, p.dt_panels, p.dt_bias, p.A, p.D, p.out_panels, p.out_bias, work, mixed,
                    threads);
     } else if (p.mixer == MAMBA2) {
-      mamba2_decode(normed, rows, hidden, p.ssm_heads, p.ssm_head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
-                    p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo, p.dt_hi, p.A,
-                    p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_first, p.gate_norm_eps, p.out_panels, p.out_bias,
-                    work, mixed, threads);
+      mamba2_decode(normed, rows, hidden, p.ssm_heads, p.ssm_head_dim, p.groups, p.d_state, p.d_conv, p.in_panels,
+                    p.in_bias, p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo,
+                    p.dt_hi, p.A, p.D, p.gate_norm, p.gate_norm_group, p.gate_norm_first, p.gate_norm_eps,
+                    p.out_panels, p.out_bias, work, mixed, threads);
     } else if (p.mixer == RELU2_MLP) {
       packed_linear(normed, hidden, p.up_panels, p.up_bias, work, p.mlp_inter, rows, p.mlp_inter, hidden, threads);
       for (int64_t i = 0; i < rows * p.mlp_inter; ++i) {

@@ -3,11 +3,13 @@
 On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
 calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
 step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
-whose norms are RMSNorms (Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer,
-Mamba2Mixer, GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's normed
-attention; or a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP, SparseMoE, routed plus
-shared experts, the shared one gated or not, or none), the whole stack runs as one call of the
-same kernels in the same order, so the hidden states are the bits of the layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
+or a Falcon-H1 layer (attention beside Mamba2, multipliers folded), whose norms are RMSNorms
+(Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer, Mamba2Mixer,
+GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's normed attention; or
+a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP,
+SparseMoE, routed plus shared experts, the shared one gated or not, or none), the whole stack
+runs as one call of the same kernels in the same order, so the hidden states are the bits of the
+layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
 GPUs) takes that path.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
@@ -117,7 +119,8 @@ def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
             return None
         input_norm, mixer, beside, ffn_norm, ffn, residual_scale = parts
         entry = plans[index]
-        entry.input_norm, entry.input_eps, entry.residual_scale = input_norm.weight.data_ptr(), input_norm.eps, residual_scale
+        entry.input_norm, entry.input_eps = input_norm.weight.data_ptr(), input_norm.eps
+        entry.residual_scale = residual_scale
         mixer_needs = _plan_mixer(entry, mixer, caches, index, keep, rotary)
         if mixer_needs is None:
             return None
