@@ -27,9 +27,10 @@ ATTENTION_PARAMS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 
 
 class OffsetRMSNorm(RMSNorm):
-    """RMSNorm computed in float32 and scaled by (1 + weight) before casting back. At load the 1 is
-    folded into the weight (fold_scales, the same float32 sum the forward would compute), after
-    which it is a plain RMSNorm: (1 + w) x and w' x with w' = 1 + w are the same bits."""
+    """RMSNorm computed in float32 and scaled by (1 + weight) before casting back. At load a
+    float32 weight takes the 1 in (fold_scales, the same float32 sum the forward would compute),
+    after which it is a plain RMSNorm: (1 + w) x and w' x with w' = 1 + w are the same bits. A
+    bf16 weight is left as it is: 1 + w would round to bf16, where the forward keeps float32."""
 
     def __init__(self, size: int, eps: float):
         super().__init__(size, eps)
@@ -37,6 +38,8 @@ class OffsetRMSNorm(RMSNorm):
         self.offset = 1.0
 
     def fold_scales(self) -> None:
+        if self.weight.dtype != torch.float32:
+            return
         with torch.no_grad():
             self.weight.add_(self.offset)
         self.offset = 0.0
