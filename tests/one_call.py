@@ -43,24 +43,27 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
-    """Make every decode step the model runs as one call of its whole layer stack (the plan of
-    engine.models.decode_layers) also run layer by layer from the same caches, and assert that the
-    hidden states and every cache tensor left behind are the same bits; the model goes on with
-    the layer path's. Returns a list that gets the batch size of each comparison."""
+    """Make every decode step the model runs through the plan of engine.models.decode_layers
+    (runs of layers as one call each, the layer path between them) also run layer by layer from
+    the same caches, and assert that the hidden states and every cache tensor left behind are the
+    same bits; the model goes on with the layer path's. Returns a list that gets the batch size
+    of each comparison."""
     plan_of, compared = HybridLM._decode_layers_plan, []
 
     class Both:
         def __init__(self, model, caches, plan):
             self.model, self.caches, self.plan = model, caches, plan
 
-        def run(self, h, batch):
+        def run(self, h, batch, run_layer):
             tensors = self.caches.tensors()
             before = [t.clone() for t in tensors]
-            at_once = self.plan.run(h, batch)
+            at_once = self.plan.run(h, batch, run_layer)
             left = [t.clone() for t in tensors]
             for t, saved in zip(tensors, before):
                 t.copy_(saved)
-            one_by_one = self.model.run_layers(h, batch, self.caches)
+            one_by_one = h
+            for index in range(len(self.model.layers)):
+                one_by_one = run_layer(index, one_by_one)
             assert torch.equal(bits(at_once), bits(one_by_one))
             assert all(torch.equal(bits(a), bits(b)) for a, b in zip(left, tensors))
             compared.append(h.shape[0])

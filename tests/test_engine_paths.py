@@ -144,11 +144,12 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, la
                                        ("qwen2_bias_tied", True), ("jamba_top1_bias", True),
                                        ("mamba2", True), ("mamba2_tied_limit", True), ("bamba", True),
                                        ("granitemoehybrid", True), ("granitemoehybrid_dense_nope", True),
-                                       ("nemotron_h_dense", True), ("nemotron_h_latent", False),
+                                       ("nemotron_h_dense", True), ("nemotron_h_latent", True),
                                        ("qwen3_next", True), ("qwen3_next_sparse_step_tied", True),
                                        ("qwen3_next_dense_mqa", True), ("lfm2", True),
                                        ("lfm2_attn_first_bias_untied", True), ("lfm2_mqa_kernel4", True),
-                                       ("falcon_h1", False), ("falcon_h1_odd_tied", True), ("falcon_h1_nonorm", True)])
+                                       ("falcon_h1", False), ("falcon_h1_odd_tied", True), ("falcon_h1_nonorm", True),
+                                       ("zamba2", True), ("zamba2_untied_linear_rope", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the

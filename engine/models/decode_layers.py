@@ -108,50 +108,89 @@ class DecodeLayersPlan:
         return out
 
 
-def build_plan(layers, caches: LayerCaches) -> DecodeLayersPlan | None:
-    """The plan for these layers over these caches, or None where some layer cannot run in it."""
+class SegmentedPlan:
+    """A decode step's layers as runs: each run of consecutive layers that fit is one call of
+    its DecodeLayersPlan; a layer that does not fit takes the layer path on its own."""
+
+    def __init__(self, segments: list[tuple[int, DecodeLayersPlan | None]]):
+        self.segments = segments  # (first layer, its run's plan, or None for that one layer)
+
+    def run(self, h: torch.Tensor, batch: ForwardBatch, run_layer) -> torch.Tensor:
+        """h after every layer; run_layer(index, h) runs one layer on the layer path."""
+        for first, plan in self.segments:
+            h = run_layer(first, h) if plan is None else plan.run(h, batch)
+        return h
+
+
+def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
+    """The plan for these layers over these caches, or None where no layer can run in it."""
     if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
         raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_layers.LayerPlan differ")
-    plans, keep, rotary, needs = (LayerPlan * len(layers))(), [], [], _Needs()
-    for index, layer in enumerate(layers):
-        parts = _layer_parts(layer)
-        if parts is None or not _norm_fits(parts[0]):
-            return None
-        input_norm, mixer, beside, ffn_norm, ffn, residual_scale = parts
-        entry = plans[index]
-        entry.input_norm, entry.input_eps = input_norm.weight.data_ptr(), input_norm.eps
-        entry.residual_scale = residual_scale
-        mixer_needs = _plan_mixer(entry, mixer, caches, index, keep, rotary)
-        if mixer_needs is None:
-            return None
-        if beside is not None:  # Falcon-H1's attention beside its Mamba2 mixer
-            if type(beside) is not PagedAttention or not _all_cpu(caches.kv[index]) or not beside.fits_one_call():
-                return None
-            mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index]).floats))
-            entry.parallel_attention = 1
-            if beside.rotary is not None:
-                rotary.append((entry, beside.rotary))
-        if ffn is None:
-            ffn_needs = _Needs()
-            entry.ffn = NO_FFN
-        elif _norm_fits(ffn_norm) and (ffn_parts := _ffn_parts(ffn)) is not None:
-            entry.ffn_norm, entry.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
-            first, shared, shared_gate = ffn_parts
-            ffn_needs = _plan_moe(entry, first, input_norm.weight.numel()) if type(first) is SparseMoE \
-                else _plan_mlp(entry, first)
-            if shared is not None:
-                inter = shared.down_proj.in_features
-                entry.shared_inter, entry.shared_panels = inter, shared.one_call_pointers().data_ptr()
-                entry.shared_gate_panels = _ptr(shared_gate)
-                ffn_needs = _Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
-        else:
-            return None
-        needs = _Needs(max(needs.floats, mixer_needs.floats, ffn_needs.floats), max(needs.ints, ffn_needs.ints),
-                       max(needs.fixed_ints, ffn_needs.fixed_ints, 1))
-    if not layers:
+    planned = [_plan_layer(layer, caches, index) for index, layer in enumerate(layers)]
+    if not any(planned):
         return None
+    segments, run = [], []
+    for index, layer_plan in enumerate([*planned, None]):
+        if layer_plan is not None:
+            run.append(layer_plan)
+            continue
+        if run:
+            segments.append((index - len(run), _segment(run)))
+            run = []
+        if index < len(layers):
+            segments.append((index, None))
+    return SegmentedPlan(segments)
+
+
+def _segment(run: list) -> DecodeLayersPlan:
+    """One call's plan over consecutive layers' (entry, keep, rotary, needs)."""
+    plans = (LayerPlan * len(run))(*(entry for entry, _, _, _ in run))  # copies of the entries
+    keep = [tensor for _, kept, _, _ in run for tensor in kept]
+    rotary = [(plans[i], r) for i, (_, _, layer_rotary, _) in enumerate(run) for r in layer_rotary]
+    needs = _Needs(max(n.floats for *_, n in run), max(n.ints for *_, n in run),
+                   max(max(n.fixed_ints for *_, n in run), 1))
     # Every mixer with per-sequence state has a conv state; every attention a K cache.
     return DecodeLayersPlan(plans, keep, rotary, needs, any(e.conv_state for e in plans), any(e.k_cache for e in plans))
+
+
+def _plan_layer(layer, caches: LayerCaches, index: int):
+    """(its LayerPlan entry, tensors the entry points at that nothing else holds, the rotary
+    embeddings whose tables the entry takes each step, its needs), or None where the layer cannot
+    run in one call."""
+    parts = _layer_parts(layer)
+    if parts is None or not _norm_fits(parts[0]):
+        return None
+    input_norm, mixer, beside, ffn_norm, ffn, residual_scale = parts
+    entry, keep, rotary = LayerPlan(), [], []
+    entry.input_norm, entry.input_eps = input_norm.weight.data_ptr(), input_norm.eps
+    entry.residual_scale = residual_scale
+    mixer_needs = _plan_mixer(entry, mixer, caches, index, keep, rotary)
+    if mixer_needs is None:
+        return None
+    if beside is not None:  # Falcon-H1's attention beside its Mamba2 mixer
+        if type(beside) is not PagedAttention or not _all_cpu(caches.kv[index]) or not beside.fits_one_call():
+            return None
+        mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index]).floats))
+        entry.parallel_attention = 1
+        if beside.rotary is not None:
+            rotary.append(beside.rotary)
+    if ffn is None:
+        ffn_needs = _Needs()
+        entry.ffn = NO_FFN
+    elif _norm_fits(ffn_norm) and (ffn_parts := _ffn_parts(ffn)) is not None:
+        entry.ffn_norm, entry.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
+        first, shared, shared_gate = ffn_parts
+        ffn_needs = _plan_moe(entry, first, input_norm.weight.numel()) if type(first) is SparseMoE \
+            else _plan_mlp(entry, first)
+        if shared is not None:
+            inter = shared.down_proj.in_features
+            entry.shared_inter, entry.shared_panels = inter, shared.one_call_pointers().data_ptr()
+            entry.shared_gate_panels = _ptr(shared_gate)
+            ffn_needs = _Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
+    else:
+        return None
+    needs = _Needs(max(mixer_needs.floats, ffn_needs.floats), ffn_needs.ints, ffn_needs.fixed_ints)
+    return entry, keep, rotary, needs
 
 
 def _layer_parts(layer):
@@ -180,7 +219,7 @@ def _plan_mixer(entry: LayerPlan, mixer, caches: LayerCaches, index: int, keep: 
         return _plan_short_conv(entry, mixer, state)
     if type(mixer) in ATTENTIONS and _all_cpu(kv) and mixer.fits_one_call():
         if mixer.rotary is not None:
-            rotary.append((entry, mixer.rotary))
+            rotary.append(mixer.rotary)
         entry.mixer = NORMED_ATTENTION if isinstance(mixer, NormedAttention) else ATTENTION
         return _plan_attention(entry, mixer, kv)
     return None

@@ -127,11 +127,19 @@ class Zamba2LM(HybridLM):
 
     def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
         h = embeddings = self.embed_tokens(batch)
-        for index, layer in enumerate(self.layers):
+
+        def run_layer(index: int, x: torch.Tensor) -> torch.Tensor:
+            layer = self.layers[index]
             if isinstance(layer, HybridLayer):
-                h = layer(h, embeddings, batch, caches, index)
-            else:
-                h = layer(h, batch, caches, index)
+                return layer(x, embeddings, batch, caches, index)
+            return layer(x, batch, caches, index)
+
+        plan = self._decode_layers_plan(batch, caches, h)  # runs of plain Mamba2 layers as one call each
+        if plan is not None:
+            h = plan.run(h, batch, run_layer)
+        else:
+            for index in range(len(self.layers)):
+                h = run_layer(index, h)
         return self.lm_logits(self.final_norm(h.index_select(0, batch.logits_indices)))
 
 

@@ -174,7 +174,10 @@ class HybridLM(nn.Module):
         """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]."""
         h = self.embed_tokens(batch)
         plan = self._decode_layers_plan(batch, caches, h)
-        h = plan.run(h, batch) if plan is not None else self.run_layers(h, batch, caches)
+        if plan is not None:
+            h = plan.run(h, batch, lambda index, x: self.layers[index](x, batch, caches, index))
+        else:
+            h = self.run_layers(h, batch, caches)
         # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
         last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
         logits = self.lm_logits(self.final_norm(last))
@@ -187,8 +190,9 @@ class HybridLM(nn.Module):
         return h
 
     def _decode_layers_plan(self, batch: ForwardBatch, caches: LayerCaches, h: torch.Tensor):
-        """engine.models.decode_layers' plan where this step can run the layers as one call: every
-        row a decode on the CPU kernels (decode_tokens a slice), not sharded, every layer fits."""
+        """engine.models.decode_layers' plan where this step can run runs of layers as one call
+        each: every row a decode on the CPU kernels (decode_tokens a slice), not sharded, some
+        layer fits (the others take the layer path between the runs)."""
         if not (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(h)
                 and getattr(self, "tp_group", None) is None and not h.requires_grad):
             return None
