@@ -156,7 +156,9 @@ def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, m
     bits of the layer-by-layer path (Mamba and Mamba2 with and without FFNs, projection biases, dt
     limits, MoE top-2 and top-1, MLPs, routed and shared experts, a residual multiplier,
     attention with and without rotary, a sliding window the contexts pass, q/k/v biases); where
-    some layer cannot run in it (Nemotron-H's MoE) the layer path runs; the tokens are
+    some layers cannot run in it (Nemotron-H's MoE, Zamba2's hybrid layers) they take the layer
+    path between the runs of layers that do, and where none can (Falcon-H1 with MLP biases) the
+    layer path runs throughout; the tokens are
     transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases; so do Qwen3-Next's
     Gated DeltaNet and gated attention layers, its folded (1 + w) norms, its MoE with a sigmoid-gated
     shared expert and its dense MLPs; LFM2's short-conv and normed attention layers; and Falcon-H1's

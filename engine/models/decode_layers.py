@@ -9,8 +9,9 @@ GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's norm
 a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP,
 SparseMoE, routed plus shared experts, the shared one gated or not, or none), the whole stack
 runs as one call of the same kernels in the same order, so the hidden states are the bits of the
-layer-by-layer path. Anything else (another family, tensor parallelism, a prefill in the batch,
-GPUs) takes that path.
+layer-by-layer path. Where only some layers fit, each run of them is one call and the others take
+the layer path between the runs (SegmentedPlan: Zamba2's hybrid layers, Nemotron-H's MoE). A
+prefill in the batch, tensor parallelism or a GPU takes the layer path throughout.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
 (which is when they are final) and rebuilt when the caches it points at change.
