@@ -153,7 +153,7 @@ def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
 
 
 @pytest.mark.parametrize("k_heads,heads,k_dim,v_dim", [(2, 4, 8, 8), (3, 3, 6, 10), (1, 4, 16, 8)])
-def test_gated_deltanet_elementwise_kernels_are_their_torch_definitions(k_heads, heads, k_dim, v_dim):
+def test_gated_deltanet_elementwise_kernels_are_their_torch_definitions(k_heads, heads, k_dim, v_dim, monkeypatch):
     """The C++ steps around the delta rule (the chain and the one-call decode both take them):
     q and k prepared from column blocks of the conv's output, the gates (softplus past its
     threshold of 20 included), and the per-head norm times silu(z) from z's blocks per key head."""
@@ -181,9 +181,11 @@ def test_gated_deltanet_elementwise_kernels_are_their_torch_definitions(k_heads,
     y = torch.randn(7, heads, v_dim)
     z = torch.randn(7, k_heads, 2 * (heads // k_heads) * v_dim)[..., :(heads // k_heads) * v_dim]  # blocks apart
     z = z.reshape(7, heads, v_dim) if k_heads == 1 else z.view(7, k_heads, -1).reshape(7, heads, v_dim)
+    calls = record_calls(monkeypatch, cpu, "skip_norm_gate_cpu")
     with torch.no_grad():
         ours = norm(y, z)
         want = norm.weight * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)) * torch.nn.functional.silu(z)
+    assert len(calls) == 1  # the C++ norm, not the torch ops its result is compared with
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
 
 

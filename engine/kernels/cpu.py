@@ -178,10 +178,7 @@ def prepare_qk_cpu(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[
     """engine.kernels.gdn_scan.prepare_qk in one C++ pass (the kernel the one-call Gated DeltaNet
     decode runs, so both give the same bits): q, k [rows, Hk, dk] -> [rows, Hv, dk] float32; rows
     may be column blocks of one tensor (views into the conv's output)."""
-    def heads_in_rows(t):
-        return t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
-
-    if not (heads_in_rows(q) and heads_in_rows(k) and q.stride(0) == k.stride(0)):
+    if not (rows_of_heads(q) and rows_of_heads(k) and q.stride(0) == k.stride(0)):
         q, k = _f32(q), _f32(k)
     rows, k_heads, k_dim = q.shape
     q_out, k_out = torch.empty(rows, num_v_heads, k_dim), torch.empty(rows, num_v_heads, k_dim)

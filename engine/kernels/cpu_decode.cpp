@@ -7,54 +7,9 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_kernels.h"
+
 extern "C" {
-
-// cpu_gemm.cpp, cpu_fused.cpp, cpu_layers.cpp, cpu_deltanet.cpp
-void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
-                   int64_t rows, int64_t out_features, int64_t in_features, int threads);
-void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
-              int64_t x_stride, float eps, int threads);
-void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner, int64_t d_state, int64_t dt_rank,
-                  int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state, float* ssm_state,
-                  const int64_t* slots, const float* conv_weight, const float* conv_bias, const float* x_panels,
-                  const float* dt_norm, const float* b_norm, const float* c_norm, float norm_eps,
-                  const float* dt_panels, const float* dt_bias, const float* A, const float* D,
-                  const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
-void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                      const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
-                      const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
-                      int64_t block_size, float scale, int64_t window, const float* o_panels, const float* o_bias,
-                      float* scratch, float* out, int threads);
-void moe_layer(const float* x, int64_t rows, int64_t hidden, const float* router_panels, int64_t experts,
-               int64_t top_k, int64_t normalize, const int64_t* expert_panels, int64_t inter, int64_t* ids,
-               float* scratch, float* out, int threads);
-void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* panels, float* scratch, float* out,
-                      int64_t experts, int64_t hidden, int64_t inter, int threads);
-void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t head_dim, int64_t groups,
-                   int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
-                   float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
-                   const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
-                   const float* norm_weight, int64_t norm_group, int64_t norm_first, float norm_eps,
-                   const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
-
-void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, int64_t v_heads, int64_t k_dim,
-                int64_t v_dim, int64_t d_conv, const float* qkvz_panels, const float* ba_panels, float* conv_state,
-                float* recurrent_state, const int64_t* slots, const float* conv_weight, const float* A,
-                const float* dt_bias, const float* norm_weight, float norm_eps, const float* out_panels,
-                float* scratch, float* out, int threads);
-void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
-                             const int64_t* write_index, const int64_t* tables, int64_t table_width,
-                             const int64_t* lens, int64_t block_size, float scale, int64_t window,
-                             const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
-                             float norm_eps, int64_t gated, float* scratch, float* out, int threads);
-void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t kernel, const float* in_panels,
-                       const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
-                       const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
-                       float* out, int threads);
-void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int threads);
 
 enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATED_DELTANET = 5, NORMED_ATTENTION = 6,
                        SHORT_CONV = 7 };

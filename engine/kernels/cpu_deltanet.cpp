@@ -7,27 +7,16 @@
 #include <cstdint>
 #include <cstring>
 
-extern "C" {
+#include "cpu_kernels.h"
 
-// cpu_gemm.cpp, cpu_kernels.cpp, cpu_fused.cpp
-void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
-                   int64_t rows, int64_t out_features, int64_t in_features, int threads);
-void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
-                 const float* bias, float* y, int64_t batch, int64_t channels, int64_t width, int64_t silu,
-                 int threads);
-void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k, const float* v,
-                      const float* g, const float* beta, float* o, int64_t batch, int64_t heads, int64_t k_dim,
-                      int64_t v_dim, int threads);
-void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
-                    int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
-                    int64_t cols, int threads);
+extern "C" {
 
 // The two projections' outputs, grouped by key head as Qwen3-Next stores them (per key head: q
 // [dk], k [dk], then v and z of its r = v_heads / k_heads value heads [r dv each]; in ba its r
 // b's, then its r a's), into qkv [rows, 2 k_heads dk + v_heads dv] as q | k | v, each head-major
 // (the conv's input), z [rows, v_heads dv] and b, a [rows, v_heads]: split_projections' copies.
-void gdn_split(const float* qkvz, const float* ba, int64_t rows, int64_t k_heads, int64_t v_heads, int64_t k_dim,
-               int64_t v_dim, float* qkv, float* z, float* b, float* a, int) {
+static void gdn_split(const float* qkvz, const float* ba, int64_t rows, int64_t k_heads, int64_t v_heads,
+                      int64_t k_dim, int64_t v_dim, float* qkv, float* z, float* b, float* a) {
   const int64_t r = v_heads / k_heads, group = 2 * k_dim + 2 * r * v_dim, key_dim = k_heads * k_dim;
   const int64_t value_dim = v_heads * v_dim, conv_dim = 2 * key_dim + value_dim, block = r * v_dim;
   for (int64_t i = 0; i < rows; ++i) {
@@ -118,7 +107,7 @@ void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, i
   float* normed = o + rows * value_dim;       // [rows, value_dim]
   packed_linear(h, hidden, qkvz_panels, nullptr, qkvz, width, rows, width, hidden, threads);
   packed_linear(h, hidden, ba_panels, nullptr, ba, 2 * v_heads, rows, 2 * v_heads, hidden, threads);
-  gdn_split(qkvz, ba, rows, k_heads, v_heads, k_dim, v_dim, mixed, z, b, a, threads);
+  gdn_split(qkvz, ba, rows, k_heads, v_heads, k_dim, v_dim, mixed, z, b, a);
   conv_update(conv_state, slots, mixed, conv_dim, conv_weight, nullptr, conv, rows, conv_dim, d_conv, 1, threads);
   gdn_prepare_qk(conv, conv + key_dim, conv_dim, rows, k_heads, v_heads, k_dim, q, k, threads);
   for (int64_t i = 0; i < rows; ++i)

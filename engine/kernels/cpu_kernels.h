@@ -1,5 +1,5 @@
-// Shared by the C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp): float32 helpers and
-// the loop that shares work between threads.
+// Shared by the C++ CPU kernels (every cpu_*.cpp): float32 helpers, the loop that shares work
+// between threads, and the kernels the files call across each other.
 #pragma once
 
 #include <omp.h>
@@ -80,3 +80,99 @@ void steal_for(int64_t items, int threads, Run&& run) {
 }
 
 }  // namespace splitserve
+
+// The kernels one file calls from another, declared once here so that each definition is checked
+// against its declaration by the compiler (a mismatch is an error, not a misread argument).
+extern "C" {
+
+// cpu_gemm.cpp
+void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
+                   int64_t rows, int64_t out_features, int64_t in_features, int threads);
+
+// cpu_kernels.cpp
+void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
+                      const float* B, const float* C, float* y, int64_t batch, int64_t d_inner, int64_t d_state,
+                      int threads);
+void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
+                 const float* bias, float* y, int64_t batch, int64_t channels, int64_t width, int64_t silu,
+                 int threads);
+void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
+                         const float* B, const float* C, float* y, int64_t batch, int64_t heads, int64_t head_dim,
+                         int64_t groups, int64_t d_state, int threads);
+void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k, const float* v,
+                      const float* g, const float* beta, float* o, int64_t batch, int64_t heads, int64_t k_dim,
+                      int64_t v_dim, int threads);
+void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
+                            int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
+                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
+                            int threads);
+
+// cpu_fused.cpp
+void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
+              int64_t x_stride, float eps, int threads);
+void rms_norm_3(const float* x, int64_t x_stride, const float* w0, const float* w1, const float* w2, int64_t n0,
+                int64_t n1, int64_t n2, float* o0, float* o1, float* o2, int64_t rows, float eps, int threads);
+void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
+                    int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
+                    int64_t cols, int threads);
+void group_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t cols, int64_t group,
+                    float eps, int threads);
+void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int64_t cols, int64_t in_stride,
+              int threads);
+void rotary(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+            int64_t head_dim, int64_t rotary_dim, int threads);
+void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D, const float* z, int64_t z_stride,
+                float* out, int64_t rows, int64_t cols, int threads);
+void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads);
+void mamba2_dt(const float* dt, int64_t dt_stride, const float* bias, int64_t softplus, float lo, float hi,
+               float* out, int64_t rows, int64_t heads, int threads);
+void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, int64_t* position, int64_t picks,
+               int64_t top_k, int64_t num_experts, int threads);
+void moe_combine(const float* picks, const int64_t* position, const float* weights, float* out, int64_t tokens,
+                 int64_t top_k, int64_t hidden, int threads);
+
+// cpu_layers.cpp
+void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* panels, float* scratch, float* out,
+                      int64_t experts, int64_t hidden, int64_t inter, int threads);
+void moe_layer(const float* x, int64_t rows, int64_t hidden, const float* router_panels, int64_t experts,
+               int64_t top_k, int64_t normalize, const int64_t* expert_panels, int64_t inter, int64_t* ids,
+               float* scratch, float* out, int threads);
+void mamba_decode(const float* h, int64_t rows, int64_t hidden, int64_t d_inner, int64_t d_state, int64_t dt_rank,
+                  int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state, float* ssm_state,
+                  const int64_t* slots, const float* conv_weight, const float* conv_bias, const float* x_panels,
+                  const float* dt_norm, const float* b_norm, const float* c_norm, float norm_eps,
+                  const float* dt_panels, const float* dt_bias, const float* A, const float* D,
+                  const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
+void mamba2_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t head_dim, int64_t groups,
+                   int64_t d_state, int64_t d_conv, const float* in_panels, const float* in_bias, float* conv_state,
+                   float* ssm_state, const int64_t* slots, const float* conv_weight, const float* conv_bias,
+                   const float* dt_bias, float dt_lo, float dt_hi, const float* A, const float* D,
+                   const float* norm_weight, int64_t norm_group, int64_t norm_first, float norm_eps,
+                   const float* out_panels, const float* out_bias, float* scratch, float* out, int threads);
+void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t kernel, const float* in_panels,
+                       const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
+                       const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
+                       float* out, int threads);
+void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                      int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                      const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                      const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
+                      int64_t block_size, float scale, int64_t window, const float* o_panels, const float* o_bias,
+                      float* scratch, float* out, int threads);
+void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int threads);
+void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
+                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
+                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+                             const int64_t* write_index, const int64_t* tables, int64_t table_width,
+                             const int64_t* lens, int64_t block_size, float scale, int64_t window,
+                             const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
+                             float norm_eps, int64_t gated, float* scratch, float* out, int threads);
+
+// cpu_deltanet.cpp
+void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, int64_t v_heads, int64_t k_dim,
+                int64_t v_dim, int64_t d_conv, const float* qkvz_panels, const float* ba_panels, float* conv_state,
+                float* recurrent_state, const int64_t* slots, const float* conv_weight, const float* A,
+                const float* dt_bias, const float* norm_weight, float norm_eps, const float* out_panels,
+                float* scratch, float* out, int threads);
+
+}  // extern "C"

@@ -1,9 +1,9 @@
 // Layers whose glue cost more than their kernels, each as one call of the kernels the
 // layer's Python would call one by one, in the same order on the same buffers, so the results
 // are the same bits (engine.models.layers.SparseMoE and GatedMLP, engine.models.ssm.MambaMixer,
-// engine.models.short_conv.ShortConvMixer,
-// engine.models.attention.PagedAttention and NormedAttention). Built with the other C++
-// kernels into one library (engine.kernels.native).
+// engine.models.mamba2.Mamba2Mixer, engine.models.short_conv.ShortConvMixer,
+// engine.models.attention.PagedAttention and NormedAttention). Built with the other C++ kernels
+// into one library (engine.kernels.native).
 
 #include <algorithm>
 #include <cmath>
@@ -11,47 +11,9 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_kernels.h"
+
 extern "C" {
-
-// cpu_gemm.cpp, cpu_fused.cpp, cpu_kernels.cpp
-void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
-                   int64_t rows, int64_t out_features, int64_t in_features, int threads);
-void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int64_t cols, int64_t in_stride,
-              int threads);
-void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
-                 const float* bias, float* y, int64_t batch, int64_t channels, int64_t width, int64_t silu,
-                 int threads);
-void rms_norm(float* x, const float* add, const float* weight, float* out, int64_t rows, int64_t cols,
-              int64_t x_stride, float eps, int threads);
-void rms_norm_3(const float* x, int64_t x_stride, const float* w0, const float* w1, const float* w2, int64_t n0,
-                int64_t n1, int64_t n2, float* o0, float* o1, float* o2, int64_t rows, float eps, int threads);
-void bias_softplus(float* dt, const float* bias, int64_t rows, int64_t cols, int threads);
-void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
-                      const float* B, const float* C, float* y, int64_t batch, int64_t d_inner, int64_t d_state,
-                      int threads);
-void gated_skip(const float* y, const float* x, int64_t x_stride, const float* D, const float* z, int64_t z_stride,
-                float* out, int64_t rows, int64_t cols, int threads);
-void rotary(float* x, int64_t x_stride, const float* cos, const float* sin, int64_t tokens, int64_t heads,
-            int64_t head_dim, int64_t rotary_dim, int threads);
-void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, int64_t* position, int64_t picks,
-               int64_t top_k, int64_t num_experts, int threads);
-void moe_combine(const float* picks, const int64_t* position, const float* weights, float* out, int64_t tokens,
-                 int64_t top_k, int64_t hidden, int threads);
-void mamba2_dt(const float* dt, int64_t dt_stride, const float* bias, int64_t softplus, float lo, float hi,
-               float* out, int64_t rows, int64_t heads, int threads);
-void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,
-                         const float* B, const float* C, float* y, int64_t batch, int64_t heads, int64_t head_dim,
-                         int64_t groups, int64_t d_state, int threads);
-void group_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t cols, int64_t group,
-                    float eps, int threads);
-void skip_norm_gate(const float* y, const float* x, int64_t x_stride, const float* D, const float* z,
-                    int64_t z_stride, const float* weight, int64_t group, float eps, float* out, int64_t rows,
-                    int64_t cols, int threads);
-void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
-                            int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
-                            int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                            int threads);
-
 
 // The SwiGLU experts of an MoE layer (engine.models.layers.SparseMoE) over its routed rows x,
 // grouped by expert (counts[e] rows for expert e, in expert order): for each, [gate | up] =

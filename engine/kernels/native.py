@@ -1,6 +1,5 @@
-"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp, cpu_deltanet.cpp,
-cpu_kernels.h):
-compiled on first use into one library, cached on disk, called by ctypes.
+"""The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp,
+cpu_deltanet.cpp, cpu_kernels.h): compiled on first use into one library, cached on disk, called by ctypes.
 
 Compiled with the machine's C++ compiler for the machine's own CPU (-march=native), so the
 cached library is keyed by the source, the flags, the compiler and the CPU. A worker that finds
@@ -78,7 +77,6 @@ SIGNATURES = {
     "sigmoid_gated_add": [P, P, P, I64, I64, INT],
     "normed_attention_decode": [P, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P,
                                 P, P, P, F32, I64, P, P, INT],
-    "gdn_split": [P, P, I64, I64, I64, I64, I64, P, P, P, P, INT],
     "gdn_gates": [P, P, P, P, P, P, I64, I64, INT],
     "gdn_prepare_qk": [P, P, I64, I64, I64, I64, I64, P, P, INT],
     "gdn_decode": [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, F32, P, P, P, INT],

@@ -272,7 +272,7 @@ def _plan_mamba(entry: LayerPlan, mixer: MambaMixer, state, keep: list) -> _Need
     entry.dt_panels, entry.dt_bias = mixer.dt_proj.packed_weight.panels.data_ptr(), _ptr(mixer.dt_proj.bias)
     entry.A, entry.D = A.data_ptr(), mixer.D.data_ptr()
     entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
-    return _Needs(floats=5 * mixer.d_inner + 2 * mixer.dt_rank + 4 * mixer.d_state)
+    return _Needs(floats=mixer.one_call_scratch())
 
 
 def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Needs:
@@ -292,8 +292,7 @@ def _plan_mamba2(entry: LayerPlan, mixer: Mamba2Mixer, state, keep: list) -> _Ne
         entry.gate_norm, entry.gate_norm_group, entry.gate_norm_eps = norm.weight.data_ptr(), norm.group_size, norm.eps
         entry.gate_norm_first = int(norm.norm_before_gate)
     entry.out_panels, entry.out_bias = mixer.out_proj.packed_weight.panels.data_ptr(), _ptr(mixer.out_proj.bias)
-    width = mixer.in_proj.packed_weight.out_features
-    return _Needs(floats=width + mixer.conv_dim + mixer.num_heads + 3 * mixer.d_ssm + 2 * mixer.n_groups * mixer.d_state)
+    return _Needs(floats=mixer.one_call_scratch())
 
 
 def _relu2_mlp_fits(mlp) -> bool:

@@ -124,7 +124,6 @@ class Mamba2Mixer(nn.Module):
     def _decode_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> torch.Tensor:
         conv_state, ssm_state = state
         rows, size = hidden.shape
-        width, bc = self.in_proj.packed_weight.out_features, self.n_groups * self.d_state
         A, D = self.decay_and_skip()
         norm = self.norm
         out = torch.empty(rows, size)
@@ -134,8 +133,13 @@ class Mamba2Mixer(nn.Module):
                     *cpu.dt_bounds(self.dt_limit), A, D, None if norm is None else norm.weight,
                     0 if norm is None else norm.group_size, int(norm is not None and norm.norm_before_gate),
                     0.0 if norm is None else float(norm.eps), self.out_proj.packed_weight.panels, self.out_proj.bias,
-                    torch.empty(rows * (width + self.conv_dim + self.num_heads + 3 * self.d_ssm + 2 * bc)), out)
+                    torch.empty(rows * self.one_call_scratch()), out)
         return out
+
+    def one_call_scratch(self) -> int:
+        """mamba2_decode's scratch floats per row."""
+        width = self.in_proj.packed_weight.out_features
+        return width + self.conv_dim + self.num_heads + 3 * self.d_ssm + 2 * self.n_groups * self.d_state
 
 
 def dt_limit_of(value) -> tuple[float, float]:

@@ -153,8 +153,12 @@ class MambaMixer(nn.Module):
                     *norms, float(self.dt_norm.eps if self.dt_norm is not None else 0.0),
                     self.dt_proj.packed_weight.panels, self.dt_proj.bias, -torch.exp(self.A_log.float()), self.D,
                     self.out_proj.packed_weight.panels, self.out_proj.bias,
-                    torch.empty(rows * (5 * di + 2 * r + 4 * n)), out)
+                    torch.empty(rows * self.one_call_scratch()), out)
         return out
+
+    def one_call_scratch(self) -> int:
+        """mamba_decode's scratch floats per row."""
+        return 5 * self.d_inner + 2 * self.dt_rank + 4 * self.d_state
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
         """Every prefill row from its starting state (zeros when fresh, else its slot's), final
