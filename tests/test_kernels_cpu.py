@@ -65,7 +65,7 @@ def test_group_rms_norm_is_the_gated_norms_definition(cols, group):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("d_inner,d_state,batch", [(64, 16, 5), (33, 4, 1), (128, 7, 9)])
+@pytest.mark.parametrize("d_inner,d_state,batch", [(64, 16, 5), (32, 32, 3), (33, 4, 1), (128, 7, 9)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_ssm_update(d_inner, d_state, batch, fused):
     torch.manual_seed(d_inner + batch)
@@ -86,6 +86,27 @@ def test_ssm_update(d_inner, d_state, batch, fused):
     again, out = pool.clone(), torch.full((batch, d_inner), float("nan"))  # into `out`, as given or via a copy
     assert cpu.selective_state_update_cpu(again, slots, x, dt, A, B, C, out=out, **extra) is out
     assert torch.equal(out, y) and torch.equal(again, ours)
+
+
+@pytest.mark.parametrize("d_state", [16, 32])
+def test_ssm_update_sixteen_channels_at_a_time_keeps_the_bits(d_state):
+    """Where d_inner and d_state are multiples of 16, the kernel sums 16 channels' dot products in
+    one transposed tree: the same bits as the channel-at-a-time loop it takes otherwise (49
+    channels, the first 48 the same)."""
+    torch.manual_seed(d_state)
+    batch = 5
+    pool = torch.randn(batch + 2, 49, d_state)
+    slots = torch.randperm(batch + 2)[:batch]
+    x, dt = torch.randn(batch, 49), torch.rand(batch, 49)
+    A, B, C = -torch.rand(49, d_state) * 4, torch.randn(batch, d_state), torch.randn(batch, d_state)
+    by_channel = pool.clone()
+    y_by_channel = cpu.selective_state_update_cpu(by_channel, slots, x, dt, A, B, C)
+    blocked = pool[:, :48].contiguous()
+    y_blocked = cpu.selective_state_update_cpu(blocked, slots, x[:, :48].contiguous(), dt[:, :48].contiguous(),
+                                               A[:48].contiguous(), B, C)
+    assert torch.equal(y_blocked, y_by_channel[:, :48])
+    assert torch.equal(blocked, by_channel[:, :48])
+    assert not torch.equal(blocked, pool[:, :48])
 
 
 @pytest.mark.parametrize("length,d_inner,d_state", [(1, 16, 16), (37, 40, 16), (70, 33, 7)])
