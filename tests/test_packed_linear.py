@@ -14,7 +14,7 @@ from engine.models.packed_linear import PANEL, linear, pack, pack_linears
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 700])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 32, 64, 700])
 @pytest.mark.parametrize("shape", [(136, 128), (4, 256), (512, 16), (1030, 512)])  # [out, in]
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear(rows, shape, bias, monkeypatch):
@@ -31,6 +31,18 @@ def test_packed_matches_f_linear(rows, shape, bias, monkeypatch):
     monkeypatch.setattr(packed_linear, "F", None)  # the packed path must not fall back
     for t, want in zip((x, x3, strided), expected):
         torch.testing.assert_close(linear(t, weight, b, packed), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [7, 8, 9, 32, 65])
+def test_a_row_has_the_same_bits_in_any_tile(rows):
+    """Rows go through tiles of 1-6 rows (cpu_gemm.cpp rows_in_tile); each row's sums run in the
+    same order in any of them, so a row computed alone equals the same row in a batch."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(136, 256), torch.randn(rows, 256)
+    packed = pack(weight)
+    batch = linear(x, weight, None, packed)
+    alone = torch.cat([linear(x[i:i + 1], weight, None, packed) for i in range(rows)])
+    assert torch.equal(batch, alone)
 
 
 @pytest.mark.parametrize("rows, shape", [(64, (48, 512)), (64, (8192, 256)), (700, (1030, 512)), (5, (4, 256))])

@@ -80,6 +80,15 @@ using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const floa
                        const float*);
 constexpr TileFn TILES[ROWS + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
+// The rows of the next tile when `left` remain. A tile of R rows keeps 2R sums in flight; under
+// 4 rows that is fewer than the multiply-add units' latency times their number, so a tile of 1-3
+// rows takes as long as one of 4. Tiles of 4-6 rows (7 = 4 + 3 excepted) cover any count: 32 rows
+// as 6, 6, 6, 6, 4, 4 rather than 6 x 5 + 2 (an MoE expert's share of a decode batch).
+inline int64_t rows_in_tile(int64_t left) {
+  if (left <= ROWS) return left;
+  return left - ROWS >= 4 ? ROWS : std::max<int64_t>(4, left - 4);
+}
+
 }  // namespace
 
 // out[rows, out_features] (row stride ldo) = x[rows, in_features] (row stride ldx) @ W^T + bias.
@@ -102,9 +111,10 @@ extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, 
     const int64_t end = std::min(rows, (c + 1) * chunk_rows);
     const float* ahead = rows >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
                              ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
-    for (int64_t r = c * chunk_rows; r < end; r += ROWS, ahead = nullptr) {
-      TILES[std::min<int64_t>(ROWS, end - r)](x + r * ldx, ldx, panel, in_features, panel_bias,
-                                             out + r * ldo + p * PANEL, ldo, columns, ahead);
+    for (int64_t r = c * chunk_rows, tile_rows; r < end; r += tile_rows, ahead = nullptr) {
+      tile_rows = rows_in_tile(end - r);
+      TILES[tile_rows](x + r * ldx, ldx, panel, in_features, panel_bias, out + r * ldo + p * PANEL, ldo, columns,
+                       ahead);
     }
   });
 }
