@@ -130,7 +130,7 @@ def test_selective_scan(length, d_inner, d_state):
     assert out[0].isnan().all() and out[-1].isnan().all()
 
 
-@pytest.mark.parametrize("heads,head_dim,groups,d_state,batch", [(8, 16, 1, 32, 5), (6, 3, 3, 5, 2)])
+@pytest.mark.parametrize("heads,head_dim,groups,d_state,batch", [(8, 16, 1, 32, 5), (4, 32, 2, 16, 3), (6, 3, 3, 5, 2)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):
     torch.manual_seed(heads + batch)
@@ -149,6 +149,25 @@ def test_mamba2_update(heads, head_dim, groups, d_state, batch, fused):
     torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     _outside_unchanged(ours, pool, slots)
+
+
+@pytest.mark.parametrize("d_state", [16, 32])
+def test_mamba2_update_sixteen_rows_at_a_time_keeps_the_bits(d_state):
+    """Where head_dim and d_state are multiples of 16, 16 rows of a head share one exp and one
+    lane_sums: the same bits as the row-at-a-time loop (head_dim 17, the first 16 the same)."""
+    torch.manual_seed(d_state)
+    batch, heads, groups = 3, 4, 2
+    pool = torch.randn(batch + 2, heads, 17, d_state)
+    slots = torch.randperm(batch + 2)[:batch]
+    x, dt, A = torch.randn(batch, heads, 17), torch.rand(batch, heads), -torch.rand(heads) * 4
+    B, C = torch.randn(batch, groups, d_state), torch.randn(batch, groups, d_state)
+    by_row = pool.clone()
+    y_by_row = cpu.mamba2_state_update_cpu(by_row, slots, x, dt, A, B, C)
+    blocked = pool[:, :, :16].contiguous()
+    y_blocked = cpu.mamba2_state_update_cpu(blocked, slots, x[:, :, :16].contiguous(), dt, A, B, C)
+    assert torch.equal(y_blocked, y_by_row[:, :, :16])
+    assert torch.equal(blocked, by_row[:, :, :16])
+    assert not torch.equal(blocked, pool[:, :, :16])
 
 
 @pytest.mark.parametrize("k_heads,heads,k_dim,v_dim,batch", [(2, 4, 16, 8, 3), (1, 1, 5, 7, 1), (2, 2, 32, 32, 6)])
