@@ -116,14 +116,15 @@ def test_guard_fires_when_a_decode_is_handed_a_stranger_slot(model_factory):
     ("qwen2_bias_tied", "PagedAttention"), ("qwen3_next", "NormedAttention"),
     ("qwen3_next_sparse_step_tied", "NormedAttention"), ("qwen3_next_dense_mqa", "NormedAttention"),
     ("lfm2", "NormedAttention"), ("lfm2_attn_first_bias_untied", "NormedAttention"),
-    ("lfm2_mqa_kernel4", "NormedAttention")])
+    ("lfm2_mqa_kernel4", "NormedAttention"), ("zamba2_two_blocks_gqa", "PagedAttention")])
 def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, layer, model_factory, monkeypatch):
     """An attention layer's all-decode step as one C++ call (engine/kernels/cpu_layers.cpp
     attention_decode, normed_attention_decode): at every decode step, from the same caches, its
     output and the K/V it writes are the bits forward's chain of kernels gives (no rotary, rotary,
     MQA with a sliding window the contexts pass, q/k/v biases; Qwen3-Next's normed q and k,
-    partial rotary and output gate, with GQA, MHA with biases and MQA; LFM2's normed q and k);
-    and the tokens are transformers'."""
+    partial rotary and output gate, with GQA, MHA with biases and MQA; LFM2's normed q and k;
+    Zamba2's shared attention, which reads [h | embeddings] and writes h's width); and the
+    tokens are transformers'."""
     from engine.kernels import cpu
     from engine.models.attention import NormedAttention, PagedAttention
 
@@ -138,6 +139,23 @@ def test_attention_decodes_in_one_call_are_the_kernel_chain_bit_for_bit(name, la
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
         judge_greedy(hf, prompt, output.token_ids)
     assert compared and max(compared) > 26 + 1  # past mistral's window of 24
+
+
+@pytest.mark.parametrize("name,fits", [("zamba2_two_blocks_gqa", True), ("zamba2", False)])
+def test_zamba2_shared_attention_packs_its_block_once(name, fits, model_factory):
+    """Without q/k/v adapters, a Zamba2 shared block's q, k and v are packed once into one GEMM
+    that every use of the block reads, and each use decodes in one call; with adapters (each use
+    projects its own way) none does."""
+    from engine.models.families_zamba2 import SharedAttention
+
+    path, _ = model_factory(name)
+    model = LLM(path, max_num_seqs=2).engine.runner.model
+    uses = [m for m in model.modules() if isinstance(m, SharedAttention)]
+    assert len(uses) > len(model.shared) and all(use.fits_one_call() == fits for use in uses)
+    if fits:
+        for use in uses:
+            assert use.qkv_fused is use._block[0].qkv_fused
+        assert len({id(use.qkv_fused) for use in uses}) == len(model.shared)
 
 
 @pytest.mark.parametrize("name,fits", [("jamba", True), ("mamba", True), ("llama", True), ("mistral_mqa_window", True),

@@ -120,18 +120,18 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
       short_conv_decode(normed, rows, hidden, p.d_conv, p.in_panels, p.in_bias, p.conv_state, slots, p.conv_weight,
                         p.conv_bias, p.out_panels, p.out_bias, work, mixed, threads);
     } else if (p.mixer == NORMED_ATTENTION) {
-      normed_attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
-                              p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
-                              p.block_size, p.scale, p.window, p.o_panels, p.o_bias, p.q_norm, p.k_norm,
+      normed_attention_decode(normed, rows, hidden, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias,
+                              p.cos, p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width,
+                              lens, p.block_size, p.scale, p.window, p.o_panels, p.o_bias, p.q_norm, p.k_norm,
                               p.qk_norm_eps, p.gated, work, mixed, threads);
     } else {
-      attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
-                       p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
+      attention_decode(normed, rows, hidden, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias,
+                       p.cos, p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, mixed, threads);
     }
     if (p.parallel_attention) {  // h + (ssm + attention): shared_out is free until the FFN
-      attention_decode(normed, rows, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
-                       p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
+      attention_decode(normed, rows, hidden, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias,
+                       p.cos, p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens,
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, shared_out, threads);
       for (int64_t i = 0; i < size; ++i) mixed[i] += shared_out[i];
     }

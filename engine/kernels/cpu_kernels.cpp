@@ -57,9 +57,12 @@ inline vec16 lane_sums(vec16* v) {
   const lanes16 hi1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
   // After each level, lane groups hold vectors in bit-reversed order; `order` undoes it.
   const lanes16 order = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  for (int j = 0; j < 8; ++j) v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo8) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi8);
-  for (int j = 0; j < 4; ++j) v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo4) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi4);
-  for (int j = 0; j < 2; ++j) v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo2) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi2);
+  for (int j = 0; j < 8; ++j)
+    v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo8) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi8);
+  for (int j = 0; j < 4; ++j)
+    v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo4) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi4);
+  for (int j = 0; j < 2; ++j)
+    v[j] = __builtin_shuffle(v[2 * j], v[2 * j + 1], lo2) + __builtin_shuffle(v[2 * j], v[2 * j + 1], hi2);
   return __builtin_shuffle(__builtin_shuffle(v[0], v[1], lo1) + __builtin_shuffle(v[0], v[1], hi1), order);
 }
 

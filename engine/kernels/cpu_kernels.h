@@ -153,16 +153,16 @@ void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t ker
                        const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
                        const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
                        float* out, int threads);
-void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                      const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t out_width, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, const float* qkv_panels, const float* qkv_bias,
+                      const float* cos, const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
                       const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
                       int64_t block_size, float scale, int64_t window, const float* o_panels, const float* o_bias,
                       float* scratch, float* out, int threads);
 void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t rows, int64_t cols, int threads);
-void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t out_width, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, const float* qkv_panels, const float* qkv_bias,
+                             const float* cos, const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
                              const int64_t* write_index, const int64_t* tables, int64_t table_width,
                              const int64_t* lens, int64_t block_size, float scale, int64_t window,
                              const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,

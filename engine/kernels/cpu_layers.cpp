@@ -229,11 +229,12 @@ static void store_kv_and_attend(const float* q, const float* k, int64_t k_stride
 // An attention layer (engine.models.attention.PagedAttention) over rows that are all decodes, one
 // token each: [q | k | v] = qkv(h) (the fused packed projection); rotate-half RoPE of q and k by
 // cos and sin [rows, rotary_dim] where given; k and v into the cache rows write_index[i]; paged
-// attention of q over each row's blocks; out = o_proj(attention). scratch holds rows * (3 heads
-// + 2 kv_heads) * head_dim floats.
-void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                      int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                      const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+// attention of q over each row's blocks; out = o_proj(attention) [rows, out_width] (the input's
+// width `hidden` but for Zamba2's shared block, which reads [h | embeddings]). scratch holds
+// rows * (3 heads + 2 kv_heads) * head_dim floats.
+void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t out_width, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, const float* qkv_panels, const float* qkv_bias,
+                      const float* cos, const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
                       const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
                       int64_t block_size, float scale, int64_t window, const float* o_panels, const float* o_bias,
                       float* scratch, float* out, int threads) {
@@ -250,7 +251,7 @@ void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t head
   store_kv_and_attend(q, qkv + q_width, width, qkv + q_width + kv_width, width, rows, heads, kv_heads, head_dim,
                       k_cache, v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended,
                       threads);
-  packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
+  packed_linear(attended, q_width, o_panels, o_bias, out, out_width, rows, out_width, q_width, threads);
 }
 
 // x[r, h, c] *= sigmoid(gate[r, h, c]) for x [rows, heads, head_dim] contiguous, gate rows
@@ -283,9 +284,9 @@ void sigmoid_gated_add(float* out, const float* gate, const float* x, int64_t ro
 // per head its query, then its gate; each head's query and key normed (rms_norm); rotary on both;
 // k and v into the cache; paged attention; where gated, head_gate by the gates; out = o_proj.
 // scratch holds rows * (4 heads + 3 kv_heads) * head_dim floats.
-void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t heads, int64_t kv_heads,
-                             int64_t head_dim, const float* qkv_panels, const float* qkv_bias, const float* cos,
-                             const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
+void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t out_width, int64_t heads,
+                             int64_t kv_heads, int64_t head_dim, const float* qkv_panels, const float* qkv_bias,
+                             const float* cos, const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,
                              const int64_t* write_index, const int64_t* tables, int64_t table_width,
                              const int64_t* lens, int64_t block_size, float scale, int64_t window,
                              const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
@@ -309,7 +310,7 @@ void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64
   store_kv_and_attend(q, k, kv_width, qkv + q_block + kv_width, width, rows, heads, kv_heads, head_dim, k_cache,
                       v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended, threads);
   if (gated) head_gate(attended, qkv + head_dim, width, q_unit, rows, heads, head_dim, threads);
-  packed_linear(attended, q_width, o_panels, o_bias, out, hidden, rows, hidden, q_width, threads);
+  packed_linear(attended, q_width, o_panels, o_bias, out, out_width, rows, out_width, q_width, threads);
 }
 
 }  // extern "C"

@@ -71,12 +71,14 @@ class PagedAttention(nn.Module):
         packed, bias, _ = self.qkv_fused
         cos, sin, tables = self._one_call_tables(batch)
         kernel, extra, scratch = self._one_call_kernel()
-        out = torch.empty(rows, x.shape[1])
-        native.call(kernel, x, rows, x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim, packed.panels, bias,
+        o_proj = self.o_proj.packed_weight
+        out = torch.empty(rows, o_proj.out_features)
+        native.call(kernel, x, rows, x.shape[1], o_proj.out_features, self.num_heads, self.num_kv_heads, self.head_dim,
+                    packed.panels, bias,
                     cos, sin, 0 if cos is None else cos.shape[1], k_cache, v_cache, cpu.ids(batch.kv_write_index),
                     tables, tables.shape[1], cpu.ids(batch.decode_context_lens), k_cache.shape[1],
-                    float(self.scale), int(self.sliding_window or 0), self.o_proj.packed_weight.panels,
-                    self.o_proj.bias, *extra, torch.empty(rows * scratch), out)
+                    float(self.scale), int(self.sliding_window or 0), o_proj.panels, self.o_proj.bias, *extra,
+                    torch.empty(rows * scratch), out)
         return out
 
     def _one_call_kernel(self) -> tuple[str, tuple, int]:

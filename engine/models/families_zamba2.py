@@ -24,6 +24,7 @@ from engine.models.families_mamba2 import mamba2_names
 from engine.models.hybrid import DecoderLayer, HybridLM, LayerCacheSpec, ModelSpec
 from engine.models.layers import GatedRMSNorm, RMSNorm, activation
 from engine.models.mamba2 import Mamba2Mixer
+from engine.models.packed_linear import pack_fused
 
 MAMBA, HYBRID = ("mamba", "linear_attention"), "hybrid"
 
@@ -74,6 +75,16 @@ class _Plus(nn.Module):
         base, adapter = self._parts
         return base(x) if adapter is None else base(x) + adapter(x)
 
+    # Without an adapter this is the base linear, and a one-call decode may read its packed weight.
+    @property
+    def packed_weight(self):
+        base, adapter = self._parts
+        return getattr(base, "packed_weight", None) if adapter is None else None
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._parts[0].bias
+
 
 class SharedAttention(PagedAttention):
     """Paged attention of one hybrid use: the block's projections plus this use's adapters."""
@@ -88,6 +99,19 @@ class SharedAttention(PagedAttention):
             setattr(self, f"{name}_proj", _Plus(getattr(block, f"{name}_proj"),
                                                 block.adapter(f"{name}_adapters", use)))
         self.o_proj = _Plus(block.o_proj, None)
+        self._block = (block,)  # by reference, as in _Plus
+
+    def pack_weights(self) -> int:
+        """Without q/k/v adapters, the block's q, k and v as one packed GEMM, packed once for all
+        the block's uses: decode then takes PagedAttention's one call."""
+        block = self._block[0]
+        if any(getattr(self, f"{name}_proj")._parts[1] is not None for name in ("q", "k", "v")):
+            return 0
+        packed_here = "qkv_fused" not in vars(block)
+        if packed_here:
+            block.qkv_fused = pack_fused(block.q_proj, block.k_proj, block.v_proj)
+        self.qkv_fused = block.qkv_fused
+        return int(packed_here and self.qkv_fused is not None)
 
 
 class HybridLayer(nn.Module):
