@@ -140,11 +140,12 @@ def test_fused_projections_match_their_linears(bias, monkeypatch):
     assert not hasattr(attention.q_proj, "packed_weight") and hasattr(attention.o_proj, "packed_weight")
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300, 2100])
 def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
     """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts, what the layer's
     one call runs): bit for bit the per-expert loop on the same packed weights (one token leaves
-    two of four experts with no rows), the whole layer as one call bit for bit the layer's chain
+    two of four experts with no rows; 2100 tokens give experts more rows than one chunk, which
+    grouped_linear leaves to packed_linear), the whole layer as one call bit for bit the layer's chain
     of kernels, and F.linear's result to float rounding; counts that do not fit are refused."""
     from engine.kernels import cpu
     from engine.models.layers import SparseMoE, _expert_ranges

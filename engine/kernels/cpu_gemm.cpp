@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -89,6 +90,22 @@ inline int64_t rows_in_tile(int64_t left) {
   return left - ROWS >= 4 ? ROWS : std::max<int64_t>(4, left - 4);
 }
 
+// One panel over rows [begin, end) of x into out (its columns of those rows), tile by tile;
+// `ahead`, if not null, is prefetched during the first tile.
+inline void panel_pass(const float* x, int64_t ldx, const float* panel, const float* panel_bias, float* out,
+                       int64_t ldo, int64_t begin, int64_t end, int64_t in_features, int columns, const float* ahead) {
+  for (int64_t r = begin, tile_rows; r < end; r += tile_rows, ahead = nullptr) {
+    tile_rows = rows_in_tile(end - r);
+    TILES[tile_rows](x + r * ldx, ldx, panel, in_features, panel_bias, out + r * ldo, ldo, columns, ahead);
+  }
+}
+
+// The rows of a chunk: equal chunks of at most CHUNK_BYTES of x (and MOST_CHUNK_ROWS), whole tiles.
+inline int64_t most_chunk_rows(int64_t in_features) {
+  const int64_t fit = CHUNK_BYTES / (static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(in_features, 1));
+  return std::max<int64_t>(1, std::min(fit, MOST_CHUNK_ROWS) / ROWS) * ROWS;
+}
+
 }  // namespace
 
 // out[rows, out_features] (row stride ldo) = x[rows, in_features] (row stride ldx) @ W^T + bias.
@@ -99,22 +116,50 @@ extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, 
                               int64_t ldo, int64_t rows, int64_t out_features, int64_t in_features, int threads) {
   if (rows <= 0 || out_features <= 0) return;
   const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
-  const int64_t fit = CHUNK_BYTES / (static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(in_features, 1));
-  const int64_t most = std::max<int64_t>(1, std::min(fit, MOST_CHUNK_ROWS) / ROWS) * ROWS;
+  const int64_t most = most_chunk_rows(in_features);
   const int64_t chunks = (rows + most - 1) / most;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS;
   splitserve::steal_for(chunks * num_panels, threads, [&](int64_t item) {
     const int64_t c = item / num_panels, p = item - c * num_panels;
-    const int columns = static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL));
     const float* panel = panels + p * PANEL * in_features;
-    const float* panel_bias = bias == nullptr ? nullptr : bias + p * PANEL;
-    const int64_t end = std::min(rows, (c + 1) * chunk_rows);
     const float* ahead = rows >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
                              ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
-    for (int64_t r = c * chunk_rows, tile_rows; r < end; r += tile_rows, ahead = nullptr) {
-      tile_rows = rows_in_tile(end - r);
-      TILES[tile_rows](x + r * ldx, ldx, panel, in_features, panel_bias, out + r * ldo + p * PANEL, ldo, columns,
-                       ahead);
-    }
+    panel_pass(x, ldx, panel, bias == nullptr ? nullptr : bias + p * PANEL, out + p * PANEL, ldo, c * chunk_rows,
+               std::min(rows, (c + 1) * chunk_rows), in_features,
+               static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)), ahead);
+  });
+}
+
+// Several weights over consecutive groups of rows (an MoE layer's experts): rows [start_g,
+// start_g + counts[g]) of x times weight g, whose panels are at weights[g * stride], into the
+// same rows of out, without bias; each row's bits are packed_linear's. Where every group fits one
+// chunk (decode), the threads share all the (group, panel) pairs in one pass: group by group,
+// each call's start and its wait for the slower thread came back per weight (4 experts of 32 rows
+// x 256 -> 768: one pass 0.90-0.92 the time of 4 calls here). Larger groups take packed_linear.
+extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights,
+                               int64_t stride, float* out, int64_t ldo, int64_t groups, int64_t out_features,
+                               int64_t in_features, int threads) {
+  std::vector<int64_t> starts(groups + 1, 0);
+  bool one_chunk_each = true;
+  for (int64_t g = 0; g < groups; ++g) {
+    starts[g + 1] = starts[g] + counts[g];
+    one_chunk_each = one_chunk_each && counts[g] <= most_chunk_rows(in_features);
+  }
+  const auto panels_of = [&](int64_t g) { return reinterpret_cast<const float*>(weights[g * stride]); };
+  if (!one_chunk_each) {
+    for (int64_t g = 0; g < groups; ++g)
+      packed_linear(x + starts[g] * ldx, ldx, panels_of(g), nullptr, out + starts[g] * ldo, ldo, counts[g],
+                    out_features, in_features, threads);
+    return;
+  }
+  const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
+  splitserve::steal_for(groups * num_panels, threads, [&](int64_t item) {
+    const int64_t g = item / num_panels, p = item - g * num_panels;
+    if (counts[g] == 0) return;
+    const float* panel = panels_of(g) + p * PANEL * in_features;
+    const float* ahead = counts[g] >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
+                             ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
+    panel_pass(x, ldx, panel, nullptr, out + p * PANEL, ldo, starts[g], starts[g + 1], in_features,
+               static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)), ahead);
   });
 }

@@ -88,6 +88,8 @@ extern "C" {
 // cpu_gemm.cpp
 void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out, int64_t ldo,
                    int64_t rows, int64_t out_features, int64_t in_features, int threads);
+void grouped_linear(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights, int64_t stride,
+                    float* out, int64_t ldo, int64_t groups, int64_t out_features, int64_t in_features, int threads);
 
 // cpu_kernels.cpp
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,

@@ -18,25 +18,17 @@ extern "C" {
 // The SwiGLU experts of an MoE layer (engine.models.layers.SparseMoE) over its routed rows x,
 // grouped by expert (counts[e] rows for expert e, in expert order): for each, [gate | up] =
 // gate_up_e(x), out = down_e(silu(gate) * up), with expert e's packed panels at panels[2e]
-// (gate_up) and panels[2e + 1] (down). One call for what takes six Python-level calls an expert;
-// scratch holds [rows, 3 * inter] floats.
+// (gate_up) and panels[2e + 1] (down), each GEMM over all the experts at once (grouped_linear).
+// One call for what takes six Python-level calls an expert; scratch holds [rows, 3 * inter] floats.
 void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* panels, float* scratch, float* out,
                       int64_t experts, int64_t hidden, int64_t inter, int threads) {
   int64_t rows = 0;
   for (int64_t e = 0; e < experts; ++e) rows += counts[e];
   float* gate_up = scratch;
   float* act = scratch + rows * 2 * inter;
-  for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
-    if (counts[e] == 0) continue;
-    packed_linear(x + start * hidden, hidden, reinterpret_cast<const float*>(panels[2 * e]), nullptr,
-                  gate_up + start * 2 * inter, 2 * inter, counts[e], 2 * inter, hidden, threads);
-  }
+  grouped_linear(x, hidden, counts, panels, 2, gate_up, 2 * inter, experts, 2 * inter, hidden, threads);
   silu_mul(gate_up, gate_up + inter, act, rows, inter, 2 * inter, threads);
-  for (int64_t e = 0, start = 0; e < experts; start += counts[e++]) {
-    if (counts[e] == 0) continue;
-    packed_linear(act + start * inter, inter, reinterpret_cast<const float*>(panels[2 * e + 1]), nullptr,
-                  out + start * hidden, hidden, counts[e], hidden, inter, threads);
-  }
+  grouped_linear(act, inter, counts, panels + 1, 2, out, hidden, experts, hidden, inter, threads);
 }
 
 // An MoE router's choice per token from its logits [tokens, experts]: the softmax, its top_k
