@@ -140,19 +140,20 @@ def test_fused_projections_match_their_linears(bias, monkeypatch):
     assert not hasattr(attention.q_proj, "packed_weight") and hasattr(attention.o_proj, "packed_weight")
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 64, 300, 2100])
-def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
+@pytest.mark.parametrize("tokens,inter", [(1, 48), (5, 48), (64, 48), (300, 48), (2100, 48), (64, 40), (2100, 40)])
+def test_all_experts_in_one_call_equal_the_expert_loop(tokens, inter, monkeypatch):
     """SparseMoE's SwiGLU experts as one C++ call (packed_linear.silu_experts, what the layer's
     one call runs): bit for bit the per-expert loop on the same packed weights (one token leaves
-    two of four experts with no rows; 2100 tokens give experts more rows than one chunk, which
-    grouped_linear leaves to packed_linear), the whole layer as one call bit for bit the layer's chain
+    two of four experts with no rows; 2100 tokens give experts more rows than one chunk; an
+    intermediate size of 48 takes gate and up a panel at a time into silu * up, 40 writes them out
+    first), the whole layer as one call bit for bit the layer's chain
     of kernels, and F.linear's result to float rounding; counts that do not fit are refused."""
     from engine.kernels import cpu
     from engine.models.layers import SparseMoE, _expert_ranges
     from engine.models.packed_linear import silu_experts
 
     torch.manual_seed(tokens)
-    moe = SparseMoE(64, 48, 4, 2, "silu", True)
+    moe = SparseMoE(64, inter, 4, 2, "silu", True)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.1)
@@ -166,7 +167,7 @@ def test_all_experts_in_one_call_equal_the_expert_loop(tokens, monkeypatch):
         experts, _ = cpu.moe_route_cpu(moe.router(x), 2, True)
         counts, token_of_row, _ = cpu.moe_group_cpu(experts, 4)
         routed = x.index_select(0, token_of_row)
-        at_once = silu_experts(routed, counts, moe.panel_pointers, 48)
+        at_once = silu_experts(routed, counts, moe.panel_pointers, inter)
         loop = torch.cat([moe._expert(e, routed[start:end]) for e, start, end in _expert_ranges(counts)])
     assert torch.equal(at_once, loop) and torch.equal(whole_layer, one_by_one)
     torch.testing.assert_close(whole_layer, unpacked, atol=1e-5, rtol=1e-5)

@@ -20,7 +20,7 @@
 
 namespace {
 
-constexpr int PANEL = 16;
+constexpr int PANEL = splitserve::PANEL_COLUMNS;
 constexpr int ROWS = 6;
 constexpr int64_t CHUNK_BYTES = 256 * 1024;
 constexpr int64_t MOST_CHUNK_ROWS = 1024;
@@ -161,5 +161,43 @@ extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* count
                              ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
     panel_pass(x, ldx, panel, nullptr, out + p * PANEL, ldo, starts[g], starts[g + 1], in_features,
                static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)), ahead);
+  });
+}
+
+// [gate | up] = grouped_linear's projection of each group's rows (no bias), then act = silu(gate) *
+// up (silu_mul's formula) [rows, inter], without writing [gate | up] out: per (group, chunk of
+// its rows, panel j of gate) the tiles run over gate's panel j and then up's (panel j + inter /
+// PANEL) into the thread's scratch, and act's columns of panel j are written from it. Each value
+// has the bits of grouped_linear then silu_mul. inter must be a multiple of PANEL.
+extern "C" void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights,
+                                     int64_t stride, float* act, int64_t groups, int64_t inter, int64_t in_features,
+                                     int threads) {
+  const int64_t most = most_chunk_rows(in_features), num_panels = inter / PANEL;
+  std::vector<int64_t> starts(groups + 1, 0), first_item(groups + 1, 0);  // each group's rows and items
+  for (int64_t g = 0; g < groups; ++g) {
+    starts[g + 1] = starts[g] + counts[g];
+    first_item[g + 1] = first_item[g] + (counts[g] + most - 1) / most * num_panels;
+  }
+  splitserve::steal_for(first_item[groups], threads, [&](int64_t item) {
+    const int64_t g = std::upper_bound(first_item.begin(), first_item.end(), item) - first_item.begin() - 1;
+    const int64_t c = (item - first_item[g]) / num_panels, j = (item - first_item[g]) % num_panels;
+    const int64_t begin = starts[g] + c * most, rows = std::min(most, starts[g + 1] - begin);
+    const float* gate_panel = reinterpret_cast<const float*>(weights[g * stride]) + j * PANEL * in_features;
+    const float* up_panel = gate_panel + num_panels * PANEL * in_features;
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * rows * PANEL);
+    float *gate = scratch.data(), *up = gate + rows * PANEL;
+    // While the gate's tiles run, the up panel comes in; while the up's, the next gate panel.
+    const float* x_rows = x + begin * ldx;
+    panel_pass(x_rows, ldx, gate_panel, nullptr, gate, PANEL, 0, rows, in_features, PANEL,
+               rows >= PREFETCH_MIN_ROWS ? up_panel : nullptr);
+    panel_pass(x_rows, ldx, up_panel, nullptr, up, PANEL, 0, rows, in_features, PANEL,
+               rows >= PREFETCH_MIN_ROWS && j + 1 < num_panels ? gate_panel + PANEL * in_features : nullptr);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* out = act + (begin + r) * inter + j * PANEL;
+      const float *gr = gate + r * PANEL, *ur = up + r * PANEL;
+#pragma omp simd
+      for (int64_t k = 0; k < PANEL; ++k) out[k] = gr[k] / (1.f + splitserve::fast_exp(-gr[k])) * ur[k];
+    }
   });
 }

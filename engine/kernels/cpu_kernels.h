@@ -13,6 +13,9 @@
 
 namespace splitserve {
 
+// The output columns of one panel of a packed weight (cpu_gemm.cpp; engine.models.packed_linear).
+constexpr int64_t PANEL_COLUMNS = 16;
+
 // exp(v), inlined into vector loops where the libm vector exp is a call that spills every live
 // vector register (the Mamba scan ran 3x faster with this): Cephes' expf (range reduction by ln 2
 // in two parts, a degree-6 polynomial, the exponent built in the bits), within 1 ulp of exp on
@@ -90,6 +93,8 @@ void packed_linear(const float* x, int64_t ldx, const float* panels, const float
                    int64_t rows, int64_t out_features, int64_t in_features, int threads);
 void grouped_linear(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights, int64_t stride,
                     float* out, int64_t ldo, int64_t groups, int64_t out_features, int64_t in_features, int threads);
+void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights,
+                          int64_t stride, float* act, int64_t groups, int64_t inter, int64_t in_features, int threads);
 
 // cpu_kernels.cpp
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt, const float* A,

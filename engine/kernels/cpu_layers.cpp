@@ -26,8 +26,12 @@ void moe_silu_experts(const float* x, const int64_t* counts, const int64_t* pane
   for (int64_t e = 0; e < experts; ++e) rows += counts[e];
   float* gate_up = scratch;
   float* act = scratch + rows * 2 * inter;
-  grouped_linear(x, hidden, counts, panels, 2, gate_up, 2 * inter, experts, 2 * inter, hidden, threads);
-  silu_mul(gate_up, gate_up + inter, act, rows, inter, 2 * inter, threads);
+  if (inter % splitserve::PANEL_COLUMNS == 0) {
+    grouped_silu_gate_up(x, hidden, counts, panels, 2, act, experts, inter, hidden, threads);
+  } else {
+    grouped_linear(x, hidden, counts, panels, 2, gate_up, 2 * inter, experts, 2 * inter, hidden, threads);
+    silu_mul(gate_up, gate_up + inter, act, rows, inter, 2 * inter, threads);
+  }
   grouped_linear(act, inter, counts, panels + 1, 2, out, hidden, experts, hidden, inter, threads);
 }
 
