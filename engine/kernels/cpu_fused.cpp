@@ -130,7 +130,7 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t rows, int6
     const float* u = up + r * in_stride;
     float* o = out + r * cols;
 #pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) o[c] = g[c] / (1.f + fast_exp(-g[c])) * u[c];
+    for (int64_t c = 0; c < cols; ++c) o[c] = splitserve::silu_times(g[c], u[c]);
   }
 }
 

@@ -139,11 +139,12 @@ extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, 
 extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights,
                                int64_t stride, float* out, int64_t ldo, int64_t groups, int64_t out_features,
                                int64_t in_features, int threads) {
+  const int64_t most = most_chunk_rows(in_features);
   std::vector<int64_t> starts(groups + 1, 0);
   bool one_chunk_each = true;
   for (int64_t g = 0; g < groups; ++g) {
     starts[g + 1] = starts[g] + counts[g];
-    one_chunk_each = one_chunk_each && counts[g] <= most_chunk_rows(in_features);
+    one_chunk_each = one_chunk_each && counts[g] <= most;
   }
   const auto panels_of = [&](int64_t g) { return reinterpret_cast<const float*>(weights[g * stride]); };
   if (!one_chunk_each) {
@@ -168,7 +169,8 @@ extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* count
 // up (silu_mul's formula) [rows, inter], without writing [gate | up] out: per (group, chunk of
 // its rows, panel j of gate) the tiles run over gate's panel j and then up's (panel j + inter /
 // PANEL) into the thread's scratch, and act's columns of panel j are written from it. Each value
-// has the bits of grouped_linear then silu_mul. inter must be a multiple of PANEL.
+// has the bits of grouped_linear then silu_mul (both take silu_times). inter must be a multiple of
+// PANEL.
 extern "C" void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t* counts, const int64_t* weights,
                                      int64_t stride, float* act, int64_t groups, int64_t inter, int64_t in_features,
                                      int threads) {
@@ -197,7 +199,7 @@ extern "C" void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t*
       float* out = act + (begin + r) * inter + j * PANEL;
       const float *gr = gate + r * PANEL, *ur = up + r * PANEL;
 #pragma omp simd
-      for (int64_t k = 0; k < PANEL; ++k) out[k] = gr[k] / (1.f + splitserve::fast_exp(-gr[k])) * ur[k];
+      for (int64_t k = 0; k < PANEL; ++k) out[k] = splitserve::silu_times(gr[k], ur[k]);
     }
   });
 }

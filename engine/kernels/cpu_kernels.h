@@ -39,6 +39,10 @@ inline float fast_exp(float v) {
   return e * scale;
 }
 
+// SwiGLU's product for one value: silu(gate) * up. Every kernel that computes it calls this, so
+// the fused GEMM (cpu_gemm.cpp grouped_silu_gate_up) and silu_mul give the same bits.
+inline float silu_times(float gate, float up) { return gate / (1.f + fast_exp(-gate)) * up; }
+
 // One thread's share of a loop, [front, back) packed in one word so a take is one compare-and-swap
 // (so a loop has fewer than 2^32 items: a GEMM's chunks times panels are far fewer).
 struct alignas(64) Share {
