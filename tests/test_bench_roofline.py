@@ -22,7 +22,7 @@ def tiny(tmp_path_factory):
         save_tiny_model(name, path)
         return path, load_model(path)
 
-    return {name: load(name) for name in ("llama", "jamba")}
+    return {name: load(name) for name in ("llama", "jamba", "zamba2")}
 
 
 # Hand counts in multiply-adds per token, from tests/oracle.py's configs.
@@ -48,6 +48,22 @@ def test_matmul_flops_matches_hand_count(tiny, name, per_token):
     expected = (per_token * (5 + 3 + 2) + 2 * PER_KEY * (15 + 6 + 7 + 9) + LM_HEAD * (2 + 2))
     assert roofline.matmul_flops(model, [5, 3], [7, 9]) == expected
     assert roofline.matmul_flops(model, [], []) == 0
+
+
+# zamba2: hidden 32, 5 layers (Mamba2 at all, the shared block at 3 of them): Mamba2 with d_inner
+# 64, 2 groups of d_state 8, 8 heads; the block reads [h | embeddings] (64) with 4 heads of 16,
+# q/k/v adapters of rank 4, an MLP of 48 with its adapter, and each hybrid layer's own linear.
+ZAMBA2_MAMBA2 = 32 * (2 * 64 + 2 * 2 * 8 + 8) + 64 * 32  # in_proj (z, xBC, dt), out_proj
+ZAMBA2_BLOCK = (3 * 64 * 64 + 64 * 32 + 3 * (64 * 4 + 4 * 64)  # q, k, v, o, their adapters
+                + 32 * 96 + (32 * 4 + 4 * 96) + 48 * 32 + 32 * 32)  # gate_up and its adapter, down, linear
+
+
+def test_zamba2_counts_each_hybrid_use_of_the_shared_block(tiny):
+    """The shared block's linears are held by reference (by each use's attention and hybrid
+    layer), not as children: each hybrid layer applies them once, with its own adapters."""
+    profile = roofline.flop_profile(tiny["zamba2"][1])
+    assert profile == {"per_token": 2 * (5 * ZAMBA2_MAMBA2 + 3 * ZAMBA2_BLOCK),
+                       "attention": [(2 * 2 * 4 * 16, None)] * 3, "lm_head": 2 * 32 * VOCAB}
 
 
 def test_decode_contexts_cover_outputs_after_the_first():

@@ -154,7 +154,7 @@ def test_zamba2_shared_attention_packs_its_block_once(name, fits, model_factory)
     assert len(uses) > len(model.shared) and all(use.fits_one_call() == fits for use in uses)
     if fits:
         for use in uses:
-            assert use.qkv_fused is use._block[0].qkv_fused
+            assert use.qkv_fused is use._shared[0].qkv_fused
         assert len({id(use.qkv_fused) for use in uses}) == len(model.shared)
 
 

@@ -99,12 +99,12 @@ class SharedAttention(PagedAttention):
             setattr(self, f"{name}_proj", _Plus(getattr(block, f"{name}_proj"),
                                                 block.adapter(f"{name}_adapters", use)))
         self.o_proj = _Plus(block.o_proj, None)
-        self._block = (block,)  # by reference, as in _Plus
+        self._shared = (block,)  # by reference, as in _Plus
 
     def pack_weights(self) -> int:
         """Without q/k/v adapters, the block's q, k and v as one packed GEMM, packed once for all
         the block's uses: decode then takes PagedAttention's one call."""
-        block = self._block[0]
+        block = self._shared[0]
         if any(getattr(self, f"{name}_proj")._parts[1] is not None for name in ("q", "k", "v")):
             return 0
         packed_here = "qkv_fused" not in vars(block)
