@@ -340,6 +340,23 @@ def test_launches_from_several_threads_at_once():
         torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_paged_attention_decode_softmax_finds_the_largest_score_anywhere():
+    """As for prefill: one key scores 1000 above the rest, at each of 37 positions in turn, and
+    the output is that key's value, not NaN."""
+    torch.manual_seed(6)
+    context, block_size, head_dim = 37, 8, 16
+    blocks = -(-context // block_size)
+    tables = torch.arange(1, blocks + 1)[None]
+    v_cache = torch.randn(blocks + 1, block_size, 1, head_dim)
+    q = torch.zeros(1, 1, head_dim)
+    q[0, 0, 0] = 100.0
+    for j in range(context):
+        k_cache = torch.zeros(blocks + 1, block_size, 1, head_dim)
+        k_cache[1 + j // block_size, j % block_size, 0, 0] = 10.0
+        out = cpu.paged_attention_decode_cpu(q, k_cache, v_cache, tables, torch.tensor([context]), 1.0)
+        assert torch.equal(out[0], v_cache[1 + j // block_size, j % block_size])
+
+
 def test_a_failed_build_falls_back_to_the_references(monkeypatch, tmp_path):
     """No working compiler: the library is None (logged), dispatch takes the torch ops."""
     from engine.kernels import native

@@ -222,6 +222,21 @@ def test_prefill_attention_matches_sdpa(n, context, heads, kv_heads, head_dim, w
         cpu.prefill_attention_cpu(q, k[:, :1].expand(-1, 3, -1), v, scale)
 
 
+def test_prefill_attention_softmax_finds_the_largest_score_anywhere():
+    """One key scores 1000 above the rest, at each position in turn (37 keys: two full vectors of
+    16 and a remainder): the softmax must subtract that score, or exp overflows to inf and NaN; the
+    last query then returns that key's value."""
+    torch.manual_seed(5)
+    context, head_dim = 37, 16
+    v = torch.randn(context, 1, head_dim)
+    for j in range(context):
+        q = torch.zeros(context, 1, head_dim)
+        k = torch.zeros(context, 1, head_dim)
+        q[-1, 0, 0], k[j, 0, 0] = 100.0, 10.0
+        out = cpu.prefill_attention_cpu(q, k, v, 1.0)
+        assert not out.isnan().any() and torch.equal(out[-1], v[j])
+
+
 @pytest.mark.parametrize("tokens,top_k,hidden", [(1, 1, 8), (9, 2, 64), (50, 3, 40)])
 def test_moe_combine(tokens, top_k, hidden):
     torch.manual_seed(tokens * top_k)

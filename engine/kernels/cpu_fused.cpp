@@ -287,9 +287,7 @@ void prefill_attention(const float* q, int64_t q_stride, const float* kt, int64_
         const int64_t pos = first_pos + r;
         const int64_t a = r < rows ? (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - lo : 0;
         const int64_t b = r < rows ? pos + 1 - lo : 0;
-        float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-        for (int64_t j = a; j < b; ++j) top = std::max(top, sr[j]);
+        const float top = splitserve::max_of(sr + a, b - a, -INFINITY);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t j = a; j < b; ++j) {

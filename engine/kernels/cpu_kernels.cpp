@@ -451,8 +451,7 @@ void paged_attention_decode(const float* q, const float* k_cache, const float* v
         prefetch_floats(k_cache + tables[(b + 1) * table_width] * block_elems, block_elems);
       for (int64_t h = 0; h < heads; ++h) {
         float* p = probs.data() + h * n;
-        float top = p[0];
-        for (int64_t m = 1; m < n; ++m) top = std::max(top, p[m]);
+        const float top = splitserve::max_of(p + 1, n - 1, p[0]);
         float total = 0.f;
 #pragma omp simd reduction(+ : total)
         for (int64_t m = 0; m < n; ++m) {

@@ -45,8 +45,8 @@ void moe_route(const float* logits, int64_t tokens, int64_t experts, int64_t top
   std::vector<char> taken(experts);
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits + t * experts;
-    float top = l[0], total = 0.f;
-    for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
+    const float top = splitserve::max_of(l + 1, experts - 1, l[0]);
+    float total = 0.f;
     for (int64_t e = 0; e < experts; ++e) total += probs[e] = std::exp(l[e] - top);
     for (int64_t e = 0; e < experts; ++e) probs[e] /= total;
     std::fill(taken.begin(), taken.end(), 0);
