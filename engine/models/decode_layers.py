@@ -171,10 +171,8 @@ def _plan_layer(layer, caches: LayerCaches, index: int):
     if beside is not None:  # Falcon-H1's attention beside its Mamba2 mixer
         if type(beside) is not PagedAttention or not _all_cpu(caches.kv[index]) or not beside.fits_one_call():
             return None
-        mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index]).floats))
+        mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index], rotary).floats))
         entry.parallel_attention = 1
-        if beside.rotary is not None:
-            rotary.append(beside.rotary)
     if ffn is None:
         ffn_needs = _Needs()
         entry.ffn = NO_FFN
@@ -219,10 +217,8 @@ def _plan_mixer(entry: LayerPlan, mixer, caches: LayerCaches, index: int, keep: 
     if type(mixer) is ShortConvMixer and _all_cpu(state) and mixer.fits_one_call():
         return _plan_short_conv(entry, mixer, state)
     if type(mixer) in ATTENTIONS and _all_cpu(kv) and mixer.fits_one_call():
-        if mixer.rotary is not None:
-            rotary.append(mixer.rotary)
         entry.mixer = NORMED_ATTENTION if isinstance(mixer, NormedAttention) else ATTENTION
-        return _plan_attention(entry, mixer, kv)
+        return _plan_attention(entry, mixer, kv, rotary)
     return None
 
 
@@ -333,8 +329,11 @@ def _plan_short_conv(entry: LayerPlan, mixer: ShortConvMixer, state) -> _Needs:
     return _Needs(floats=mixer.one_call_scratch())
 
 
-def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv) -> _Needs:
-    """The attention fields (not the mixer kind: Falcon-H1's attention sits beside a Mamba2 mixer)."""
+def _plan_attention(entry: LayerPlan, mixer: PagedAttention, kv, rotary: list) -> _Needs:
+    """The attention fields (not the mixer kind: Falcon-H1's attention sits beside a Mamba2 mixer);
+    its rotary embedding, if any, joins `rotary` (the entry takes its tables each step)."""
+    if mixer.rotary is not None:
+        rotary.append(mixer.rotary)
     k_cache, v_cache = kv
     packed, bias, _ = mixer.qkv_fused
     if isinstance(mixer, NormedAttention):
