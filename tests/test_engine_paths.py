@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.state_slots import StateOwnershipError
@@ -156,6 +157,41 @@ def test_zamba2_shared_attention_packs_its_block_once(name, fits, model_factory)
         for use in uses:
             assert use.qkv_fused is use._shared[0].qkv_fused
         assert len({id(use.qkv_fused) for use in uses}) == len(model.shared)
+
+
+@pytest.mark.parametrize("name,fits", [("zamba2", True), ("zamba2_untied_linear_rope", True),
+                                       ("zamba2_two_blocks_gqa", False)])
+def test_zamba2_shared_mlp_in_one_call_is_the_chain(name, fits, model_factory, monkeypatch):
+    """Zamba2's shared MLP at each hybrid use as one C++ call (cpu_layers.cpp adapter_gelu_mlp:
+    the gate-up GEMM, the use's low-rank adapter, the exact GELU, the down GEMM): at every step,
+    prefill and decode, its output is the chain of packed linears and torch's GELU within float32
+    rounding (the two GELUs differ in the last bits, nothing else does); every call takes it but
+    where the activation is not the exact GELU (tanh's, with biases: the chain runs); and the
+    tokens are transformers'."""
+    from engine.kernels import cpu
+    from engine.models.families_zamba2 import SharedBlock
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    path, hf = model_factory(name)
+    one_call, compared = SharedBlock.mlp, []
+
+    def both(self, x, use):
+        assert self._mlp_in_one_call(x, self.gate_up_adapters[str(use)]) == fits
+        out = one_call(self, x, use)
+        with monkeypatch.context() as m:
+            m.setattr(SharedBlock, "_mlp_in_one_call", lambda *a: False)
+            chain = one_call(self, x, use)
+        torch.testing.assert_close(out, chain, rtol=1e-5, atol=1e-6)
+        compared.append(x.shape[0])
+        return out
+
+    monkeypatch.setattr(SharedBlock, "mlp", both)
+    llm = LLM(path, max_num_seqs=4, block_size=BLOCK)
+    prompts = prompts_of([3, 17, 26], llm.engine.spec.vocab_size, 9)
+    for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
+        judge_greedy(hf, prompt, output.token_ids)
+    assert 3 in compared and max(compared) >= 17  # decode steps of three rows, and prefills
 
 
 @pytest.mark.parametrize("name,fits", [("jamba", True), ("mamba", True), ("llama", True), ("mistral_mqa_window", True),

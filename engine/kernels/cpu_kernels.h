@@ -52,6 +52,12 @@ inline float max_of(const float* x, int64_t n, float start) {
 // the fused GEMM (cpu_gemm.cpp grouped_silu_gate_up) and silu_mul give the same bits.
 inline float silu_times(float gate, float up) { return gate / (1.f + fast_exp(-gate)) * up; }
 
+// GELU's product for one value: gelu(gate) * up, the exact GELU, x/2 (1 + erf(x / sqrt 2)) (with
+// -ffast-math and omp simd, GCC calls glibc's vector erff).
+inline float gelu_times(float gate, float up) {
+  return gate * 0.5f * (1.f + std::erf(gate * 0.70710678118654752f)) * up;
+}
+
 // One thread's share of a loop, [front, back) packed in one word so a take is one compare-and-swap
 // (so a loop has fewer than 2^32 items: a GEMM's chunks times panels are far fewer).
 struct alignas(64) Share {

@@ -2,7 +2,8 @@
 // layer's Python would call one by one, in the same order on the same buffers, so the results
 // are the same bits (engine.models.layers.SparseMoE and GatedMLP, engine.models.ssm.MambaMixer,
 // engine.models.mamba2.Mamba2Mixer, engine.models.short_conv.ShortConvMixer,
-// engine.models.attention.PagedAttention and NormedAttention). Built with the other C++ kernels
+// engine.models.attention.PagedAttention and NormedAttention, Zamba2's SharedBlock.mlp, whose
+// exact GELU is this library's, not torch's: within float32 rounding). Built with the other C++ kernels
 // into one library (engine.kernels.native).
 
 #include <algorithm>
@@ -307,6 +308,32 @@ void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64
                       v_cache, write_index, tables, table_width, lens, block_size, scale, window, attended, threads);
   if (gated) head_gate(attended, qkv + head_dim, width, q_unit, rows, heads, head_dim, threads);
   packed_linear(attended, q_width, o_panels, o_bias, out, out_width, rows, out_width, q_width, threads);
+}
+
+// A gated MLP with a low-rank adapter on its gate-up projection and the exact GELU (Zamba2's
+// shared MLP at one hybrid use, engine.models.families_zamba2.SharedBlock.mlp):
+// [gate | up] = gate_up(x) + lora_up(lora_down(x)); out = down(gelu(gate) * up), the sums taken in
+// the activation's pass. scratch holds rows * (5 * inter + rank) floats.
+void adapter_gelu_mlp(const float* x, int64_t rows, int64_t hidden, const float* gate_up_panels,
+                      const float* gate_up_bias, const float* lora_down_panels, int64_t rank,
+                      const float* lora_up_panels, int64_t inter, const float* down_panels, const float* down_bias,
+                      float* scratch, float* out, int threads) {
+  const int64_t width = 2 * inter;
+  float* projected = scratch;                // [rows, width]
+  float* adapted = projected + rows * width;  // [rows, width]
+  float* act = adapted + rows * width;       // [rows, inter]
+  float* low = act + rows * inter;           // [rows, rank]
+  packed_linear(x, hidden, gate_up_panels, gate_up_bias, projected, width, rows, width, hidden, threads);
+  packed_linear(x, hidden, lora_down_panels, nullptr, low, rank, rows, rank, hidden, threads);
+  packed_linear(low, rank, lora_up_panels, nullptr, adapted, width, rows, width, rank, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * inter >= 32768)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *p = projected + r * width, *a = adapted + r * width;
+    float* o = act + r * inter;
+#pragma omp simd
+    for (int64_t c = 0; c < inter; ++c) o[c] = splitserve::gelu_times(p[c] + a[c], p[inter + c] + a[inter + c]);
+  }
+  packed_linear(act, inter, down_panels, down_bias, out, hidden, rows, hidden, inter, threads);
 }
 
 }  // extern "C"

@@ -69,6 +69,7 @@ SIGNATURES = {
     "group_rms_norm": [P, P, P, I64, I64, I64, F32, INT],
     "moe_route": [P, I64, I64, I64, I64, P, P, INT],
     "moe_layer": [P, I64, I64, P, I64, I64, I64, P, I64, P, P, P, INT],
+    "adapter_gelu_mlp": [P, I64, I64, P, P, P, I64, P, I64, P, P, P, P, INT],
     "attention_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P, P, P,
                          INT],
     "decoder_layers": [P, I64, P, I64, I64, P, P, P, I64, P, P, P, P, INT],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import PagedAttention
@@ -24,7 +25,7 @@ from engine.models.families_mamba2 import mamba2_names
 from engine.models.hybrid import DecoderLayer, HybridLM, LayerCacheSpec, ModelSpec
 from engine.models.layers import GatedRMSNorm, RMSNorm, activation
 from engine.models.mamba2 import Mamba2Mixer
-from engine.models.packed_linear import pack_fused
+from engine.models.packed_linear import adapter_gelu_mlp, pack_fused, runs_packed
 
 MAMBA, HYBRID = ("mamba", "linear_attention"), "hybrid"
 
@@ -59,8 +60,17 @@ class SharedBlock(nn.Module):
         return None if table is None else table[str(use)]
 
     def mlp(self, x: torch.Tensor, use: int) -> torch.Tensor:
-        gate, up = (self.gate_up_proj(x) + self.gate_up_adapters[str(use)](x)).chunk(2, dim=-1)
+        adapter = self.gate_up_adapters[str(use)]
+        if self._mlp_in_one_call(x, adapter):
+            return adapter_gelu_mlp(x, self.gate_up_proj, adapter[0], adapter[1], self.down_proj)
+        gate, up = (self.gate_up_proj(x) + adapter(x)).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def _mlp_in_one_call(self, x: torch.Tensor, adapter: nn.Sequential) -> bool:
+        """The exact GELU, every linear packed, x a contiguous float32 matrix the kernels take."""
+        return (self.act is F.gelu and x.dim() == 2 and x.is_contiguous()
+                and all(runs_packed(x, getattr(m, "packed_weight", None))
+                        for m in (self.gate_up_proj, adapter[0], adapter[1], self.down_proj)))
 
 
 class _Plus(nn.Module):

@@ -86,7 +86,24 @@ def silu_experts(routed: torch.Tensor, counts: list[int], pointers: torch.Tensor
     return out
 
 
-def _runs_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
+def adapter_gelu_mlp(x: torch.Tensor, gate_up: nn.Linear, lora_down: nn.Linear, lora_up: nn.Linear,
+                     down: nn.Linear) -> torch.Tensor:
+    """down(gelu(gate) * up), [gate | up] = gate_up(x) + lora_up(lora_down(x)), for contiguous
+    float32 x [rows, hidden], in one C++ call; every linear packed (pack_linears)."""
+    rows, hidden = x.shape
+    inter, rank = down.in_features, lora_down.out_features
+    if (gate_up.in_features, lora_down.in_features, lora_up.in_features) != (hidden, hidden, rank) \
+            or gate_up.out_features != 2 * inter or lora_up.out_features != 2 * inter or not x.is_contiguous():
+        raise ValueError(f"adapter_gelu_mlp: x {tuple(x.shape)} does not fit gate_up {gate_up}, "
+                         f"adapter ({lora_down}, {lora_up}), down {down}")
+    out = torch.empty((rows, down.out_features))
+    native.call("adapter_gelu_mlp", x, rows, hidden, gate_up.packed_weight.panels, gate_up.bias,
+                lora_down.packed_weight.panels, rank, lora_up.packed_weight.panels, inter,
+                down.packed_weight.panels, down.bias, torch.empty(rows * (5 * inter + rank)), out)
+    return out
+
+
+def runs_packed(x: torch.Tensor, packed: PackedWeight | None) -> bool:
     """A packed weight exists, the kernels are on, and x is a float32 input autograd does not track."""
     return packed is not None and x.dtype == torch.float32 and not x.requires_grad and enabled()
 
@@ -105,7 +122,7 @@ def _packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
     """F.linear, on the packed weight when there is one and the call can take it."""
-    if _runs_packed(x, packed):
+    if runs_packed(x, packed):
         return _packed_matmul(x, packed, bias)
     return F.linear(x, weight, bias)
 
@@ -134,7 +151,7 @@ def pack_fused(*linears: nn.Module):
 def fused_linear(x: torch.Tensor, fused, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """The outputs of `linears` on x: column views of one GEMM on their pack_fused weight when
     the call can take it, else each linear on its own."""
-    if fused is not None and _runs_packed(x, fused[0]):
+    if fused is not None and runs_packed(x, fused[0]):
         packed, bias, sizes = fused
         return _packed_matmul(x, packed, bias).split(sizes, dim=-1)
     return tuple(m(x) for m in linears)
