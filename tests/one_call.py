@@ -54,10 +54,10 @@ def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
         def __init__(self, model, caches, plan):
             self.model, self.caches, self.plan = model, caches, plan
 
-        def run(self, h, batch, run_layer):
+        def run(self, h, batch, run_layer, embeddings=None):
             tensors = self.caches.tensors()
             before = [t.clone() for t in tensors]
-            at_once = self.plan.run(h, batch, run_layer)
+            at_once = self.plan.run(h, batch, run_layer, embeddings)
             left = [t.clone() for t in tensors]
             for t, saved in zip(tensors, before):
                 t.copy_(saved)

@@ -162,6 +162,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=3, use_mem_rope=True,
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
+    # Zamba2 as its 2.7B and 7B checkpoints are: no attention adapters, the exact GELU; GQA 4:2,
+    # rope, 2 SSM groups, tied. Its hybrid layers decode inside engine.models.decode_layers' one call.
+    "zamba2_plain_gqa": ("zamba2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=5,
+                                        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
+                                        num_attention_heads=4, num_key_value_heads=2, num_mem_blocks=1,
+                                        adapter_rank=4, use_mem_rope=True, n_mamba_heads=8, mamba_ngroups=2,
+                                        mamba_d_state=8, chunk_size=8)),
     # --- zamba2 configs (keep this marker line) ---
     # Qwen3-Next: Gated DeltaNet with 2 key heads serving 4 value heads, gated attention at layer
     # 2 (GQA 4:2, rotary on half of each head), MoE (4 experts top-2) + gated shared expert on

@@ -203,14 +203,16 @@ def test_zamba2_shared_mlp_in_one_call_is_the_chain(name, fits, model_factory, m
                                        ("qwen3_next_dense_mqa", True), ("lfm2", True),
                                        ("lfm2_attn_first_bias_untied", True), ("lfm2_mqa_kernel4", True),
                                        ("falcon_h1", False), ("falcon_h1_odd_tied", True), ("falcon_h1_nonorm", True),
-                                       ("zamba2", True), ("zamba2_untied_linear_rope", True)])
+                                       ("zamba2", True), ("zamba2_untied_linear_rope", True),
+                                       ("zamba2_plain_gqa", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
     """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
     bits of the layer-by-layer path (Mamba and Mamba2 with and without FFNs, projection biases, dt
     limits, MoE top-2 and top-1, MLPs, routed and shared experts, a residual multiplier,
     attention with and without rotary, a sliding window the contexts pass, q/k/v biases); where
-    some layers cannot run in it (Nemotron-H's MoE, Zamba2's hybrid layers) they take the layer
+    some layers cannot run in it (Nemotron-H's MoE, Zamba2's hybrid layers with attention adapters or
+    tanh's GELU; without, they run in it: zamba2_plain_gqa) they take the layer
     path between the runs of layers that do, and where none can (Falcon-H1 with MLP biases) the
     layer path runs throughout; the tokens are
     transformers'. Nemotron-H's squared-ReLU MLP layers run in it, with biases; so do Qwen3-Next's
@@ -229,6 +231,30 @@ def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, m
     for prompt, output in zip(prompts, llm.generate(prompts, GREEDY)):
         judge_greedy(hf, prompt, output.token_ids)
     assert (3 in compared) == fits and all(rows <= 3 for rows in compared)
+
+
+@pytest.mark.parametrize("name,hybrid_in_plan", [("zamba2_plain_gqa", True), ("zamba2", False),
+                                                  ("zamba2_two_blocks_gqa", False)])
+def test_zamba2_hybrid_layers_join_the_one_call_where_their_parts_fit(name, hybrid_in_plan, model_factory):
+    """Zamba2's hybrid layers run inside the decode step's one call where their shared attention
+    has no q/k/v adapters and their MLP the exact GELU (as in Zamba2 2.7B and 7B): the whole stack is
+    then one call; with attention adapters or tanh's GELU each hybrid layer takes the layer path."""
+    from engine.kernels import cpu
+    from engine.models.decode_layers import ZAMBA2_HYBRID, build_plan
+    from engine.models.families_zamba2 import HybridLayer
+
+    if not cpu.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    path, _ = model_factory(name)
+    engine = LLM(path, max_num_seqs=2).engine
+    model = engine.runner.model
+    segments = build_plan(model.layers, engine.cache.layers).segments
+    hybrids = [i for i, layer in enumerate(model.layers) if isinstance(layer, HybridLayer)]
+    if hybrid_in_plan:
+        assert len(segments) == 1 and segments[0][1] is not None
+        assert [i for i, entry in enumerate(segments[0][1].plans) if entry.mixer == ZAMBA2_HYBRID] == hybrids
+    else:
+        assert [first for first, plan in segments if plan is None] == hybrids
 
 
 FFN_ONE_CALLS = [("SparseMoE", n) for n in ("jamba", "jamba_top1_bias", "granitemoehybrid", "qwen3_next")] + [

@@ -12,7 +12,7 @@
 extern "C" {
 
 enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATED_DELTANET = 5, NORMED_ATTENTION = 6,
-                       SHORT_CONV = 7 };
+                       SHORT_CONV = 7, ZAMBA2_HYBRID = 8 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
 // One layer's weights, caches and sizes; mirrored field for field by engine.models.decode_layers.LayerPlan.
@@ -66,6 +66,13 @@ struct LayerPlan {
   // Falcon-H1: an attention (the attention fields) beside the mixer on the same normed input,
   // its output added to the mixer's
   int64_t parallel_attention;
+  // Zamba2's hybrid layer (ZAMBA2_HYBRID): the step's embeddings (set each step), the shared
+  // block's norms, its MLP (gate-up in up_panels and up_bias, down in the down fields, inter in
+  // mlp_inter) with this use's adapter, the layer's own linear and the norm before its Mamba2
+  // (the Mamba2 and attention fields as for those layers)
+  const float *embeddings, *block_norm, *pre_ff_norm, *lora_down_panels, *lora_up_panels, *linear_panels, *mamba_norm;
+  float block_eps, pre_ff_eps, mamba_norm_eps;
+  int64_t lora_rank;
 };
 
 // x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
@@ -74,6 +81,41 @@ __attribute__((noinline)) static void scale_rows(float* x, int64_t n, float s) {
 }
 
 int64_t decoder_layer_plan_bytes() { return sizeof(LayerPlan); }  // checked against the Python mirror
+
+// Zamba2's hybrid layer (engine.models.families_zamba2.HybridLayer.forward), the calls its Python
+// makes in order: out = h + mamba2(norm(h + linear(mlp(norm(attention(norm([h | embeddings]))))))).
+// scratch holds rows * (2 * 2 hidden + 3 hidden) floats and then what the attention, the MLP and
+// the Mamba2 mixer each need.
+static void zamba2_hybrid(const LayerPlan& p, const float* h, int64_t rows, int64_t hidden, const int64_t* slots,
+                          const int64_t* write_index, const int64_t* tables, int64_t table_width, const int64_t* lens,
+                          float* scratch, float* out, int threads) {
+  const int64_t wide = 2 * hidden, size = rows * hidden;
+  float* joined = scratch;              // [rows, wide]
+  float* normed = joined + rows * wide;  // [rows, wide]
+  float* a = normed + rows * wide;       // [rows, hidden], three of them
+  float* b = a + size;
+  float* c = b + size;
+  float* work = c + size;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy(h + r * hidden, h + (r + 1) * hidden, joined + r * wide);
+    std::copy(p.embeddings + r * hidden, p.embeddings + (r + 1) * hidden, joined + r * wide + hidden);
+  }
+  rms_norm(joined, nullptr, p.block_norm, normed, rows, wide, wide, p.block_eps, threads);
+  attention_decode(normed, rows, wide, hidden, p.heads, p.kv_heads, p.head_dim, p.qkv_panels, p.qkv_bias, p.cos,
+                   p.sin, p.rotary_dim, p.k_cache, p.v_cache, write_index, tables, table_width, lens, p.block_size,
+                   p.scale, p.window, p.o_panels, p.o_bias, work, a, threads);
+  rms_norm(a, nullptr, p.pre_ff_norm, b, rows, hidden, hidden, p.pre_ff_eps, threads);
+  adapter_gelu_mlp(b, rows, hidden, p.up_panels, p.up_bias, p.lora_down_panels, p.lora_rank, p.lora_up_panels,
+                   p.mlp_inter, p.down_panels, p.down_bias, work, a, threads);
+  packed_linear(a, hidden, p.linear_panels, nullptr, c, hidden, rows, hidden, hidden, threads);
+  for (int64_t i = 0; i < size; ++i) c[i] = h[i] + c[i];
+  rms_norm(c, nullptr, p.mamba_norm, b, rows, hidden, hidden, p.mamba_norm_eps, threads);
+  mamba2_decode(b, rows, hidden, p.ssm_heads, p.ssm_head_dim, p.groups, p.d_state, p.d_conv, p.in_panels, p.in_bias,
+                p.conv_state, p.ssm_state, slots, p.conv_weight, p.conv_bias, p.dt_bias, p.dt_lo, p.dt_hi, p.A, p.D,
+                p.gate_norm, p.gate_norm_group, p.gate_norm_first, p.gate_norm_eps, p.out_panels, p.out_bias, work,
+                a, threads);
+  for (int64_t i = 0; i < size; ++i) out[i] = h[i] + a[i];
+}
 
 // h [rows, hidden] through `layers` layers into out; every row a decode of one token, at state
 // slot slots[i], KV row write_index[i], with block table tables[i] and context lens[i]. scratch
@@ -93,6 +135,11 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
   for (int64_t l = 0; l < layers; ++l) {
     const LayerPlan& p = plan[l];
     float* next = l + 1 == layers ? out : states[l % 2];
+    if (p.mixer == ZAMBA2_HYBRID) {
+      zamba2_hybrid(p, current, rows, hidden, slots, write_index, tables, table_width, lens, work, next, threads);
+      current = next;
+      continue;
+    }
     rms_norm(const_cast<float*>(current), nullptr, p.input_norm, normed, rows, hidden, hidden, p.input_eps, threads);
     if (p.mixer == MAMBA) {
       mamba_decode(normed, rows, hidden, p.d_inner, p.d_state, p.dt_rank, p.d_conv, p.in_panels, p.in_bias,

@@ -179,6 +179,10 @@ void short_conv_decode(const float* h, int64_t rows, int64_t hidden, int64_t ker
                        const float* in_bias, float* conv_state, const int64_t* slots, const float* conv_weight,
                        const float* conv_bias, const float* out_panels, const float* out_bias, float* scratch,
                        float* out, int threads);
+void adapter_gelu_mlp(const float* x, int64_t rows, int64_t hidden, const float* gate_up_panels,
+                      const float* gate_up_bias, const float* lora_down_panels, int64_t rank,
+                      const float* lora_up_panels, int64_t inter, const float* down_panels, const float* down_bias,
+                      float* scratch, float* out, int threads);
 void attention_decode(const float* h, int64_t rows, int64_t hidden, int64_t out_width, int64_t heads,
                       int64_t kv_heads, int64_t head_dim, const float* qkv_panels, const float* qkv_bias,
                       const float* cos, const float* sin, int64_t rotary_dim, float* k_cache, float* v_cache,

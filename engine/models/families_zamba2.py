@@ -66,11 +66,15 @@ class SharedBlock(nn.Module):
         gate, up = (self.gate_up_proj(x) + adapter(x)).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
+    def mlp_fits_one_call(self, adapter: nn.Sequential) -> bool:
+        """The exact GELU and every linear packed (with the use's adapter)."""
+        return self.act is F.gelu and all(getattr(m, "packed_weight", None) is not None
+                                          for m in (self.gate_up_proj, adapter[0], adapter[1], self.down_proj))
+
     def _mlp_in_one_call(self, x: torch.Tensor, adapter: nn.Sequential) -> bool:
-        """The exact GELU, every linear packed, x a contiguous float32 matrix the kernels take."""
-        return (self.act is F.gelu and x.dim() == 2 and x.is_contiguous()
-                and all(runs_packed(x, getattr(m, "packed_weight", None))
-                        for m in (self.gate_up_proj, adapter[0], adapter[1], self.down_proj)))
+        """mlp_fits_one_call, and x a contiguous float32 matrix the kernels take."""
+        return (self.mlp_fits_one_call(adapter) and x.dim() == 2 and x.is_contiguous()
+                and runs_packed(x, self.gate_up_proj.packed_weight))
 
 
 class _Plus(nn.Module):
@@ -168,9 +172,9 @@ class Zamba2LM(HybridLM):
                 return layer(x, embeddings, batch, caches, index)
             return layer(x, batch, caches, index)
 
-        plan = self._decode_layers_plan(batch, caches, h)  # runs of plain Mamba2 layers as one call each
+        plan = self._decode_layers_plan(batch, caches, h)  # runs of layers as one call each
         if plan is not None:
-            h = plan.run(h, batch, run_layer)
+            h = plan.run(h, batch, run_layer, embeddings)
         else:
             for index in range(len(self.layers)):
                 h = run_layer(index, h)
