@@ -324,6 +324,8 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
               int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
   // W channels at a time: their accumulators and inputs stay in registers across the N steps,
   // and four vectors give four independent chains of multiply-adds, not one waiting on the last.
+  // Written on vectors: as a float array under omp simd, GCC kept the sums on the stack, a store
+  // and a reload in every chain's step (0.86-0.89 of the time since, same bits).
   constexpr int64_t W = 64, kAhead = 8;
   const int64_t per_group = heads / groups, lanes = (head_dim + W - 1) / W * W;
 #pragma omp parallel num_threads(threads)
@@ -349,18 +351,23 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
         }
         for (int64_t p = 0; p < head_dim; ++p) u[p] = d * xt[p];
         for (int64_t p0 = 0; p0 < lanes; p0 += W) {
-          float acc[W] = {}, uw[W];
-          std::copy(u.begin() + p0, u.begin() + p0 + W, uw);
+          constexpr int64_t V = W / kLanes16;
+          vec16 acc[V] = {}, uw[V];
+          std::memcpy(uw, u.data() + p0, sizeof uw);
           for (int64_t n = 0; n < d_state; ++n) {
             const float bn = bt[n], cn = ct[n];
             float* sn = s.data() + n * lanes + p0;
-#pragma omp simd
-            for (int64_t p = 0; p < W; ++p) {
-              sn[p] = sn[p] * decay + uw[p] * bn;
-              acc[p] += sn[p] * cn;
+            for (int64_t v = 0; v < V; ++v) {
+              vec16 sv;
+              std::memcpy(&sv, sn + v * kLanes16, sizeof sv);
+              sv = sv * decay + uw[v] * bn;
+              std::memcpy(sn + v * kLanes16, &sv, sizeof sv);
+              acc[v] += sv * cn;
             }
           }
-          std::copy(acc, acc + std::min(W, head_dim - p0), yt + p0);
+          alignas(64) float out[W];
+          std::memcpy(out, acc, sizeof out);
+          std::copy(out, out + std::min(W, head_dim - p0), yt + p0);
         }
       }
       for (int64_t p = 0; p < head_dim; ++p)
