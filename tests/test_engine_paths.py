@@ -253,6 +253,10 @@ def test_zamba2_hybrid_layers_join_the_one_call_where_their_parts_fit(name, hybr
     if hybrid_in_plan:
         assert len(segments) == 1 and segments[0][1] is not None
         assert [i for i, entry in enumerate(segments[0][1].plans) if entry.mixer == ZAMBA2_HYBRID] == hybrids
+        h = torch.zeros(2, engine.spec.hidden_size)
+        for embeddings in (None, h[:1], h.t().contiguous().t()):  # missing, wrong rows, not contiguous
+            with pytest.raises(ValueError, match="needs the step's embeddings"):
+                segments[0][1].run(h, None, embeddings)
     else:
         assert [first for first, plan in segments if plan is None] == hybrids
 

@@ -26,7 +26,7 @@ import ctypes
 
 import torch
 
-from engine.kernels import cpu, native
+from engine.kernels import cpu, native, uses_cpu_kernel
 from engine.models.attention import NormedAttention, PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.families_falcon_h1 import FalconH1Layer
@@ -59,6 +59,10 @@ class DecodeLayersPlan:
         """The hidden states after the last layer, for h [rows, hidden] of an all-decode CPU batch
         (and the step's embeddings, contiguous, where a Zamba2 hybrid layer reads them)."""
         rows, hidden = h.shape
+        if self._reads_embeddings and (embeddings is None or embeddings.shape != h.shape
+                                       or not uses_cpu_kernel(embeddings)):
+            raise ValueError("a Zamba2 hybrid layer's one call needs the step's embeddings, "
+                             f"contiguous float32 {tuple(h.shape)} on the CPU")
         for entry in self._reads_embeddings:
             entry.embeddings = embeddings.data_ptr()
         step_tables = []  # this step's rotary tables, alive through the call
