@@ -162,13 +162,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=3, use_mem_rope=True,
         rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
-    # Zamba2 as its 2.7B and 7B checkpoints are: no attention adapters, the exact GELU; GQA 4:2,
-    # rope, 2 SSM groups, tied. Its hybrid layers decode inside engine.models.decode_layers' one call.
+    # Zamba2 as its 2.7B and 7B checkpoints are (no attention adapters, the exact GELU), plus MLP
+    # biases they lack, so the one-call MLP's biases meet the judge too; GQA 4:2, rope, 2 SSM
+    # groups, tied. Its hybrid layers decode inside engine.models.decode_layers' one call.
     "zamba2_plain_gqa": ("zamba2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=5,
                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
                                         num_attention_heads=4, num_key_value_heads=2, num_mem_blocks=1,
                                         adapter_rank=4, use_mem_rope=True, n_mamba_heads=8, mamba_ngroups=2,
-                                        mamba_d_state=8, chunk_size=8)),
+                                        mamba_d_state=8, chunk_size=8, add_bias_linear=True)),
     # --- zamba2 configs (keep this marker line) ---
     # Qwen3-Next: Gated DeltaNet with 2 key heads serving 4 value heads, gated attention at layer
     # 2 (GQA 4:2, rotary on half of each head), MoE (4 experts top-2) + gated shared expert on
@@ -253,10 +254,14 @@ def save_tiny_model(name: str, path: Path):
                         eos_token_id=2, pad_token_id=0, **kwargs)
     torch.manual_seed(sum(map(ord, name)))
     model = model_cls(config).eval()
-    with torch.no_grad():  # norm weights off their constant init, so a norm with the wrong weight shows
+    # Norm weights off their constant init and the linears' and convolutions' biases off zero
+    # (transformers initialises both to constants), so a wrong norm weight or a dropped bias shows.
+    with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param.dim() == 1 and "norm" in param_name.lower():
                 param.add_(torch.randn_like(param) * 0.2)
+            elif param_name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(path)
     return model
 
