@@ -89,7 +89,8 @@ def test_every_constrained_output_is_valid_offline(llm):
 
 def test_any_json_object_is_valid_or_cut_by_length(llm):
     spec = StructuredOutput("json_object")
-    outs = llm.generate([PROMPT] * 4, [constrained(spec, seed, max_tokens=30) for seed in range(4)])
+    # 16 seeds: with its tiny random model, an object the sampler closes within 30 tokens is rare
+    outs = llm.generate([PROMPT] * 16, [constrained(spec, seed, max_tokens=30) for seed in range(16)])
     assert any(o.finish_reason == "stop" for o in outs)
     for out in outs:
         if out.finish_reason == "stop":

@@ -61,7 +61,10 @@ def test_text_prompt_and_stop_string_is_not_returned(text_model):
     llm = LLM(folder)
     prompt = "def fibonacci(n):"
     free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
-    assert free.text == llm.tokenizer.decode(free.token_ids)
+    # The tokens' decode, but for a character the last tokens left incomplete: the stream holds its
+    # bytes back (as vLLM's detokenizer does), where decode writes U+FFFD.
+    whole = llm.tokenizer.decode(free.token_ids)
+    assert whole.startswith(free.text) and not whole[len(free.text):].strip("\ufffd")
     assert free.token_ids and len(free.text) >= 4
     stop = free.text[3:5]
     out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
