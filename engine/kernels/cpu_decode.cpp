@@ -15,7 +15,7 @@ enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATE
                        SHORT_CONV = 7, ZAMBA2_HYBRID = 8 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
-// One layer's weights, caches and sizes; mirrored field for field by engine.models.decode_layers.LayerPlan.
+// One layer's weights, caches and sizes; mirrored field for field by engine.models.layer_plans.LayerPlan.
 struct LayerPlan {
   int64_t mixer, ffn;
   const float* input_norm;

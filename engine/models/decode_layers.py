@@ -35,9 +35,9 @@ from engine.models.families_zamba2 import HybridLayer
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, FFNMixer
 from engine.models.layer_plans import (ATTENTION, ATTENTIONS, NO_FFN, NORMED_ATTENTION, ZAMBA2_HYBRID, LayerPlan,
-                                       _all_cpu, _Needs, _norm_fits, _plan_attention, _plan_gated_deltanet,
-                                       _plan_mamba, _plan_mamba2, _plan_mlp, _plan_moe, _plan_relu2_mlp,
-                                       _plan_short_conv, _plan_zamba2_hybrid, _ptr, _relu2_mlp_fits)
+                                       Needs, all_cpu, norm_fits, plan_attention, plan_gated_deltanet, plan_mamba,
+                                       plan_mamba2, plan_mlp, plan_moe, plan_relu2_mlp, plan_short_conv,
+                                       plan_zamba2_hybrid, pointer, relu2_mlp_fits)
 from engine.models.layers import GatedMLP, SparseMoE, SummedFFN
 from engine.models.mamba2 import Mamba2Mixer
 from engine.models.short_conv import ShortConvMixer
@@ -49,7 +49,7 @@ HIDDEN_BUFFERS = 7  # cpu_decode.cpp's per-step buffers of [rows, hidden]
 class DecodeLayersPlan:
     """Every layer's LayerPlan, what they point at that nothing else holds, and the step's needs."""
 
-    def __init__(self, plans: ctypes.Array, keep: list, rotary: list, needs: _Needs, uses_slots: bool,
+    def __init__(self, plans: ctypes.Array, keep: list, rotary: list, needs: Needs, uses_slots: bool,
                  uses_kv: bool):
         self.plans, self._keep, self._rotary, self._needs = plans, keep, rotary, needs
         self._reads_embeddings = [plans[i] for i in range(len(plans)) if plans[i].mixer == ZAMBA2_HYBRID]
@@ -89,7 +89,8 @@ class SegmentedPlan:
     def __init__(self, segments: list[tuple[int, DecodeLayersPlan | None]]):
         self.segments = segments  # (first layer, its run's plan, or None for that one layer)
 
-    def run(self, h: torch.Tensor, batch: ForwardBatch, run_layer, embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, h: torch.Tensor, batch: ForwardBatch, run_layer,
+            embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """h after every layer; run_layer(index, h) runs one layer on the layer path."""
         for first, plan in self.segments:
             h = run_layer(first, h) if plan is None else plan.run(h, batch, embeddings)
@@ -99,7 +100,7 @@ class SegmentedPlan:
 def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
     """The plan for these layers over these caches, or None where no layer can run in it."""
     if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
-        raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_layers.LayerPlan differ")
+        raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and layer_plans.LayerPlan differ")
     planned = [_plan_layer(layer, caches, index) for index, layer in enumerate(layers)]
     if not any(planned):
         return None
@@ -121,7 +122,7 @@ def _segment(run: list) -> DecodeLayersPlan:
     plans = (LayerPlan * len(run))(*(entry for entry, _, _, _ in run))  # copies of the entries
     keep = [tensor for _, kept, _, _ in run for tensor in kept]
     rotary = [(plans[i], r) for i, (_, _, layer_rotary, _) in enumerate(run) for r in layer_rotary]
-    needs = _Needs(max(n.floats for *_, n in run), max(n.ints for *_, n in run),
+    needs = Needs(max(n.floats for *_, n in run), max(n.ints for *_, n in run),
                    max(max(n.fixed_ints for *_, n in run), 1))
     # Every mixer with per-sequence state has a conv state; every attention a K cache.
     return DecodeLayersPlan(plans, keep, rotary, needs, any(e.conv_state for e in plans), any(e.k_cache for e in plans))
@@ -132,9 +133,9 @@ def _plan_layer(layer, caches: LayerCaches, index: int):
     embeddings whose tables the entry takes each step, its needs), or None where the layer cannot
     run in one call."""
     if type(layer) is HybridLayer:
-        return _plan_zamba2_hybrid(layer, caches, index)
+        return plan_zamba2_hybrid(layer, caches, index)
     parts = _layer_parts(layer)
-    if parts is None or not _norm_fits(parts[0]):
+    if parts is None or not norm_fits(parts[0]):
         return None
     input_norm, mixer, beside, ffn_norm, ffn, residual_scale = parts
     entry, keep, rotary = LayerPlan(), [], []
@@ -144,26 +145,26 @@ def _plan_layer(layer, caches: LayerCaches, index: int):
     if mixer_needs is None:
         return None
     if beside is not None:  # Falcon-H1's attention beside its Mamba2 mixer
-        if type(beside) is not PagedAttention or not _all_cpu(caches.kv[index]) or not beside.fits_one_call():
+        if type(beside) is not PagedAttention or not all_cpu(caches.kv[index]) or not beside.fits_one_call():
             return None
-        mixer_needs = _Needs(max(mixer_needs.floats, _plan_attention(entry, beside, caches.kv[index], rotary).floats))
+        mixer_needs = Needs(max(mixer_needs.floats, plan_attention(entry, beside, caches.kv[index], rotary).floats))
         entry.parallel_attention = 1
     if ffn is None:
-        ffn_needs = _Needs()
+        ffn_needs = Needs()
         entry.ffn = NO_FFN
-    elif _norm_fits(ffn_norm) and (ffn_parts := _ffn_parts(ffn)) is not None:
+    elif norm_fits(ffn_norm) and (ffn_parts := _ffn_parts(ffn)) is not None:
         entry.ffn_norm, entry.ffn_eps = ffn_norm.weight.data_ptr(), ffn_norm.eps
         first, shared, shared_gate = ffn_parts
-        ffn_needs = _plan_moe(entry, first, input_norm.weight.numel()) if type(first) is SparseMoE \
-            else _plan_mlp(entry, first)
+        ffn_needs = plan_moe(entry, first, input_norm.weight.numel()) if type(first) is SparseMoE \
+            else plan_mlp(entry, first)
         if shared is not None:
             inter = shared.down_proj.in_features
             entry.shared_inter, entry.shared_panels = inter, shared.one_call_pointers().data_ptr()
-            entry.shared_gate_panels = _ptr(shared_gate)
-            ffn_needs = _Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
+            entry.shared_gate_panels = pointer(shared_gate)
+            ffn_needs = Needs(max(ffn_needs.floats, 3 * inter), ffn_needs.ints, ffn_needs.fixed_ints)
     else:
         return None
-    needs = _Needs(max(mixer_needs.floats, ffn_needs.floats), ffn_needs.ints, ffn_needs.fixed_ints)
+    needs = Needs(max(mixer_needs.floats, ffn_needs.floats), ffn_needs.ints, ffn_needs.fixed_ints)
     return entry, keep, rotary, needs
 
 
@@ -178,22 +179,22 @@ def _layer_parts(layer):
     return None
 
 
-def _plan_mixer(entry: LayerPlan, mixer, caches: LayerCaches, index: int, keep: list, rotary: list) -> _Needs | None:
+def _plan_mixer(entry: LayerPlan, mixer, caches: LayerCaches, index: int, keep: list, rotary: list) -> Needs | None:
     """Fill the mixer's fields of `entry`, where it runs as one call; its needs, or None."""
     state, kv = caches.state[index], caches.kv[index]
-    if isinstance(mixer, Mamba2Mixer) and _all_cpu(state) and mixer.fits_one_call():  # Falcon-H1's once folded
-        return _plan_mamba2(entry, mixer, state, keep)
-    if type(mixer) is MambaMixer and _all_cpu(state) and mixer.fits_one_call():
-        return _plan_mamba(entry, mixer, state, keep)
-    if type(mixer) is FFNMixer and _relu2_mlp_fits(mixer.ffn):
-        return _plan_relu2_mlp(entry, mixer.ffn)
-    if type(mixer) is GatedDeltaNetMixer and _all_cpu(state) and mixer.fits_one_call():
-        return _plan_gated_deltanet(entry, mixer, state, keep)
-    if type(mixer) is ShortConvMixer and _all_cpu(state) and mixer.fits_one_call():
-        return _plan_short_conv(entry, mixer, state)
-    if type(mixer) in ATTENTIONS and _all_cpu(kv) and mixer.fits_one_call():
+    if isinstance(mixer, Mamba2Mixer) and all_cpu(state) and mixer.fits_one_call():  # Falcon-H1's once folded
+        return plan_mamba2(entry, mixer, state, keep)
+    if type(mixer) is MambaMixer and all_cpu(state) and mixer.fits_one_call():
+        return plan_mamba(entry, mixer, state, keep)
+    if type(mixer) is FFNMixer and relu2_mlp_fits(mixer.ffn):
+        return plan_relu2_mlp(entry, mixer.ffn)
+    if type(mixer) is GatedDeltaNetMixer and all_cpu(state) and mixer.fits_one_call():
+        return plan_gated_deltanet(entry, mixer, state, keep)
+    if type(mixer) is ShortConvMixer and all_cpu(state) and mixer.fits_one_call():
+        return plan_short_conv(entry, mixer, state)
+    if type(mixer) in ATTENTIONS and all_cpu(kv) and mixer.fits_one_call():
         entry.mixer = NORMED_ATTENTION if isinstance(mixer, NormedAttention) else ATTENTION
-        return _plan_attention(entry, mixer, kv, rotary)
+        return plan_attention(entry, mixer, kv, rotary)
     return None
 
 
