@@ -15,10 +15,11 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C++ compiler 
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 32, 64, 700])
-@pytest.mark.parametrize("shape", [(136, 128), (4, 256), (512, 16), (1030, 512)])  # [out, in]
+@pytest.mark.parametrize("shape", [(136, 128), (4, 256), (20, 96), (512, 16), (1030, 512)])  # [out, in]
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_matches_f_linear(rows, shape, bias, monkeypatch):
-    """Partial last panels (136, 4, 1030 columns), row counts off the kernel's 6-row tiles and past
+    """Partial last panels (136, 4, 1030 columns; 20: with AVX-512, a tile of two panels whose
+    second is partial), row counts off the kernel's 6-row tiles and past
     one chunk of rows (700 rows of 512 inputs are six chunks), inputs with leading dims and with
     a row stride (a column block of a wider tensor)."""
     torch.manual_seed(rows)

@@ -2,14 +2,14 @@
 // packed once into panels of PANEL output columns, [ceil(out / PANEL)][in][PANEL], the columns
 // past `out` zero. Built with cpu_kernels.cpp into one library (engine.kernels.native).
 //
-// A tile of up to ROWS rows of x by one panel keeps its ROWS x PANEL sums in vector registers
-// (6 x 16 floats: 12 of AVX2's 16 registers) through the whole inner dimension: per k, two
-// contiguous loads of the panel and one broadcast of x a row, for 2 x ROWS fused multiply-adds.
-// The panel (16 KB at in = 256) stays in L1 while every tile of a chunk of rows runs over it,
-// and a chunk's rows of x (at most CHUNK_BYTES) stay in L2 while the panels stream by, which is
-// what a decode step needs: its weights come from memory once, each read as one contiguous run.
-// Written with GCC vector extensions, so -march=native picks the instructions (AVX2, AVX-512,
-// NEON) without a code path per CPU.
+// A tile of up to ROWS rows of x by one panel (two with AVX-512) keeps its sums in vector
+// registers through the whole inner dimension: per k, one contiguous load of each panel's row and
+// one broadcast of x a row, for 2 x ROWS fused multiply-adds of full vectors. The panels (16 KB
+// each at in = 256) stay in L1 while every tile of a chunk of rows runs over them, and a chunk's
+// rows of x (at most CHUNK_BYTES) stay in L2 while the panels stream by, which is what a decode
+// step needs: its weights come from memory once, each read as one contiguous run. Written with
+// GCC vector extensions, so -march=native picks the instructions (AVX2, AVX-512, NEON) without a
+// code path per CPU; only the vector width and the panels per tile follow AVX-512.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,53 +33,81 @@ constexpr int64_t MOST_CHUNK_ROWS = 1024;
 constexpr int64_t PREFETCH_AHEAD = 2;
 constexpr int64_t PREFETCH_MIN_ROWS = 4;
 
-typedef float vec8 __attribute__((vector_size(32)));
-typedef float vec8_unaligned __attribute__((vector_size(32), aligned(4), may_alias));
+// A tile keeps ROWS x PANEL x PANELS_PER_TILE sums in vector registers: 12 registers either way.
+// With AVX-512 a panel's row is one 16-float register and a tile covers two panels (AVX-512 has
+// 32 registers); otherwise two 8-float halves of one panel. On a core with full-width AVX-512
+// units (Zen 5) the 8-float form reached half of oneDNN's rate; each sum's multiply-adds run in
+// the same order in both forms, so the bits are the same.
+#if defined(__AVX512F__)
+constexpr int LANES = 16;
+constexpr int PANELS_PER_TILE = 2;
+#else
+constexpr int LANES = 8;
+constexpr int PANELS_PER_TILE = 1;
+#endif
+constexpr int VECTORS = PANEL / LANES;  // vectors in one k of a panel
 
-inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8_unaligned*>(p); }
-inline void store8(float* p, vec8 v) { *reinterpret_cast<vec8_unaligned*>(p) = v; }
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef float vec_unaligned __attribute__((vector_size(LANES * sizeof(float)), aligned(4), may_alias));
 
-// Rows [0, R) of x (row stride ldx) times one panel, plus its bias (or zero), into out (row
-// stride ldo); `columns` of the panel's PANEL are real (the last panel of W may be partial).
-// `ahead`, if not null, is a panel to prefetch into L2 meanwhile.
-template <int R>
-void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t in,
-          const float* bias, float* __restrict out, int64_t ldo, int columns, const float* ahead) {
-  float start[PANEL] = {};
-  if (bias != nullptr) std::memcpy(start, bias, columns * sizeof(float));
-  vec8 lo[R], hi[R];
-  for (int r = 0; r < R; ++r) {
-    lo[r] = load8(start);
-    hi[r] = load8(start + 8);
+inline vec load(const float* p) { return *reinterpret_cast<const vec_unaligned*>(p); }
+inline void store(float* p, vec v) { *reinterpret_cast<vec_unaligned*>(p) = v; }
+
+// One panel's part of a tile: its weights, its bias (or null: zero), where its columns of the
+// tile's first row go, how many of its PANEL columns are real (the last panel of W may be
+// partial), and a panel to prefetch into L2 meanwhile (or null).
+struct PanelWork {
+  const float* panel;
+  const float* bias;
+  float* out;
+  int columns;
+  const float* ahead;
+};
+
+// Rows [0, R) of x (row stride ldx) times P panels, each into its own out (row stride ldo).
+template <int R, int P>
+void tile(const float* __restrict x, int64_t ldx, int64_t in, int64_t ldo, const PanelWork* work) {
+  vec sums[R][P][VECTORS];
+  for (int p = 0; p < P; ++p) {
+    float start[PANEL] = {};
+    if (work[p].bias != nullptr) std::memcpy(start, work[p].bias, work[p].columns * sizeof(float));
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < VECTORS; ++v) sums[r][p][v] = load(start + v * LANES);
   }
+  const float* __restrict panels[P];
+  const float* ahead[P];
+  for (int p = 0; p < P; ++p) panels[p] = work[p].panel, ahead[p] = work[p].ahead;
 #pragma GCC unroll 4
   for (int64_t k = 0; k < in; ++k) {
-    const vec8 w_lo = load8(panel + k * PANEL), w_hi = load8(panel + k * PANEL + 8);
-    if (ahead != nullptr) __builtin_prefetch(ahead + k * PANEL, 0, 2);
+    vec w[P][VECTORS];
+    for (int p = 0; p < P; ++p) {
+      for (int v = 0; v < VECTORS; ++v) w[p][v] = load(panels[p] + k * PANEL + v * LANES);
+      if (ahead[p] != nullptr) __builtin_prefetch(ahead[p] + k * PANEL, 0, 2);
+    }
     for (int r = 0; r < R; ++r) {
-      const float v = x[r * ldx + k];
-      lo[r] += v * w_lo;
-      hi[r] += v * w_hi;
+      const float value = x[r * ldx + k];
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < VECTORS; ++v) sums[r][p][v] += value * w[p][v];
     }
   }
-  if (columns == PANEL) {
-    for (int r = 0; r < R; ++r) {
-      store8(out + r * ldo, lo[r]);
-      store8(out + r * ldo + 8, hi[r]);
+  for (int p = 0; p < P; ++p) {
+    float* out = work[p].out;
+    if (work[p].columns == PANEL) {
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < VECTORS; ++v) store(out + r * ldo + v * LANES, sums[r][p][v]);
+      continue;
     }
-    return;
-  }
-  float row[PANEL];
-  for (int r = 0; r < R; ++r) {
-    store8(row, lo[r]);
-    store8(row + 8, hi[r]);
-    std::memcpy(out + r * ldo, row, columns * sizeof(float));
+    float row[PANEL];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < VECTORS; ++v) store(row + v * LANES, sums[r][p][v]);
+      std::memcpy(out + r * ldo, row, work[p].columns * sizeof(float));
+    }
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int,
-                       const float*);
-constexpr TileFn TILES[ROWS + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const PanelWork*);
+template <int P>
+constexpr TileFn TILES[ROWS + 1] = {nullptr, tile<1, P>, tile<2, P>, tile<3, P>, tile<4, P>, tile<5, P>, tile<6, P>};
 
 // The rows of the next tile when `left` remain. A tile of R rows keeps 2R sums in flight; under
 // 4 rows that is fewer than the multiply-add units' latency times their number, so a tile of 1-3
@@ -90,14 +118,31 @@ inline int64_t rows_in_tile(int64_t left) {
   return left - ROWS >= 4 ? ROWS : std::max<int64_t>(4, left - 4);
 }
 
-// One panel over rows [begin, end) of x into out (its columns of those rows), tile by tile;
-// `ahead`, if not null, is prefetched during the first tile.
-inline void panel_pass(const float* x, int64_t ldx, const float* panel, const float* panel_bias, float* out,
-                       int64_t ldo, int64_t begin, int64_t end, int64_t in_features, int columns, const float* ahead) {
-  for (int64_t r = begin, tile_rows; r < end; r += tile_rows, ahead = nullptr) {
-    tile_rows = rows_in_tile(end - r);
-    TILES[tile_rows](x + r * ldx, ldx, panel, in_features, panel_bias, out + r * ldo, ldo, columns, ahead);
+// Panels work[0, count) over rows [begin, end) of x, PANELS_PER_TILE at a time, tile by tile;
+// each panel's `out` points at row 0 of its columns. Only the first tile of rows prefetches.
+inline void panel_pass(const float* x, int64_t ldx, int64_t ldo, int64_t begin, int64_t end, int64_t in_features,
+                       PanelWork* work, int count) {
+  for (int first = 0; first < count; first += PANELS_PER_TILE) {
+    const int panels = std::min(PANELS_PER_TILE, count - first);
+    PanelWork at[PANELS_PER_TILE];
+    for (int p = 0; p < panels; ++p) at[p] = work[first + p], at[p].out += begin * ldo;
+    for (int64_t r = begin, tile_rows; r < end; r += tile_rows) {
+      tile_rows = rows_in_tile(end - r);
+      (panels == PANELS_PER_TILE ? TILES<PANELS_PER_TILE> : TILES<1>)[tile_rows](x + r * ldx, ldx, in_features, ldo,
+                                                                                  at);
+      for (int p = 0; p < panels; ++p) at[p].out += tile_rows * ldo, at[p].ahead = nullptr;
+    }
   }
+}
+
+// Panel p of a packed weight as PanelWork, prefetching the panel PREFETCH_AHEAD tiles on if asked.
+inline PanelWork panel_work(const float* panels, const float* bias, float* out, int64_t p, int64_t num_panels,
+                            int64_t out_features, int64_t in_features, bool prefetch) {
+  const float* panel = panels + p * PANEL * in_features;
+  const int64_t ahead = p + PREFETCH_AHEAD * PANELS_PER_TILE;
+  return {panel, bias == nullptr ? nullptr : bias + p * PANEL, out + p * PANEL,
+          static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)),
+          prefetch && ahead < num_panels ? panels + ahead * PANEL * in_features : nullptr};
 }
 
 // The rows of a chunk: equal chunks of at most CHUNK_BYTES of x (and MOST_CHUNK_ROWS), whole tiles.
@@ -119,14 +164,15 @@ extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, 
   const int64_t most = most_chunk_rows(in_features);
   const int64_t chunks = (rows + most - 1) / most;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS;
-  splitserve::steal_for(chunks * num_panels, threads, [&](int64_t item) {
-    const int64_t c = item / num_panels, p = item - c * num_panels;
-    const float* panel = panels + p * PANEL * in_features;
-    const float* ahead = rows >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
-                             ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
-    panel_pass(x, ldx, panel, bias == nullptr ? nullptr : bias + p * PANEL, out + p * PANEL, ldo, c * chunk_rows,
-               std::min(rows, (c + 1) * chunk_rows), in_features,
-               static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)), ahead);
+  const int64_t tiles_across = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+  splitserve::steal_for(chunks * tiles_across, threads, [&](int64_t item) {
+    const int64_t c = item / tiles_across, first = (item - c * tiles_across) * PANELS_PER_TILE;
+    const int count = static_cast<int>(std::min<int64_t>(PANELS_PER_TILE, num_panels - first));
+    PanelWork work[PANELS_PER_TILE];
+    for (int p = 0; p < count; ++p)
+      work[p] = panel_work(panels, bias, out, first + p, num_panels, out_features, in_features,
+                           rows >= PREFETCH_MIN_ROWS);
+    panel_pass(x, ldx, ldo, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), in_features, work, count);
   });
 }
 
@@ -154,14 +200,16 @@ extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* count
     return;
   }
   const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
-  splitserve::steal_for(groups * num_panels, threads, [&](int64_t item) {
-    const int64_t g = item / num_panels, p = item - g * num_panels;
+  const int64_t tiles_across = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+  splitserve::steal_for(groups * tiles_across, threads, [&](int64_t item) {
+    const int64_t g = item / tiles_across, first = (item - g * tiles_across) * PANELS_PER_TILE;
     if (counts[g] == 0) return;
-    const float* panel = panels_of(g) + p * PANEL * in_features;
-    const float* ahead = counts[g] >= PREFETCH_MIN_ROWS && p + PREFETCH_AHEAD < num_panels
-                             ? panel + PREFETCH_AHEAD * PANEL * in_features : nullptr;
-    panel_pass(x, ldx, panel, nullptr, out + p * PANEL, ldo, starts[g], starts[g + 1], in_features,
-               static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)), ahead);
+    const int count = static_cast<int>(std::min<int64_t>(PANELS_PER_TILE, num_panels - first));
+    PanelWork work[PANELS_PER_TILE];
+    for (int p = 0; p < count; ++p)
+      work[p] = panel_work(panels_of(g), nullptr, out, first + p, num_panels, out_features, in_features,
+                           counts[g] >= PREFETCH_MIN_ROWS);
+    panel_pass(x, ldx, ldo, starts[g], starts[g + 1], in_features, work, count);
   });
 }
 
@@ -189,12 +237,16 @@ extern "C" void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t*
     thread_local std::vector<float> scratch;
     scratch.resize(2 * rows * PANEL);
     float *gate = scratch.data(), *up = gate + rows * PANEL;
-    // While the gate's tiles run, the up panel comes in; while the up's, the next gate panel.
-    const float* x_rows = x + begin * ldx;
-    panel_pass(x_rows, ldx, gate_panel, nullptr, gate, PANEL, 0, rows, in_features, PANEL,
-               rows >= PREFETCH_MIN_ROWS ? up_panel : nullptr);
-    panel_pass(x_rows, ldx, up_panel, nullptr, up, PANEL, 0, rows, in_features, PANEL,
-               rows >= PREFETCH_MIN_ROWS && j + 1 < num_panels ? gate_panel + PANEL * in_features : nullptr);
+    // Gate's panel j and up's run as one tile where a tile takes two panels, prefetching both
+    // panels j + 1; one after the other otherwise: while the gate's tiles run, the up panel
+    // comes in, while the up's, the next gate panel.
+    const bool prefetch = rows >= PREFETCH_MIN_ROWS, last = j + 1 == num_panels;
+    const float* next_gate = prefetch && !last ? gate_panel + PANEL * in_features : nullptr;
+    PanelWork work[2] = {
+        {gate_panel, nullptr, gate, PANEL, PANELS_PER_TILE == 2 ? next_gate : prefetch ? up_panel : nullptr},
+        {up_panel, nullptr, up, PANEL,
+         PANELS_PER_TILE == 2 ? (next_gate ? up_panel + PANEL * in_features : nullptr) : next_gate}};
+    panel_pass(x + begin * ldx, ldx, PANEL, 0, rows, in_features, work, 2);
     for (int64_t r = 0; r < rows; ++r) {
       float* out = act + (begin + r) * inter + j * PANEL;
       const float *gr = gate + r * PANEL, *ur = up + r * PANEL;

@@ -10,7 +10,9 @@ call overhead made slower than MKL ran faster than MKL too (64 rows of Mamba's x
 were even (0.93x and 1.09x, a few microseconds). It keeps up in prefill as well (8192 rows of
 256 -> 2048: 55 against 81 and 89 ms), so it replaced both (docs/benchmarks.md, "session 6").
 On a Zen 4 (AVX-512) box, after the kernel learned to prefetch its panels, oneDNN was about as
-fast at 64 rows and slower at 4-8 ("session 7").
+fast at 64 rows and slower at 4-8 ("session 7"). On a Zen 5 box (full-width AVX-512 units) the
+kernel's 8-float vectors reached about half of oneDNN's rate until its tiles took 16-float vectors
+over two panels ("session 15").
 
 The packed copy sits beside the dense weight, which stays the model's parameter (checkpoint
 loading, tensor-parallel slicing and tied embeddings read it): linear weights take twice their
