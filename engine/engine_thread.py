@@ -35,7 +35,8 @@ class EngineThread:
         # What the process holds once the engine is loaded (modules, the model, 230k objects
         # with transformers, Ray and the APIs imported) lives as long as the process: frozen out
         # of the collector, a full collection scans only what came after instead of stalling
-        # a step for about 90 ms. Once per serving loop; the collect keeps garbage out of it.
+        # a step for about 90 ms. Once per serving loop; the collect keeps garbage out of it,
+        # and stop() unfreezes (a stopped loop's engine must be collectable again).
         gc.collect()
         gc.freeze()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -82,3 +83,4 @@ class EngineThread:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        gc.unfreeze()
