@@ -218,6 +218,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SampleResult:
         requests = [s.request for s in seqs]
+        if all(r.argmax_only and r.grammar is None for r in requests):  # one pass, not the sampler's ten
+            return self.sampler.greedy(logits)
         return self.sampler(logits, [r.sampling_params for r in requests],
                             [r.prompt_token_ids for r in requests],
                             [r.output_token_ids for r in requests],

@@ -71,6 +71,13 @@ class Request:
     save_points: list[int] = field(default_factory=list)
     rolling_checkpoint: bytes | None = None  # the decode-boundary checkpoint this request saved last
     num_cached_tokens: int | None = None
+    # Greedy, without logprobs or penalties: its token is the logits' argmax unless a grammar
+    # masks them (engine.model_runner's sampling fast path; sampling_params do not change).
+    argmax_only: bool = field(init=False)
+
+    def __post_init__(self):
+        params = self.sampling_params
+        self.argmax_only = params.greedy and params.logprobs is None and not params.uses_penalties
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -43,7 +43,7 @@ class Sampler:
         if any(p.uses_penalties for p in params):
             logits = self._apply_penalties(logits, params, prompt_ids, output_ids)
 
-        tokens = cpu.row_argmax_cpu(logits) if uses_cpu_kernel(logits) else logits.argmax(dim=-1)
+        tokens = self._argmax(logits)
         if not all(p.greedy for p in params):
             greedy = torch.tensor([p.greedy for p in params], device=logits.device)
             temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params],
@@ -68,6 +68,14 @@ class Sampler:
                     entry["top"] = list(zip(ids.tolist(), values.tolist()))
                 logprobs[row] = entry
         return SampleResult(token_list, logprobs)
+
+    def greedy(self, logits: torch.Tensor) -> SampleResult:
+        """__call__'s result where every row is greedy without logprobs, penalties or grammar."""
+        return SampleResult(self._argmax(logits.float()).tolist(), [None] * logits.shape[0])
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> torch.Tensor:
+        return cpu.row_argmax_cpu(logits) if uses_cpu_kernel(logits) else logits.argmax(dim=-1)
 
     def _apply_penalties(self, logits, params, prompt_ids, output_ids):
         rows, vocab = logits.shape

@@ -97,6 +97,28 @@ def test_penalties_match_their_definitions():
     torch.testing.assert_close(got[0], expected)
 
 
+def test_a_greedy_batch_with_a_penalty_is_judged_with_it(model_factory):
+    """Greedy rows with and without a repetition penalty in one batch: the penalised row's tokens
+    are the argmax of transformers' logits after the penalty (prompt and outputs so far seen, as
+    transformers' RepetitionPenaltyLogitsProcessor applies it), the other row's the plain argmax;
+    so a batch is not sampled as plain argmax because most of its rows are."""
+    from tests.oracle import TIE_TOLERANCE
+
+    path, hf = model_factory("jamba")
+    prompt = [5, 9, 11, 40, 9, 5]
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, repetition_penalty=3.0)
+    free, out = (o.token_ids for o in LLM(path).generate([prompt, prompt], [plain, penalised]))
+    assert out != free, "the penalty must change this output, or the test shows nothing"
+    logits = hf_logits(hf, prompt + out)
+    for i, token in enumerate(out):
+        row = logits[len(prompt) - 1 + i].clone()
+        seen = torch.tensor(sorted(set(prompt + out[:i])))
+        row[seen] = torch.where(row[seen] > 0, row[seen] / 3.0, row[seen] * 3.0)
+        best = int(row.argmax())
+        assert token == best or float(row[best] - row[token]) <= TIE_TOLERANCE, (i, token, best)
+
+
 def test_logprobs_are_the_models_log_softmax(model_factory):
     path, hf = model_factory("jamba")
     llm = LLM(path)
