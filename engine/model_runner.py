@@ -95,7 +95,7 @@ def general_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBl
         rows += (begin, seq.num_new_tokens, len(seq.block_table), seq.slot)
     begins, lens, counts, slots = int64(rows).view(-1, 4).unbind(1)
     ends = torch.cumsum(lens, 0)
-    table = tables.rows.index_select(0, slots)[:, : int(counts.max())]
+    table = tables.rows[:, : int(counts.max())].index_select(0, slots)  # contiguous: kernels take it as is
     num_tokens = len(token_ids)
     if num_tokens == len(seqs):  # one token per row (decodes): no row expansion needed
         positions = begins
@@ -127,7 +127,7 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
         write_index.append(table[begin // block_size] * block_size + begin % block_size)
     positions, slot_rows = int64(begins), int64(slots)
     return HostBatch(int64(token_ids), positions, int64(write_index), torch.arange(len(seqs) + 1), positions + 1,
-                     slot_rows, int64(counts), tables.rows.index_select(0, slot_rows)[:, : max(counts)],
+                     slot_rows, int64(counts), tables.rows[:, : max(counts)].index_select(0, slot_rows),
                      [Phase.DECODE] * len(seqs))
 
 

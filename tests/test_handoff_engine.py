@@ -193,14 +193,18 @@ def test_prefill_and_decode_with_different_block_sizes(model_factory, family, si
             targets[f"r{i}"] = HandoffTarget(f"r{i}", "D", tuple(res.block_ids), res.slot if slotted else None)
             receiver.expect(targets[f"r{i}"])
             prefill.add_request(prompt, PARAMS, request_id=f"r{i}")
-        final = {}
-        while len(final) < len(prompts):
+        final, sent = {}, set()
+        # Until the sender has reported every hand-off too: the decode side can land and finish
+        # a request before the sender's thread reports its send done (the prefill side frees the
+        # request's blocks only then).
+        while len(final) < len(prompts) or len(sent) < len(prompts):
             prefill.step()
             for h in prefill.take_handoffs():
                 sender.send(targets[h.request_id], h.num_tokens, h.block_ids, h.slot if slotted else None, h.first_token)
             for result in sender.poll():
                 assert result.ok, result
                 prefill.finish_handoff(result.request_id)
+                sent.add(result.request_id)
             for result in receiver.poll():
                 assert result.ok, result
                 decode.accept_handoff(result.request_id, result.first_token)
