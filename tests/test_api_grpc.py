@@ -15,7 +15,7 @@ from protos.splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from router.backend import Unavailable
 from router.client import AsyncSplitServeClient, SplitServeClient
 from router.grpc_server import SERVICE_NAME, sampling_from_proto
-from tests.test_api_support import (LONG, MODEL_NAME, backend, idle_backend,  # noqa: F401
+from tests.test_api_support import (LONG, long_requests, MODEL_NAME, backend, idle_backend,  # noqa: F401
                                     running_requests, serving, server, text_model_path, wait_idle,
                                     wait_until)
 
@@ -95,7 +95,7 @@ def test_logprobs_per_token(client, idle_backend):
     assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in done.logprobs)
 
 
-def test_closing_the_stream_aborts_and_frees(client, idle_backend):
+def test_closing_the_stream_aborts_and_frees(client, idle_backend, long_requests):
     call = client.stream("def f(x):", max_tokens=LONG, **GREEDY)
     next(call), next(call)
     assert running_requests(idle_backend) == 1
@@ -106,7 +106,7 @@ def test_closing_the_stream_aborts_and_frees(client, idle_backend):
     wait_idle(idle_backend)
 
 
-def test_abort_rpc_ends_the_stream_with_cancelled(client, idle_backend):
+def test_abort_rpc_ends_the_stream_with_cancelled(client, idle_backend, long_requests):
     call = client.stream("def f(x):", request_id="abort-me", max_tokens=LONG, **GREEDY)
     assert next(call).request_id == "abort-me"
     assert client.abort("abort-me") is True
@@ -117,7 +117,7 @@ def test_abort_rpc_ends_the_stream_with_cancelled(client, idle_backend):
     wait_idle(idle_backend)
 
 
-def test_deadline_exceeded_aborts_the_request(client, idle_backend):
+def test_deadline_exceeded_aborts_the_request(client, idle_backend, long_requests):
     with pytest.raises(grpc.RpcError) as e:
         client.generate("def f(x):", max_tokens=LONG, timeout=0.5, **GREEDY)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -143,7 +143,7 @@ def test_invalid_argument_names_the_field(stub, idle_backend, request_, field):
     assert dict(e.value.trailing_metadata())["invalid-field"] == field
 
 
-def test_resource_exhausted_when_admission_is_full(backend):
+def test_resource_exhausted_when_admission_is_full(backend, long_requests):
     with serving(backend, max_queued=1) as door, \
             SplitServeClient(f"127.0.0.1:{door.grpc_port}") as client:
         first = client.stream("def f(x):", max_tokens=LONG, **GREEDY)
@@ -217,7 +217,7 @@ def test_status_lists_workers_with_cache_and_queues(client, backend):
         assert got.state_slots_total == want["state_slots_total"] > 0
 
 
-def test_async_client(server, idle_backend):
+def test_async_client(server, idle_backend, long_requests):
     async def main():
         async with AsyncSplitServeClient(f"127.0.0.1:{server.grpc_port}") as client:
             done = await client.generate([5, 6, 7], max_tokens=4, **GREEDY)

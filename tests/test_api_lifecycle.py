@@ -10,11 +10,11 @@ import pytest
 
 from router.client import SplitServeClient
 from router.frontdoor import FrontDoorConfig, start_frontdoor
-from tests.test_api_support import (LONG, backend, running_requests, serving,  # noqa: F401
+from tests.test_api_support import (LONG, long_requests, backend, running_requests, serving,  # noqa: F401
                                     text_model_path, wait_idle)
 
 
-def test_stop_aborts_what_is_in_flight_and_wait_returns(backend):
+def test_stop_aborts_what_is_in_flight_and_wait_returns(backend, long_requests):
     door = start_frontdoor(backend, FrontDoorConfig(grpc_port=0, http_port=0, auth_token="",
                                                     grace_s=0.3))
     assert door.grpc_port and door.http_port and not door.wait(timeout=0)

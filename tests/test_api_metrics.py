@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.client import SplitServeClient
 from router.metrics import FrontDoorMetrics
-from tests.test_api_support import (LONG, backend, idle_backend, server, text_model_path,  # noqa: F401
+from tests.test_api_support import (LONG, long_requests, backend, idle_backend, server, text_model_path,  # noqa: F401
                                     wait_idle)
 
 
@@ -53,7 +53,7 @@ def test_latency_histograms_and_counters_move(server, idle_backend):
     assert grew("splitserve_generation_tokens_total") == 8
 
 
-def test_worker_gauges_follow_a_running_request(server, idle_backend):
+def test_worker_gauges_follow_a_running_request(server, idle_backend, long_requests):
     workers = worker_labels(idle_backend)
     status = idle_backend.status()["workers"]
     idle = scrape(server)

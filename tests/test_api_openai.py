@@ -10,7 +10,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from router.chat_template import DEFAULT_CHAT_TEMPLATE, chat_prompt_ids
-from tests.test_api_support import (LONG, MODEL_NAME, backend, idle_backend,  # noqa: F401
+from tests.test_api_support import (LONG, long_requests, MODEL_NAME, backend, idle_backend,  # noqa: F401
                                     running_requests, server, text_model_path, wait_idle)
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
@@ -180,7 +180,7 @@ def test_unknown_route_is_an_openai_style_404(http):
     assert response.status_code == 404 and response.json()["error"]["message"]
 
 
-def test_http_stream_disconnect_aborts(server, idle_backend):
+def test_http_stream_disconnect_aborts(server, idle_backend, long_requests):
     url = f"http://127.0.0.1:{server.http_port}/v1/completions"
     body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": LONG, "stream": True,
             "temperature": 0.0, "ignore_eos": True}
@@ -191,7 +191,7 @@ def test_http_stream_disconnect_aborts(server, idle_backend):
     wait_idle(idle_backend)
 
 
-def test_http_disconnect_before_a_whole_answer_aborts(server, idle_backend):
+def test_http_disconnect_before_a_whole_answer_aborts(server, idle_backend, long_requests):
     url = f"http://127.0.0.1:{server.http_port}/v1/completions"
     body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": LONG, "temperature": 0.0,
             "ignore_eos": True}

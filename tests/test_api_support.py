@@ -18,7 +18,8 @@ from router.local_backend import LocalBackend
 from tests.test_tokenizer import make_tokenizer
 
 MODEL_NAME = "tiny-jamba"
-LONG = 900  # max_tokens for requests meant to be cut short (seconds of work on this model)
+LONG = 900  # max_tokens for requests meant to be cut short (with `long_requests`: seconds of work)
+STEP_DELAY_S = 0.002  # each engine step under `long_requests`: a LONG request takes 1.8 s or more
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
@@ -114,6 +115,27 @@ def backend(cluster_backend):
 def server(backend):
     with serving(backend) as door:
         yield door
+
+
+def slow_steps(backend, seconds: float) -> None:
+    """Every engine step of `backend` at least `seconds` longer (0: as fast as it goes)."""
+    if isinstance(backend, LocalBackend):
+        backend._loop.step_delay_s = seconds
+        return
+    import ray
+
+    ray.get([w.handle.inject_slow_steps.remote(seconds) for w in backend.workers.prefill + backend.workers.decode],
+            timeout=30)
+
+
+@pytest.fixture
+def long_requests(backend):
+    """For a test whose LONG request must still be running when it is cut short: on a fast box
+    900 tokens took under 0.5 s, and a 0.5 s deadline found the request done. The steps are
+    slowed by STEP_DELAY_S while the test runs, so how long a LONG request takes has a floor."""
+    slow_steps(backend, STEP_DELAY_S)
+    yield
+    slow_steps(backend, 0.0)
 
 
 @pytest.fixture
