@@ -288,6 +288,18 @@ def test_more_requests_than_decode_slots_wait_for_room(rcluster):
 LONG = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
 
 
+@pytest.fixture
+def slowed_steps(rcluster):
+    """Every engine step 2 ms longer while the test runs, so a LONG request takes 2 s or more:
+    the bounds below are a fraction of its time, and at full speed on a fast box (under 0.5 s)
+    a third of it is shorter than an abort's round trip through Ray."""
+    from tests.test_api_support import slow_steps
+
+    slow_steps(rcluster[0], 0.002)
+    yield
+    slow_steps(rcluster[0], 0.0)
+
+
 def time_a_long_request(handle) -> float:
     """Seconds one LONG request takes now, alone: bounds that follow the machine's load."""
     start = time.monotonic()
@@ -297,7 +309,7 @@ def time_a_long_request(handle) -> float:
     return full
 
 
-def test_a_cancelled_long_request_stops_at_once(rcluster):
+def test_a_cancelled_long_request_stops_at_once(rcluster, slowed_steps):
     """Cancelled mid-stream, a request must not run on to its max_tokens: its blocks and slot
     come back in a fraction of the time it would have taken to finish (timed here, so the
     bound follows the machine's load)."""
@@ -324,7 +336,7 @@ def test_a_cancelled_long_request_stops_at_once(rcluster):
                                                     f"the cancel the workers held (id, alive, running, waiting) {held}"
 
 
-def test_a_caller_whose_event_loop_closes_mid_stream_does_not_leave_its_request_running(rcluster):
+def test_a_caller_whose_event_loop_closes_mid_stream_does_not_leave_its_request_running(rcluster, slowed_steps):
     """asyncio.run() returns as soon as it has cancelled a stream, and an output the router
     sends before the cancel reaches it finds the caller's loop closed: the request must stop
     there, not run on to max_tokens for no one (it did: 1 cancel in 15 after worker restarts).
