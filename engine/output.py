@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequest
 from engine.tokenizer import Tokenizer
 
@@ -179,9 +179,8 @@ class OutputTracker:
 
     def output(self) -> RequestOutput:
         request = self.request
-        finished = request.status.finished
         length = len(self._text)
-        visible = length if finished else max(self.sent_text, length - self._holdback)
+        visible = length if request.finished else max(self.sent_text, length - self._holdback)
         new_text = ""
         if visible != self.sent_text:  # each step of a long output: nothing new held back, no slicing
             new_text = self._text.slice(self.sent_text, visible)
@@ -200,7 +199,8 @@ class OutputTracker:
         else:
             prompt, tokens, text, logprobs = request.prompt_token_ids, list(outputs), self._text.whole(), self.logprobs
         return RequestOutput(
-            request.request_id, prompt, tokens, text, finished, FINISH_REASONS.get(request.status), new_tokens,
-            new_text, logprobs, new_logprobs, request.num_cached_tokens or 0, request.error, request.arrival_time,
-            request.first_token_time, request.finish_time,
+            request.request_id, prompt, tokens, text, request.finished, request.finish_reason, new_tokens,
+            new_text, logprobs, new_logprobs,
+            num_cached_tokens=request.num_cached_tokens or 0, error=request.error, arrival_time=request.arrival_time,
+            first_token_time=request.first_token_time, finish_time=request.finish_time,
         )

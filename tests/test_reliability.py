@@ -22,6 +22,7 @@ from tests.oracle import judge_greedy
 ray = pytest.importorskip("ray")
 
 from tests.conftest import DECODE_RES, PREFILL_RES
+from tests.test_api_support import slow_steps
 from tests.test_cluster import wait_idle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -293,8 +294,6 @@ def slowed_steps(rcluster):
     """Every engine step 2 ms longer while the test runs, so a LONG request takes 2 s or more:
     the bounds below are a fraction of its time, and at full speed on a fast box (under 0.5 s)
     a third of it is shorter than an abort's round trip through Ray."""
-    from tests.test_api_support import slow_steps
-
     slow_steps(rcluster[0], 0.002)
     yield
     slow_steps(rcluster[0], 0.0)
@@ -387,9 +386,8 @@ def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
     handle, _, _ = rcluster
     limit, long = 3, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     saved, handle.config.max_queued = handle.config.max_queued, limit
-    workers = handle.workers.prefill + handle.workers.decode
     # Slowed (60 tokens take over a second), so the first requests are surely still in flight.
-    ray.get([w.handle.inject_slow_steps.remote(0.02) for w in workers])
+    slow_steps(handle, 0.02)
 
     async def one(i):
         start = time.monotonic()
@@ -410,7 +408,7 @@ def test_overload_is_refused_at_once_and_stays_bounded(rcluster):
         served, refused = asyncio.run(burst())
     finally:
         handle.config.max_queued = saved
-        ray.get([w.handle.inject_slow_steps.remote(0) for w in workers])
+        slow_steps(handle, 0.0)
     assert [kind for kind, _ in served] == ["served"] * limit
     assert [kind for kind, _ in refused] == ["refused"] * 6
     assert max(took for _, took in refused) < 1.0  # answered at once, not queued

@@ -24,8 +24,8 @@ constexpr int PANEL = splitserve::PANEL_COLUMNS;
 constexpr int ROWS = 6;
 constexpr int64_t CHUNK_BYTES = 256 * 1024;
 constexpr int64_t MOST_CHUNK_ROWS = 1024;
-// While its first tile runs over a panel, a thread asks for the panel PREFETCH_AHEAD further on to
-// be brought into L2, one cache line (one k of the panel) per k. With the weights streaming from
+// While its first tile of rows runs over its panels, a thread asks for the panels PREFETCH_AHEAD
+// tiles further on to be brought into L2, one cache line (one k of a panel) per k and panel. With the weights streaming from
 // memory (cycled through 64 MB) that took 64-row GEMMs from about 180 to 195-215 GFLOP/s here
 // (Zen 4, 2 threads) and 8 rows x 256 -> 8192 from 84 to 162; prefill shapes were unchanged. Under
 // PREFETCH_MIN_ROWS rows it ran 5-15% slower: a panel's pass is then too short to hide the
@@ -135,14 +135,27 @@ inline void panel_pass(const float* x, int64_t ldx, int64_t ldo, int64_t begin, 
   }
 }
 
-// Panel p of a packed weight as PanelWork, prefetching the panel PREFETCH_AHEAD tiles on if asked.
-inline PanelWork panel_work(const float* panels, const float* bias, float* out, int64_t p, int64_t num_panels,
-                            int64_t out_features, int64_t in_features, bool prefetch) {
-  const float* panel = panels + p * PANEL * in_features;
-  const int64_t ahead = p + PREFETCH_AHEAD * PANELS_PER_TILE;
-  return {panel, bias == nullptr ? nullptr : bias + p * PANEL, out + p * PANEL,
-          static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)),
-          prefetch && ahead < num_panels ? panels + ahead * PANEL * in_features : nullptr};
+// The panels covered by tiles across a weight of `out_features` columns.
+inline int64_t tiles_across(int64_t out_features) {
+  const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
+  return (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
+}
+
+// Tile column t (panels t * PANELS_PER_TILE on, of a packed weight with its bias or null) over
+// rows [begin, end) of x into out; prefetching the panels PREFETCH_AHEAD tiles on if asked.
+inline void tile_column(const float* x, int64_t ldx, const float* panels, const float* bias, float* out,
+                        int64_t ldo, int64_t begin, int64_t end, int64_t t, int64_t out_features,
+                        int64_t in_features, bool prefetch) {
+  const int64_t num_panels = (out_features + PANEL - 1) / PANEL, first = t * PANELS_PER_TILE;
+  const int count = static_cast<int>(std::min<int64_t>(PANELS_PER_TILE, num_panels - first));
+  PanelWork work[PANELS_PER_TILE];
+  for (int i = 0; i < count; ++i) {
+    const int64_t p = first + i, ahead = p + PREFETCH_AHEAD * PANELS_PER_TILE;
+    work[i] = {panels + p * PANEL * in_features, bias == nullptr ? nullptr : bias + p * PANEL, out + p * PANEL,
+               static_cast<int>(std::min<int64_t>(PANEL, out_features - p * PANEL)),
+               prefetch && ahead < num_panels ? panels + ahead * PANEL * in_features : nullptr};
+  }
+  panel_pass(x, ldx, ldo, begin, end, in_features, work, count);
 }
 
 // The rows of a chunk: equal chunks of at most CHUNK_BYTES of x (and MOST_CHUNK_ROWS), whole tiles.
@@ -160,19 +173,14 @@ inline int64_t most_chunk_rows(int64_t in_features) {
 extern "C" void packed_linear(const float* x, int64_t ldx, const float* panels, const float* bias, float* out,
                               int64_t ldo, int64_t rows, int64_t out_features, int64_t in_features, int threads) {
   if (rows <= 0 || out_features <= 0) return;
-  const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
   const int64_t most = most_chunk_rows(in_features);
   const int64_t chunks = (rows + most - 1) / most;
   const int64_t chunk_rows = ((rows + chunks - 1) / chunks + ROWS - 1) / ROWS * ROWS;
-  const int64_t tiles_across = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
-  splitserve::steal_for(chunks * tiles_across, threads, [&](int64_t item) {
-    const int64_t c = item / tiles_across, first = (item - c * tiles_across) * PANELS_PER_TILE;
-    const int count = static_cast<int>(std::min<int64_t>(PANELS_PER_TILE, num_panels - first));
-    PanelWork work[PANELS_PER_TILE];
-    for (int p = 0; p < count; ++p)
-      work[p] = panel_work(panels, bias, out, first + p, num_panels, out_features, in_features,
-                           rows >= PREFETCH_MIN_ROWS);
-    panel_pass(x, ldx, ldo, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows), in_features, work, count);
+  const int64_t across = tiles_across(out_features);
+  splitserve::steal_for(chunks * across, threads, [&](int64_t item) {
+    const int64_t c = item / across;
+    tile_column(x, ldx, panels, bias, out, ldo, c * chunk_rows, std::min(rows, (c + 1) * chunk_rows),
+                item - c * across, out_features, in_features, rows >= PREFETCH_MIN_ROWS);
   });
 }
 
@@ -199,17 +207,12 @@ extern "C" void grouped_linear(const float* x, int64_t ldx, const int64_t* count
                     out_features, in_features, threads);
     return;
   }
-  const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
-  const int64_t tiles_across = (num_panels + PANELS_PER_TILE - 1) / PANELS_PER_TILE;
-  splitserve::steal_for(groups * tiles_across, threads, [&](int64_t item) {
-    const int64_t g = item / tiles_across, first = (item - g * tiles_across) * PANELS_PER_TILE;
+  const int64_t across = tiles_across(out_features);
+  splitserve::steal_for(groups * across, threads, [&](int64_t item) {
+    const int64_t g = item / across;
     if (counts[g] == 0) return;
-    const int count = static_cast<int>(std::min<int64_t>(PANELS_PER_TILE, num_panels - first));
-    PanelWork work[PANELS_PER_TILE];
-    for (int p = 0; p < count; ++p)
-      work[p] = panel_work(panels_of(g), nullptr, out, first + p, num_panels, out_features, in_features,
-                           counts[g] >= PREFETCH_MIN_ROWS);
-    panel_pass(x, ldx, ldo, starts[g], starts[g + 1], in_features, work, count);
+    tile_column(x, ldx, panels_of(g), nullptr, out, ldo, starts[g], starts[g + 1], item - g * across, out_features,
+                in_features, counts[g] >= PREFETCH_MIN_ROWS);
   });
 }
 
@@ -240,12 +243,12 @@ extern "C" void grouped_silu_gate_up(const float* x, int64_t ldx, const int64_t*
     // Gate's panel j and up's run as one tile where a tile takes two panels, prefetching both
     // panels j + 1; one after the other otherwise: while the gate's tiles run, the up panel
     // comes in, while the up's, the next gate panel.
-    const bool prefetch = rows >= PREFETCH_MIN_ROWS, last = j + 1 == num_panels;
-    const float* next_gate = prefetch && !last ? gate_panel + PANEL * in_features : nullptr;
-    PanelWork work[2] = {
-        {gate_panel, nullptr, gate, PANEL, PANELS_PER_TILE == 2 ? next_gate : prefetch ? up_panel : nullptr},
-        {up_panel, nullptr, up, PANEL,
-         PANELS_PER_TILE == 2 ? (next_gate ? up_panel + PANEL * in_features : nullptr) : next_gate}};
+    const bool prefetch = rows >= PREFETCH_MIN_ROWS, more = j + 1 < num_panels;
+    const float* next_gate = prefetch && more ? gate_panel + PANEL * in_features : nullptr;
+    const float* next_up = prefetch && more ? up_panel + PANEL * in_features : nullptr;
+    const bool together = PANELS_PER_TILE == 2;
+    PanelWork work[2] = {{gate_panel, nullptr, gate, PANEL, together ? next_gate : prefetch ? up_panel : nullptr},
+                         {up_panel, nullptr, up, PANEL, together ? next_up : next_gate}};
     panel_pass(x + begin * ldx, ldx, PANEL, 0, rows, in_features, work, 2);
     for (int64_t r = 0; r < rows; ++r) {
       float* out = act + (begin + r) * inter + j * PANEL;
