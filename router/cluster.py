@@ -322,8 +322,7 @@ class Cluster(ElasticPools):
             self.workers.owner.pop(wid, None)
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
-        if params.logprobs is not None:
-            tracked.first_logprob = asyncio.get_running_loop().create_future()
+        tracked.prefill_outcome = asyncio.get_running_loop().create_future()
         self._spawn(self._prefill(prefill, decode, tracked, wid, target, resume, charge))
         return True
 
@@ -350,7 +349,7 @@ class Cluster(ElasticPools):
         await self.workers.abort_everywhere(wid)
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
-        waiter, life = tracked.first_logprob, prefill.incarnation
+        waiter, life = tracked.prefill_outcome, prefill.incarnation
         try:
             call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             outcome = await self._while_prefill_queued(call, prefill, decode, wid)
@@ -360,10 +359,10 @@ class Cluster(ElasticPools):
             self.workers.lost_if_dead(prefill, e, life)  # so the retry goes elsewhere at once
         finally:
             prefill.queued_tokens -= charge
-        if waiter is not None and not waiter.done():
-            waiter.set_result(outcome.first_logprob if outcome is not None and outcome.handed_off else None)
-        if outcome is not None and outcome.handed_off:
-            tracked.num_cached_tokens = outcome.num_cached_tokens
+        handed_off = outcome is not None and outcome.handed_off
+        if not waiter.done():
+            waiter.set_result(outcome if handed_off else None)
+        if handed_off:
             return
         with contextlib.suppress(Exception):  # free the reservation
             await asyncio.wait_for(decode.handle.abort.remote(wid, error), 10)

@@ -36,9 +36,10 @@ class Tracked:
     first_token_time: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # the current attempt's
     split: bool = False  # the current attempt prefills on a prefill worker
-    first_logprob: asyncio.Future | None = None  # split attempts: the prefill worker's
+    # Split attempts: the prefill worker's report once its send is done (a PrefillOutcome, or
+    # None when it did not hand off). It can arrive after the decode worker's last token.
+    prefill_outcome: asyncio.Future | None = None
     tokens_this_attempt: int = 0
-    num_cached_tokens: int | None = None  # split attempts: what the prefill worker found cached
     placing: object = None  # the decode worker call placing the current attempt, until it returns
     whole: bool = True  # False: outputs are deltas until the final one (Cumulative.add)
 
@@ -63,8 +64,7 @@ class Tracked:
     def next_attempt(self) -> None:
         self.attempt += 1
         self.events = asyncio.Queue()
-        self.split, self.first_logprob, self.tokens_this_attempt = False, None, 0
-        self.num_cached_tokens = None
+        self.split, self.prefill_outcome, self.tokens_this_attempt = False, None, 0
 
     def classify(self, event) -> Failure | None:
         """A Failure for events that end the attempt without finishing the request."""
@@ -76,18 +76,23 @@ class Tracked:
 
     async def delivered(self, out: RequestOutput) -> RequestOutput:
         """The worker's output (a delta: RequestOutput.delta) as the caller must see it, whole,
-        recorded as delivered."""
-        first_logprob = None
+        recorded as delivered. A split attempt's first token with logprobs and its last output
+        wait for the prefill worker's report: the decode worker never saw the first token's
+        logprob, nor how much of the prompt the prefill worker's cache supplied."""
+        first_token = out.error is None and bool(out.new_token_ids) and self.tokens_this_attempt == 0
+        prefill = None
+        if self.prefill_outcome is not None and out.error is None and (
+                out.finished or (first_token and self.params.logprobs is not None) or self.prefill_outcome.done()):
+            prefill = await self.prefill_outcome
         if out.error is None and out.new_token_ids:
-            if self.first_logprob is not None and self.tokens_this_attempt == 0:
-                first_logprob = await self.first_logprob  # the decode worker never saw the first token's
             self.tokens_this_attempt += len(out.new_token_ids)
             if self.first_token_time is None:
                 self.first_token_time = out.first_token_time or time.monotonic()
+        first_logprob = prefill.first_logprob if first_token and prefill is not None else None
         out = self.so_far.add(out, first_logprob, self.whole)
         out.request_id = self.request_id
-        if self.num_cached_tokens is not None:
-            out.num_cached_tokens = self.num_cached_tokens
+        if prefill is not None:
+            out.num_cached_tokens = prefill.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
         return out
 

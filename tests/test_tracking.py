@@ -1,0 +1,69 @@
+"""The router's view of a split attempt: the decode worker's outputs joined with the prefill
+worker's report, which can come in after the decode worker's last token."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.output import RequestOutput
+from engine.sampling_params import SamplingParams
+from prefill_worker.worker import PrefillOutcome
+from router.tracking import Tracked
+
+PROMPT = [5, 6, 7]
+
+
+def decode_output(token: int, finished: bool) -> RequestOutput:
+    """What a decode worker ships for one token (a delta: no prompt, no tokens so far)."""
+    return RequestOutput("r", [], [], "", finished, "length" if finished else None,
+                         new_token_ids=[token], new_text=f"<{token}>")
+
+
+def split_attempt(**params) -> Tracked:
+    tracked = Tracked("r", PROMPT, SamplingParams(max_tokens=2, **params))
+    tracked.split = True
+    tracked.prefill_outcome = asyncio.get_running_loop().create_future()
+    return tracked
+
+
+async def delivered_after_report(tracked: Tracked, out: RequestOutput, report) -> RequestOutput:
+    """Deliver `out`, making the prefill worker's report arrive only while it is waited for."""
+    pending = asyncio.ensure_future(tracked.delivered(out))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not pending.done(), "the output went out before the prefill worker's report"
+    tracked.prefill_outcome.set_result(report)
+    return await pending
+
+
+def test_the_last_output_carries_the_prefill_workers_cached_tokens_when_its_report_is_late():
+    async def run():
+        tracked = split_attempt()
+        first = await tracked.delivered(decode_output(11, False))  # not waiting for the report
+        assert first.token_ids == [11] and first.num_cached_tokens == 0
+        last = await delivered_after_report(tracked, decode_output(12, True),
+                                            PrefillOutcome("r", True, num_cached_tokens=96))
+        assert last.finished and last.token_ids == [11, 12] and last.num_cached_tokens == 96
+
+    asyncio.run(run())
+
+
+def test_the_first_token_waits_for_its_logprob_from_the_prefill_worker():
+    async def run():
+        tracked = split_attempt(logprobs=1)
+        logprob = {11: -0.5, 3: -1.5}
+        first = await delivered_after_report(tracked, decode_output(11, False),
+                                             PrefillOutcome("r", True, first_logprob=logprob,
+                                                            num_cached_tokens=8))
+        assert first.logprobs == [logprob] and first.num_cached_tokens == 8
+
+    asyncio.run(run())
+
+
+def test_a_prefill_that_did_not_hand_off_leaves_the_decode_workers_count():
+    async def run():
+        tracked = split_attempt()
+        last = await delivered_after_report(tracked, decode_output(12, True), None)
+        assert last.finished and last.num_cached_tokens == 0
+
+    asyncio.run(run())
