@@ -115,6 +115,12 @@ class Scheduler:
             if request.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
                 index += 1
                 continue
+            decode = self._decode_in_place(request)
+            if decode is not None:
+                out.seqs.append(decode)
+                budget -= 1
+                index += 1
+                continue
             num_new = self._chunk(request, budget)
             total = request.num_computed_tokens + num_new
             while not self.blocks.can_allocate(request.request_id, total):
@@ -169,6 +175,18 @@ class Scheduler:
                         and not self.prefix_cache.has_checkpoint(request.block_hashes[point // size - 1]):
                     request.save_points.append(point)
         return hit
+
+    def _decode_in_place(self, request: Request) -> ScheduledSeq | None:
+        """The common decode step, without the general path's per-row work: the phase says
+        DECODE (exactly one token to run, so no save point falls inside it) and that token's
+        KV position is in a block the request holds, so nothing is allocated. Else None."""
+        phase = request.phase()
+        if phase is not Phase.DECODE:
+            return None
+        table = self.blocks.block_tables.get(request.request_id)
+        if table is None or request.num_computed_tokens >= len(table) * self.blocks.block_size:
+            return None
+        return ScheduledSeq(request, phase, 1, self.slots.slot_of[request.request_id], table)
 
     @staticmethod
     def _chunk(request: Request, budget: int) -> int:

@@ -74,7 +74,7 @@ class StateSlotAllocator:
             raise StateOwnershipError(
                 f"request {request_id!r} would read state slot {slot} owned by {owner}"
             )
-        if written != owner:
+        if written is not owner:  # mark_written stores the owner tag itself; generations make tags unique
             raise StateOwnershipError(
                 f"request {request_id!r} would read state slot {slot} whose contents were written "
                 f"for {written} (current owner {owner}): stale or missing state"
