@@ -76,7 +76,7 @@ def offline_scenario(name: str, checkpoint_dir: Path, hf_model, shape, cfg: Comp
                               max_model_len=input_len + output_len, seed=cfg.seed)
     requests = generate_requests(workload)
     llm = LLM(checkpoint_dir, max_num_batched_tokens=max(cfg.max_num_batched_tokens, input_len),
-              max_model_len=input_len + output_len + 1)
+              max_model_len=input_len + output_len + 1, output_kind="delta")  # as a decode worker's engine
     run_engine_offline(llm, requests[:1])  # warm-up
     warm_up(hf_model)
     hf_cfg = HFConfig(batch_size=num if name in LONG_PROMPT_SCENARIOS else min(cfg.hf_batch_size, num))

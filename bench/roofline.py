@@ -210,7 +210,8 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
     n, length = cfg["prefill_num"], cfg["prefill_len"]
     batch, prompt, out = cfg["decode_batch"], cfg["decode_prompt"], cfg["decode_output"]
     max_model_len, max_batched = max(length + 1, prompt + out) + 1, max(n * length, batch * prompt)
-    llm = LLM(model_dir, max_num_batched_tokens=max_batched, max_num_seqs=max(n, batch), max_model_len=max_model_len)
+    llm = LLM(model_dir, max_num_batched_tokens=max_batched, max_num_seqs=max(n, batch), max_model_len=max_model_len,
+              output_kind="delta")  # what a decode worker's engine emits each step
     model = llm.engine.model
     vocab = llm.engine.spec.vocab_size
     prefill, decode = _requests(n, length, 1, vocab), _requests(batch, prompt, out, vocab)
