@@ -35,6 +35,9 @@ class HostBatch:
     block_counts: torch.Tensor  # [B] blocks in each row's table
     block_tables: torch.Tensor  # [B, widest table] (padding: 0)
     phases: list[Phase]
+    # query_starts, context_lens and slots as Python lists where the builder had them (decode
+    # steps), so the ForwardBatch's lists need no conversion back.
+    row_lists: tuple[list[int], list[int], list[int]] | None = None
 
 
 class SlotBlockTables:
@@ -110,10 +113,11 @@ def general_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBl
 
 
 def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
-    """host_batch where every row decodes one token: each row's position and cache row are Python
-    ints, so no tensor is expanded per token and no table is gathered (the decode step's Python
-    runs on caches the layers just flushed, where each torch op costs tens of microseconds)."""
-    token_ids, begins, slots, counts, write_index = [], [], [], [], []
+    """host_batch where every row decodes one token: each row's values are Python ints put into
+    one int64 buffer, with no per-token expansion and no gather of the block table. The decode
+    step's Python runs on caches the layers just flushed, where each torch call costs 10-20 us,
+    so this makes four."""
+    token_ids, begins, write_index, lens, slots, counts = [], [], [], [], [], []
     for seq in seqs:
         request, table, slot = seq.request, seq.block_table, seq.slot
         begin = request.num_computed_tokens
@@ -122,13 +126,18 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
         if tables.lists[slot] is not table or tables.lens[slot] != len(table):
             tables.update(slot, table)
         begins.append(begin)
+        write_index.append(table[begin // block_size] * block_size + begin % block_size)
+        lens.append(begin + 1)
         slots.append(slot)
         counts.append(len(table))
-        write_index.append(table[begin // block_size] * block_size + begin % block_size)
-    positions, slot_rows = int64(begins), int64(slots)
-    return HostBatch(int64(token_ids), positions, int64(write_index), torch.arange(len(seqs) + 1), positions + 1,
-                     slot_rows, int64(counts), tables.rows[:, : max(counts)].index_select(0, slot_rows),
-                     [Phase.DECODE] * len(seqs))
+    rows = len(seqs)
+    starts = list(range(rows + 1))
+    columns = int64(token_ids + begins + write_index + lens + slots + counts + starts).split(
+        [rows, rows, rows, rows, rows, rows, rows + 1])
+    ids, positions, write, context_lens, slot_rows, block_counts, query_starts = columns
+    return HostBatch(ids, positions, write, query_starts, context_lens, slot_rows, block_counts,
+                     tables.rows[:, : max(counts)].index_select(0, slot_rows), [Phase.DECODE] * rows,
+                     (starts, lens, slots))
 
 
 class ModelRunner:
@@ -165,23 +174,24 @@ class ModelRunner:
         return self.device_batch(host_batch(seqs, self.cache.block_size, self.block_tables))
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
-        decode = [i for i, p in enumerate(host.phases) if p is Phase.DECODE]
         starts = host.query_starts[:-1]
-        if len(decode) == len(host.phases):
+        if host.phases.count(Phase.DECODE) == len(host.phases):
             extra = (starts, host.slots, host.context_lens, host.block_tables)
+            last_tokens = starts  # one token a row: the row's token is its last
         else:
-            rows = torch.tensor(decode, dtype=torch.long)
+            rows = torch.tensor([i for i, p in enumerate(host.phases) if p is Phase.DECODE], dtype=torch.long)
             extra = (starts[rows], host.slots[rows], host.context_lens[rows], host.block_tables[rows])
-        tensors = [host.input_ids, host.positions, host.kv_write_index, host.block_tables,
-                   host.query_starts[1:] - 1, *extra]
+            last_tokens = host.query_starts[1:] - 1
+        tensors = [host.input_ids, host.positions, host.kv_write_index, host.block_tables, last_tokens, *extra]
         if self.device.type != "cpu":  # one host-to-device copy for the whole step
             flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device, non_blocking=True)
             tensors = [part.view(t.shape) for part, t in
                        zip(flat.split([t.numel() for t in tensors]), tensors)]
         input_ids, positions, write_index, tables, logits_indices, d_index, d_slots, d_lens, d_tables = tensors
+        lists = host.row_lists or (host.query_starts.tolist(), host.context_lens.tolist(), host.slots.tolist())
         return ForwardBatch(
-            input_ids=input_ids, positions=positions, query_starts=host.query_starts.tolist(),
-            context_lens=host.context_lens.tolist(), phases=host.phases, state_slots=host.slots.tolist(),
+            input_ids=input_ids, positions=positions, query_starts=lists[0],
+            context_lens=lists[1], phases=host.phases, state_slots=lists[2],
             block_tables=tables, kv_write_index=write_index, block_size=self.cache.block_size,
             logits_indices=logits_indices, decode_token_index=d_index, decode_slots=d_slots,
             decode_context_lens=d_lens, decode_block_tables=d_tables,

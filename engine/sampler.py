@@ -71,7 +71,8 @@ class Sampler:
 
     def greedy(self, logits: torch.Tensor) -> SampleResult:
         """__call__'s result where every row is greedy without logprobs, penalties or grammar."""
-        return SampleResult(self._argmax(logits.float()).tolist(), [None] * logits.shape[0])
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return SampleResult(self._argmax(logits).tolist(), [None] * logits.shape[0])
 
     @staticmethod
     def _argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -139,17 +139,28 @@ def test_gated_norm_of_a_gated_input_equals_the_norm_with_its_gate(group_size):
     torch.testing.assert_close(norm.normalise_gated(gated), norm(y, z), atol=1e-5, rtol=1e-5)
 
 
-def test_rotary_tables_are_reused_only_for_equal_positions():
-    rotary = RotaryEmbedding(8, 8, 10000.0, None, 4096)
-    positions = torch.tensor([3, 4, 5])
-    first = rotary._tables(positions, torch.float32)
-    assert rotary._tables(positions.clone(), torch.float32) is first  # the next layer, same step
-    positions[1] = 40  # a buffer refilled in place for the next step must not see stale tables
-    refreshed = rotary._tables(positions, torch.float32)
-    assert refreshed is not first
-    emb = positions.float()[:, None] * rotary.inv_freq[None, :]
-    torch.testing.assert_close(refreshed[0], torch.cat((emb, emb), dim=-1).cos())
-    assert rotary._tables(torch.tensor([3, 40]), torch.float32)[0].shape[0] == 2
+@pytest.mark.parametrize("rotary_dim, scaling", [(8, None), (24, {"rope_type": "linear", "factor": 2.0})])
+def test_rotary_tables_are_rows_of_the_formula_grown_as_positions_grow(rotary_dim, scaling):
+    """On the CPU, cos and sin come from tables of positions 0..n-1; any position's rows equal
+    the formula's values for that position alone, whatever batch it is in, past the first
+    size of the tables too."""
+    rotary = RotaryEmbedding(rotary_dim, rotary_dim, 10000.0, scaling, 4096)
+
+    def formula(positions):
+        emb = positions.float()[:, None] * rotary.inv_freq[None, :]
+        emb = torch.cat((emb, emb), dim=-1)
+        return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+
+    for positions in (torch.tensor([3, 4, 5]), torch.tensor([40, 3]), torch.tensor([255, 256, 1000]),
+                      torch.tensor([7]), torch.arange(0, 3000, 7)):
+        cos, sin = rotary._tables(positions, torch.float32)
+        for row, position in enumerate(positions.tolist()):
+            alone_cos, alone_sin = formula(torch.tensor([position]))
+            torch.testing.assert_close(cos[row:row + 1], alone_cos, atol=1e-6, rtol=0)
+            torch.testing.assert_close(sin[row:row + 1], alone_sin, atol=1e-6, rtol=0)
+    assert rotary._cpu_tables[torch.float32][0].shape[0] >= 2994
+    cos, _ = rotary._tables(torch.tensor([5, 3]), torch.float32)
+    assert torch.equal(cos, rotary._tables(torch.tensor([5, 3, 9]), torch.float32)[0][:2])  # batch-independent
 
 
 def test_gated_skip_and_bias_softplus():

@@ -42,6 +42,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 def ids(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.is_contiguous():  # the usual case (the step's index tensors): no torch calls
+        return t
     return t.detach().to(torch.int64).contiguous()
 
 

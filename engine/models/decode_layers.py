@@ -54,6 +54,7 @@ class DecodeLayersPlan:
         self.plans, self._keep, self._rotary, self._needs = plans, keep, rotary, needs
         self._reads_embeddings = [plans[i] for i in range(len(plans)) if plans[i].mixer == ZAMBA2_HYBRID]
         self.uses_slots, self.uses_kv = uses_slots, uses_kv
+        self._scratch = (0, None, None)  # (rows, floats, ints): the last step's, reused at the same batch size
 
     def run(self, h: torch.Tensor, batch: ForwardBatch, embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """The hidden states after the last layer, for h [rows, hidden] of an all-decode CPU batch
@@ -65,20 +66,22 @@ class DecodeLayersPlan:
                              f"contiguous float32 {tuple(h.shape)} on the CPU")
         for entry in self._reads_embeddings:
             entry.embeddings = embeddings.data_ptr()
-        step_tables = []  # this step's rotary tables, alive through the call
+        step_tables = {}  # this step's rotary tables, alive through the call; one per rotary module
         for entry, rotary in self._rotary:
-            cos, sin = rotary._tables(batch.positions, torch.float32)
+            if rotary not in step_tables:
+                step_tables[rotary] = rotary._tables(batch.positions, torch.float32)
+            cos, sin = step_tables[rotary]
             entry.cos, entry.sin, entry.rotary_dim = cos.data_ptr(), sin.data_ptr(), cos.shape[1]
-            step_tables.append((cos, sin))
         tables = cpu.ids(batch.decode_block_tables) if self.uses_kv else None
+        if self._scratch[0] != rows:  # the kernel overwrites its scratch before reading it
+            self._scratch = (rows, torch.empty(rows * (HIDDEN_BUFFERS * hidden + self._needs.floats)),
+                             torch.empty(rows * self._needs.ints + self._needs.fixed_ints, dtype=torch.long))
         out = torch.empty(rows, hidden)
         native.call("decoder_layers", ctypes.addressof(self.plans), len(self.plans), h, rows, hidden,
                     cpu.ids(batch.decode_slots) if self.uses_slots else None,
                     cpu.ids(batch.kv_write_index) if self.uses_kv else None, tables,
                     0 if tables is None else tables.shape[1],
-                    cpu.ids(batch.decode_context_lens) if self.uses_kv else None,
-                    torch.empty(rows * (HIDDEN_BUFFERS * hidden + self._needs.floats)),
-                    torch.empty(rows * self._needs.ints + self._needs.fixed_ints, dtype=torch.long), out)
+                    cpu.ids(batch.decode_context_lens) if self.uses_kv else None, self._scratch[1], self._scratch[2], out)
         return out
 
 

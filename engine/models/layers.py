@@ -288,7 +288,7 @@ class RotaryEmbedding(nn.Module):
                              "dynamic, llama3, yarn)")
         self.rotary_dim = 2 * inv_freq.shape[0]  # as transformers: an odd rotary_dim rounds up
         self.inv_freq = inv_freq
-        self._tables_for = (None, None)  # (a copy of the positions, (cos, sin))
+        self._cpu_tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # dtype -> (cos, sin) of 0..n-1
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> rotated. On the CPU kernel
@@ -300,22 +300,30 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and sin [T, rotary_dim] of these positions. One instance serves every layer of a
-        model, so on CPU they are computed once per forward and kept, with a copy of the positions
-        they are for, while the positions asked for are equal. Not on GPUs, where a CUDA graph
-        capture must record the computation itself."""
-        cached, tables = self._tables_for
-        if (cached is not None and cached.shape == positions.shape and positions.device.type == "cpu"
-                and tables[0].dtype == dtype and torch.equal(cached, positions)):
-            return tables
+        """cos and sin [T, rotary_dim] of these positions. On the CPU, rows of tables computed
+        once for positions 0..n-1 (n doubling as positions grow): a position's values do not
+        depend on the batch it is in, and a decode step pays two row selections instead of
+        a dozen torch calls, each of which costs 10-20 us on the caches the step has flushed.
+        Not on GPUs, where a CUDA graph capture must record the computation itself."""
+        if positions.device.type != "cpu":
+            return self._compute(positions, dtype)
+        cos, sin = self._cpu_tables.get(dtype, (None, None))
+        try:
+            if cos is not None:
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+        except IndexError:  # a position past the tables: grow them
+            pass
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        rows = max(256, need, 2 * (0 if cos is None else cos.shape[0]))
+        cos, sin = self._cpu_tables[dtype] = self._compute(torch.arange(rows), dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        tables = ((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype))
-        if positions.device.type == "cpu":
-            self._tables_for = (positions.clone(), tables)
-        return tables
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
 def _rotate(x, cos, sin, rotary_dim):
