@@ -214,8 +214,8 @@ def run_engine_offline(llm, requests: list[BenchRequest]) -> tuple[list[RequestR
 
     The same work as `LLM.generate(prompts, params)`, plus a timestamp per step, so the
     offline comparison against transformers measures the engine without any serving layer.
-    The benches build `llm` with output_kind="delta", as the workers run the engine: each step's
-    outputs carry that step's tokens, not copies of every token and all text so far.
+    bench roofline and bench compare build `llm` with output_kind="delta", as the workers run
+    the engine: each step's outputs carry that step's tokens, not copies of everything so far.
     """
     from engine import SamplingParams
 

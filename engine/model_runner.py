@@ -115,7 +115,7 @@ def general_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBl
 def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
     """host_batch where every row decodes one token: each row's values are Python ints put into
     one int64 buffer, with no per-token expansion and no gather of the block table. The decode
-    step's Python runs on caches the layers just flushed, where each torch call costs 10-20 us,
+    step's Python runs on caches the layers just flushed, where each torch call costs 10-30 us,
     so this makes four."""
     token_ids, begins, write_index, lens, slots, counts = [], [], [], [], [], []
     for seq in seqs:

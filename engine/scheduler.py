@@ -115,7 +115,7 @@ class Scheduler:
             if request.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
                 index += 1
                 continue
-            decode = self._decode_in_place(request)
+            decode = self._decode_in_place(request) if request.status is RequestStatus.DECODING else None
             if decode is not None:
                 out.seqs.append(decode)
                 budget -= 1

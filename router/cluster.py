@@ -349,7 +349,7 @@ class Cluster(ElasticPools):
         await self.workers.abort_everywhere(wid)
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
-        waiter, life = tracked.prefill_outcome, prefill.incarnation
+        waiter, life, outcome = tracked.prefill_outcome, prefill.incarnation, None
         try:
             call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             outcome = await self._while_prefill_queued(call, prefill, decode, wid)
@@ -359,9 +359,9 @@ class Cluster(ElasticPools):
             self.workers.lost_if_dead(prefill, e, life)  # so the retry goes elsewhere at once
         finally:
             prefill.queued_tokens -= charge
-        handed_off = outcome is not None and outcome.handed_off
-        if not waiter.done():
-            waiter.set_result(outcome if handed_off else None)
+            handed_off = outcome is not None and outcome.handed_off
+            if not waiter.done():  # cancelled too: the attempt's last output waits on it
+                waiter.set_result(outcome if handed_off else None)
         if handed_off:
             return
         with contextlib.suppress(Exception):  # free the reservation

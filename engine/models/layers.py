@@ -303,18 +303,18 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [T, rotary_dim] of these positions. On the CPU, rows of tables computed
         once for positions 0..n-1 (n doubling as positions grow): a position's values do not
         depend on the batch it is in, and a decode step pays two row selections instead of
-        a dozen torch calls, each of which costs 10-20 us on the caches the step has flushed.
+        a dozen torch calls, each of which costs 10-30 us on the caches the step has flushed.
         Not on GPUs, where a CUDA graph capture must record the computation itself."""
         if positions.device.type != "cpu":
             return self._compute(positions, dtype)
-        cos, sin = self._cpu_tables.get(dtype, (None, None))
-        try:
-            if cos is not None:
-                return cos.index_select(0, positions), sin.index_select(0, positions)
-        except IndexError:  # a position past the tables: grow them
-            pass
+        known = self._cpu_tables.get(dtype)
+        if known is not None:
+            try:
+                return known[0].index_select(0, positions), known[1].index_select(0, positions)
+            except IndexError:  # a position past the tables: grow them
+                pass
         need = int(positions.max()) + 1 if positions.numel() else 1
-        rows = max(256, need, 2 * (0 if cos is None else cos.shape[0]))
+        rows = max(256, need, 2 * (0 if known is None else known[0].shape[0]))
         cos, sin = self._cpu_tables[dtype] = self._compute(torch.arange(rows), dtype)
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
