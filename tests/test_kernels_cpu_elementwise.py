@@ -340,3 +340,15 @@ def test_row_argmax_is_torch_argmax(rows, cols):
     edge = torch.tensor([[-0.0, 0.0, -1.0], [-1e-45, -0.0, -3.0], [-float("nan"), 1.0, 2.0],
                          [1.0, float("inf"), float("inf")]])
     assert cpu.row_argmax_cpu(edge).tolist() == edge.argmax(dim=-1).tolist() == [0, 1, 0, 1]
+
+
+def test_row_argmax_finds_the_first_maximum_or_nan_past_the_first_chunks():
+    """The kernel keeps each 512-column chunk's maximum and rescans one chunk: the answer must be
+    the first chunk holding the maximum, or the chunk of the first NaN, wherever they lie."""
+    x = torch.randn(5, 2000)
+    x[0, 1500] = 100.0  # the maximum in the third chunk
+    x[1, 10], x[1, 700], x[1, 1900] = 100.0, float("nan"), float("nan")  # a NaN after a larger value
+    x[2, 600], x[2, 1800] = 50.0, 50.0  # a tie across chunks: the first
+    x[3, 1999] = float("nan")  # the last column
+    x[4, 511], x[4, 512] = 7.0, 7.0  # a tie across a chunk boundary
+    assert cpu.row_argmax_cpu(x).tolist() == x.argmax(dim=-1).tolist() == [1500, 700, 600, 1999, 511]

@@ -375,19 +375,34 @@ void moe_group(const int64_t* experts, int64_t* counts, int64_t* token_of_row, i
 // everything). Floats are compared as integers that keep their order: fast math lets the
 // compiler assume no float is NaN or infinite, and logits are -inf where a grammar masks them.
 // torch's own CPU argmax ran at about 4 GB/s here (0.4-0.5 ms for 64 rows of an 8192-token vocab).
+// One vector pass keeps each chunk's maximum; only the first chunk holding the row's maximum (or
+// its first NaN) is scanned again for the index. Scanning the whole row again, as before, took
+// 74 us of 64 x 8192 warm; this takes a chunk per row.
 void row_argmax(const float* x, int64_t* out, int64_t rows, int64_t cols, int threads) {
+  constexpr int64_t kChunk = 512;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t* bits = reinterpret_cast<const int32_t*>(x + r * cols);
     const auto is_nan = [](int32_t b) { return (b & 0x7fffffff) > 0x7f800000; };
     const auto key = [](int32_t b) { return b >= 0 ? b : (b ^ 0x7fffffff) + 1; };  // -0.0 -> 0
-    int32_t best = INT32_MIN, nan = 0;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-    for (int64_t c = 0; c < cols; ++c) {
-      nan |= is_nan(bits[c]);
-      best = std::max(best, key(bits[c]));
+    int32_t best = INT32_MIN;
+    int64_t best_chunk = 0;
+    bool nan = false;
+    for (int64_t start = 0; start < cols; start += kChunk) {
+      const int64_t end = std::min(cols, start + kChunk);
+      int32_t chunk_best = INT32_MIN, chunk_nan = 0;
+#pragma omp simd reduction(max : chunk_best) reduction(| : chunk_nan)
+      for (int64_t c = start; c < end; ++c) {
+        chunk_nan |= is_nan(bits[c]);
+        chunk_best = std::max(chunk_best, key(bits[c]));
+      }
+      if (chunk_nan) {  // the first NaN wins: it lies in this chunk
+        nan = true, best_chunk = start;
+        break;
+      }
+      if (chunk_best > best) best = chunk_best, best_chunk = start;  // strictly: the first such chunk
     }
-    int64_t c = 0;
+    int64_t c = best_chunk;
     while (c < cols - 1 && (nan ? !is_nan(bits[c]) : key(bits[c]) != best)) ++c;
     out[r] = c;
   }
