@@ -254,7 +254,7 @@ class LLMEngine:
         tracker = self.trackers[request.request_id]
         tracker.append(token_id, logprob)
         out = tracker.output()
-        if request.finished:
+        if out.finished:
             self._retire(request)
         elif self.config.mode == "prefill":
             request.status = RequestStatus.HANDED_OFF
@@ -336,7 +336,7 @@ class LLMEngine:
         tracker = self.trackers[request_id]
         tracker.append(first_token, logprob)
         out = tracker.output()
-        if request.finished:
+        if out.finished:
             self._retire(request)
         return out
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.request import Request, RequestStatus
+from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.sampling_params import InvalidRequest
 from engine.tokenizer import Tokenizer
+
+FINISHED_FROM = RequestStatus.FINISHED_STOPPED  # statuses from here on are final (RequestStatus.finished)
 
 
 @dataclass
@@ -134,6 +136,8 @@ class OutputTracker:
             self.stop_ids.update(eos_token_ids)
         self.detok = tokenizer.stream(params.skip_special_tokens) if tokenizer else None
         self.max_model_len = max_model_len
+        # The length stop in one comparison: outputs reach max_tokens, or prompt + outputs max_model_len.
+        self._output_limit = min(params.max_tokens, max_model_len - request.num_prompt_tokens)
         self._text = GrowingText()
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -151,14 +155,15 @@ class OutputTracker:
 
     def append(self, token_id: int, logprob: dict | None) -> None:
         request = self.request
-        params = request.sampling_params
-        request.output_token_ids.append(token_id)
+        outputs = request.output_token_ids
+        outputs.append(token_id)
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
         if self.detok is not None:
-            before = len(self._text) if params.stop else 0
+            stops = request.sampling_params.stop
+            before = len(self._text) if stops else 0
             self._text.add(self.detok.step(token_id))
-            for stop in params.stop:
+            for stop in stops:
                 at = self._text.find(stop, max(0, before - len(stop) + 1))
                 if at != -1:
                     self._text.cut(at)
@@ -174,19 +179,23 @@ class OutputTracker:
                 return
         if token_id in self.stop_ids:
             request.finish(RequestStatus.FINISHED_STOPPED)
-        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        elif len(outputs) >= self._output_limit:
             request.finish(RequestStatus.FINISHED_LENGTH)
 
     def output(self) -> RequestOutput:
+        # Called for every row of every decode step, on caches the forward just flushed: each
+        # property or method call skipped here is measurable there (docs/benchmarks.md, session 17).
         request = self.request
-        length = len(self._text)
-        visible = length if request.finished else max(self.sent_text, length - self._holdback)
+        finished = request.status >= FINISHED_FROM
         new_text = ""
-        if visible != self.sent_text:  # each step of a long output: nothing new held back, no slicing
-            new_text = self._text.slice(self.sent_text, visible)
-            # A stop string's search starts at most _holdback characters back; deltas start at sent_text.
-            self._text.settle(max(0, min(visible, length - self._holdback)))
-            self.sent_text = visible
+        if self.detok is not None:  # without one the text stays empty
+            length = len(self._text)
+            visible = length if finished else max(self.sent_text, length - self._holdback)
+            if visible != self.sent_text:  # each step of a long output: nothing new held back, no slicing
+                new_text = self._text.slice(self.sent_text, visible)
+                # A stop string's search starts at most _holdback characters back; deltas start at sent_text.
+                self._text.settle(max(0, min(visible, length - self._holdback)))
+                self.sent_text = visible
         outputs = request.output_token_ids
         new_tokens = outputs[self.sent_tokens:]
         self.sent_tokens = len(outputs)
@@ -199,8 +208,7 @@ class OutputTracker:
         else:
             prompt, tokens, text, logprobs = request.prompt_token_ids, list(outputs), self._text.whole(), self.logprobs
         return RequestOutput(
-            request.request_id, prompt, tokens, text, request.finished, request.finish_reason, new_tokens,
-            new_text, logprobs, new_logprobs,
-            num_cached_tokens=request.num_cached_tokens or 0, error=request.error, arrival_time=request.arrival_time,
-            first_token_time=request.first_token_time, finish_time=request.finish_time,
+            request.request_id, prompt, tokens, text, finished, FINISH_REASONS[request.status] if finished else None,
+            new_tokens, new_text, logprobs, new_logprobs, request.num_cached_tokens or 0, request.error,
+            request.arrival_time, request.first_token_time, request.finish_time,
         )

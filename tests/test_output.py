@@ -60,3 +60,25 @@ def test_a_long_output_settles_its_text_and_still_stops_on_a_string_across_piece
     assert last.finish_reason == "stop" and len(request.output_token_ids) == 5001
     assert streamed == expected
     assert last.text == ("" if deltas else expected)
+
+
+@pytest.mark.parametrize("prompt_len,max_tokens,max_model_len,delivered,stop_at,expected", [
+    (3, 10, 8, 0, None, (5, "length")),    # the context fills first: prompt + outputs = max_model_len
+    (3, 4, 100, 0, None, (4, "length")),   # max_tokens first
+    (3, 10, 8, 0, 2, (2, "stop")),          # a stop token before either
+    (3, 4, 100, 2, None, (4, "length")),   # resumed with 2 outputs delivered: 2 more
+    (6, 10, 8, 1, None, (2, "length")),    # resumed, the context's last slot
+])
+def test_the_tracker_stops_at_the_first_of_stop_token_max_tokens_and_max_model_len(
+        prompt_len, max_tokens, max_model_len, delivered, stop_at, expected):
+    request = Request("r", list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, stop_token_ids=[99]))
+    request.output_token_ids = [50 + i for i in range(delivered)]
+    tracker = OutputTracker(request, None, [2], max_model_len, deltas=True)
+    out = None
+    for i in range(delivered, 20):
+        tracker.append(99 if i + 1 == stop_at else 3, None)
+        out = tracker.output()
+        assert out.new_token_ids == [request.output_token_ids[-1]]
+        if out.finished:
+            break
+    assert (len(request.output_token_ids), out.finish_reason) == expected
