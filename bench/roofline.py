@@ -5,11 +5,22 @@ and skinny shapes, best of several repeats, at the thread count the engine runs 
 before and after the workloads; the better sweep counts, so a neighbour's load that comes and
 goes lowers MFU rather than raising it).
 
-Model FLOPs count matmuls only, 2 per multiply-add: every linear a token goes through, routed
-experts for top_k experts per token, causal QK^T and AV, and the LM head for the rows the engine
-computes logits for (a sequence's last scheduled token). Scans, convolutions, norms and
+Model FLOPs (bench.model_work) count matmuls only, 2 per multiply-add: every linear a token goes
+through, routed experts for top_k experts per token, causal QK^T and AV, and the LM head for the
+rows the engine computes logits for (a sequence's last scheduled token). Scans, convolutions, norms and
 activations are not GEMMs and are left out, so MFU reads as how close the model's matmul work
 comes to what this box's sgemm can do.
+
+Decode is as much a matter of bytes: each step reads every weight, each row's keys and values
+and recurrent state, and writes the state back. The second yardstick is the rate torch.sum reads
+a tensor far larger than the last-level cache at (swept before and after, the better counts);
+decode_step_bytes counts what a step must move at least if nothing stays cached from the step
+before (each weight once, the experts its rows can reach, the KV over each context, the state
+read and written), and memory bandwidth utilisation (MBU) is those bytes over the wall, over
+that rate. A model whose weights, KV and state fit in the cache together can read above 1. The
+table ends with decode's two floors, the matmuls at the GEMM peak and the bytes at the read
+rate, and how close the engine comes to their sum (a layer's chain of dependent steps overlaps
+them little).
 
 Prefill: N prompts with max_tokens=1, all in one engine step. Decode: B prompts of P tokens,
 O outputs each, all prefilled in one step; the decode phase runs from the moment every sequence
@@ -26,6 +37,8 @@ import argparse
 import contextlib
 import os
 import time
+
+from bench.model_work import decode_bytes, decode_contexts, matmul_flops
 
 GEMM_SHAPES = ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048),
                (64, 4096, 4096), (8192, 256, 768), (64, 256, 8192))  # (m, k, n)
@@ -80,74 +93,31 @@ def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) ->
             "by_backend": by_backend, "threads": torch.get_num_threads()}
 
 
-# ----------------------------------------------------------------------------- FLOP counting
+def memory_bandwidth(megabytes: int | None = None, repeats: int = 5) -> dict:
+    """Best rate torch.sum reads a float32 tensor far larger than the last-level cache at, at the
+    engine's thread count: {"gbps", "megabytes", "threads"}. The size: 256 MB, or 4x the L3 where
+    sysfs says it is larger than 64 MB."""
+    import torch
 
-def _applied(module):
-    """`module` and every module it applies. Zamba2 shares by reference: a `_Plus` holds shared
-    linears in `_parts`, and a hybrid layer runs its shared block's MLP (`_block`) for its use."""
-    yield module
-    extra = [part for part in getattr(module, "_parts", ()) if part is not None]
-    if getattr(module, "_block", None):
-        block = module._block[0]
-        extra += [block.gate_up_proj, block.down_proj, block.gate_up_adapters[str(module.use)]]
-    for child in [*module.children(), *extra]:
-        yield from _applied(child)
-
-
-def _routed_flops(moe) -> int:
-    """Per token: each stacked [experts, out, in] weight is applied for top_k experts; a router
-    matrix the module holds itself (Nemotron's gate_weight) in full. nn.Linear routers and shared
-    experts are children and count as linears."""
-    total = 0
-    for p in moe.parameters(recurse=False):
-        if p.dim() == 3:
-            total += moe.top_k * 2 * p[0].numel()
-        elif p.dim() == 2:
-            total += 2 * p.numel()
-    return total
+    if megabytes is None:
+        megabytes = max(256, 4 * _l3_megabytes())
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - start))
+    return {"gbps": best / 1e9, "megabytes": megabytes, "threads": torch.get_num_threads()}
 
 
-def flop_profile(model) -> dict:
-    """What the count needs from an engine model (HybridLM): per-token FLOPs of linears and routed
-    experts, per attention layer (FLOPs per query-key pair, sliding window), LM head per row."""
-    from torch import nn
-
-    from engine.models.attention import PagedAttention
-
-    per_token, attention = 0, []
-    for layer in model.layers:
-        for m in _applied(layer):
-            if isinstance(m, nn.Linear):
-                per_token += 2 * m.in_features * m.out_features
-            elif hasattr(m, "top_k") and any(p.dim() == 3 for p in m.parameters(recurse=False)):
-                per_token += _routed_flops(m)
-            if isinstance(m, PagedAttention):  # QK^T and AV: 2 * 2 * head_dim per head and key
-                attention.append((4 * m.num_heads * m.head_dim, m.sliding_window))
-    return {"per_token": per_token, "attention": attention,
-            "lm_head": 2 * model.spec.hidden_size * model.spec.vocab_size}
-
-
-def _causal_keys(length: int, window: int | None) -> int:
-    """Keys attended over a whole causal prompt: sum over positions i = 1..length of min(i, window)."""
-    w = min(length, window or length)
-    return w * (w + 1) // 2 + (length - w) * w
-
-
-def matmul_flops(model, prefill_lens: list[int], decode_contexts: list[int]) -> int:
-    """Matmul FLOPs of prefilling whole prompts of `prefill_lens` (one logits row each) plus one
-    decode token per entry of `decode_contexts` (its context length, the token included)."""
-    prof = flop_profile(model)
-    tokens = sum(prefill_lens) + len(decode_contexts)
-    attention = sum(per_key * (sum(_causal_keys(n, w) for n in prefill_lens)
-                               + sum(min(c, w or c) for c in decode_contexts))
-                    for per_key, w in prof["attention"])
-    return prof["per_token"] * tokens + attention + prof["lm_head"] * (len(prefill_lens) + len(decode_contexts))
-
-
-def decode_contexts(batch: int, prompt_len: int, output_len: int) -> list[int]:
-    """The decode tokens of `batch` sequences: output 1 comes from the prefill, outputs 2..O each
-    from a decode step at context prompt_len + j."""
-    return [prompt_len + j for j in range(1, output_len)] * batch
+def _l3_megabytes() -> int:
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+    except OSError:
+        return 0
+    scale = {"K": 1 / 1024, "M": 1, "G": 1024}.get(text[-1:], 1 / (1 << 20))
+    return int(float(text.rstrip("KMG")) * scale)
 
 
 # ----------------------------------------------------------------------------- the runs
@@ -206,7 +176,7 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
     from engine import LLM
 
     shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
-    peaks = [gemm_peak(shapes)]
+    peaks, bandwidths = [gemm_peak(shapes)], [memory_bandwidth()]
     n, length = cfg["prefill_num"], cfg["prefill_len"]
     batch, prompt, out = cfg["decode_batch"], cfg["decode_prompt"], cfg["decode_output"]
     max_model_len, max_batched = max(length + 1, prompt + out) + 1, max(n * length, batch * prompt)
@@ -220,6 +190,7 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
     warm_up(hf)
     flops = {"prefill": matmul_flops(model, [length] * n, []),
              "decode": matmul_flops(model, [], decode_contexts(batch, prompt, out))}
+    decode_gbytes = decode_bytes(model, batch, prompt, out) / 1e9
     walls = {phase: {s: [] for s in SYSTEMS} for phase in flops}
     for _ in range(cfg["repeats"]):  # alternating, so a neighbour's load hits both alike
         walls["prefill"]["ours"].append(run_engine_offline(llm, prefill)[1])
@@ -231,11 +202,14 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
         walls["decode"]["transformers"].append(
             _decode_wall(hf_generate(hf, decode, HFConfig(batch_size=batch))[0]))
     peaks.append(gemm_peak(shapes))
+    bandwidths.append(memory_bandwidth())
     peak = max(peaks, key=lambda p: p["gflops"])
+    bandwidth = max(b["gbps"] for b in bandwidths)
     result = {"model_dir": model_dir, "model_type": llm.engine.spec.model_type, "workload": cfg,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "load_avg": list(os.getloadavg()), "peak_gflops": peak["gflops"], "gemm": peak,
-              "gemm_sweeps_gflops": [p["gflops"] for p in peaks]}
+              "gemm_sweeps_gflops": [p["gflops"] for p in peaks],
+              "memory_gbps": bandwidth, "memory": bandwidths[0] | {"sweeps_gbps": [b["gbps"] for b in bandwidths]}}
     vllm_walls = None
     if vllm_python is None:
         result["vllm"] = "not requested (--vllm-python)"
@@ -254,6 +228,12 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
         for system, wall in systems.items():
             entry[system] = {"wall_s": wall, "wall_s_runs": walls[phase].get(system, [wall]),
                              "gflop": gflop, "gflops": gflop / wall, "mfu": gflop / wall / peak["gflops"]}
+            if phase == "decode":  # memory bandwidth utilisation: prefill is a matter of FLOPs
+                entry[system] |= {"gbytes": decode_gbytes, "gbps": decode_gbytes / wall,
+                                  "mbu": decode_gbytes / wall / bandwidth}
+        if phase == "decode":  # the two floors, which a layer's chain of dependent steps does not overlap
+            entry["floor_s"] = {"matmuls_at_peak": gflop / peak["gflops"],
+                                "bytes_at_read_rate": decode_gbytes / bandwidth}
         entry["ratio_ours_over_transformers"] = entry["ours"]["mfu"] / entry["transformers"]["mfu"]
         entry["ratio_ours_over_torch_ops"] = entry["ours"]["mfu"] / entry["ours-torch"]["mfu"]
         result[phase] = entry
@@ -271,15 +251,24 @@ def format_table(result: dict, label: str) -> str:
              f"{result['threads']} threads, load avg {' '.join(f'{x:.2f}' for x in result['load_avg'])}",
              f"peak fp32 GEMM {result['peak_gflops']:.1f} GFLOP/s (best shape {gemm['best_shape']} on {best_backend}; "
              f"torch.mm alone {mm_peak:.1f}; sweeps {' / '.join(f'{g:.1f}' for g in result['gemm_sweeps_gflops'])})",
-             f"{'phase':8} {'work':16} {'system':13} {'wall s':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'MFU':>7}"]
+             f"memory read {result['memory_gbps']:.1f} GB/s (torch.sum over {result['memory']['megabytes']} MB; "
+             f"sweeps {' / '.join(f'{g:.1f}' for g in result['memory']['sweeps_gbps'])})",
+             f"{'phase':8} {'work':16} {'system':13} {'wall s':>8} {'GFLOP':>8} {'GFLOP/s':>8} {'MFU':>7} "
+             f"{'GB/s':>7} {'MBU':>7}"]
     for phase in ("prefill", "decode"):
         entry = result[phase]
         for system in (s for s in (*SYSTEMS, "vllm") if s in entry):
             e = entry[system]
+            memory = f" {e['gbps']:7.2f} {e['mbu']:7.4f}" if "mbu" in e else ""
             lines.append(f"{phase:8} {work[phase]:16} {system:13} {e['wall_s']:8.3f} {e['gflop']:8.2f} "
-                         f"{e['gflops']:8.2f} {e['mfu']:7.4f}")
+                         f"{e['gflops']:8.2f} {e['mfu']:7.4f}{memory}")
         lines.append(f"{phase:8} {'':16} {'ours/HF MFU':13} {entry['ratio_ours_over_transformers']:>43.2f}x")
         lines.append(f"{phase:8} {'':16} {'ours/torch-op':13} {entry['ratio_ours_over_torch_ops']:>43.2f}x")
+    decode, floor = result["decode"], result["decode"]["floor_s"]
+    lines.append(f"decode floors: {decode['ours']['gbytes']:.2f} GB at the read rate "
+                 f"{floor['bytes_at_read_rate']:.3f} s, "
+                 f"matmuls at the GEMM peak {floor['matmuls_at_peak']:.3f} s; ours at "
+                 f"{sum(floor.values()) / decode['ours']['wall_s']:.2f} of their sum")
     lines.append(f"vllm: {result['vllm']}")
     return "\n".join(lines)
 
