@@ -53,6 +53,22 @@ SYSTEMS = ("ours", "ours-torch", "transformers")
 
 # ----------------------------------------------------------------------------- the yardstick
 
+def _best_rate(run, work: float, repeats: int, min_time_s: float) -> float:
+    """Best `work` per second of `run()` over `repeats` windows of at least `min_time_s` each
+    (calls back to back), after one call that pays for allocation and dispatch."""
+    run()
+    start = time.perf_counter()
+    run()
+    inner = max(1, int(min_time_s / max(time.perf_counter() - start, 1e-6)))
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            run()
+        best = max(best, work * inner / (time.perf_counter() - start))
+    return best
+
+
 def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) -> dict:
     """Best float32 GEMM rate reached here over `shapes`, by torch.mm (MKL), by oneDNN on a
     prepacked weight, or by splitserve's own kernel on its packed weight (what the engine's CPU
@@ -63,17 +79,7 @@ def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) ->
     from engine.models.packed_linear import linear, pack
 
     def rate(run, flops: float) -> float:
-        run()  # the first call pays for allocation and dispatch
-        start = time.perf_counter()
-        run()
-        inner = max(1, int(min_time_s / max(time.perf_counter() - start, 1e-6)))
-        best = 0.0
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(inner):
-                run()
-            best = max(best, flops * inner / (time.perf_counter() - start))
-        return best / 1e9
+        return _best_rate(run, flops, repeats, min_time_s) / 1e9
 
     per_shape, by_backend = {}, {}
     for m, k, n in shapes:
@@ -93,22 +99,18 @@ def gemm_peak(shapes=GEMM_SHAPES, repeats: int = 5, min_time_s: float = 0.05) ->
             "by_backend": by_backend, "threads": torch.get_num_threads()}
 
 
-def memory_bandwidth(megabytes: int | None = None, repeats: int = 5) -> dict:
+def memory_bandwidth(megabytes: int | None = None, repeats: int = 5, min_time_s: float = 0.1) -> dict:
     """Best rate torch.sum reads a float32 tensor far larger than the last-level cache at, at the
-    engine's thread count: {"gbps", "megabytes", "threads"}. The size: 256 MB, or 4x the L3 where
-    sysfs says it is larger than 64 MB."""
+    engine's thread count, over windows of at least `min_time_s` (one pass of 256 MB is a few ms,
+    short enough for a neighbour's lull to flatter it): {"gbps", "megabytes", "threads"}. The
+    size: 256 MB, or 4x the L3 where sysfs says it is larger than 64 MB."""
     import torch
 
     if megabytes is None:
         megabytes = max(256, 4 * _l3_megabytes())
     x = torch.ones(megabytes * (1 << 20) // 4)
-    x.sum()
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - start))
-    return {"gbps": best / 1e9, "megabytes": megabytes, "threads": torch.get_num_threads()}
+    gbps = _best_rate(x.sum, x.numel() * 4, repeats, min_time_s) / 1e9
+    return {"gbps": gbps, "megabytes": megabytes, "threads": torch.get_num_threads()}
 
 
 def _l3_megabytes() -> int:
