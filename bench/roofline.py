@@ -7,9 +7,9 @@ goes lowers MFU rather than raising it).
 
 Model FLOPs (bench.model_work) count matmuls only, 2 per multiply-add: every linear a token goes
 through, routed experts for top_k experts per token, causal QK^T and AV, and the LM head for the
-rows the engine computes logits for (a sequence's last scheduled token). Scans, convolutions, norms and
-activations are not GEMMs and are left out, so MFU reads as how close the model's matmul work
-comes to what this box's sgemm can do.
+rows the engine computes logits for (a sequence's last scheduled token). Scans, convolutions,
+norms and activations are not GEMMs and are left out, so MFU reads as how close the model's
+matmul work comes to what this box's sgemm can do.
 
 Decode is as much a matter of bytes: each step reads every weight, each row's keys and values
 and recurrent state, and writes the state back. The second yardstick is the rate torch.sum reads
