@@ -25,6 +25,7 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+DECODING = RequestStatus.DECODING
 
 
 @dataclass
@@ -57,6 +58,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tp_launcher=None):
         """`tp_launcher` starts ranks 1..N-1 (engine.tp: local processes by default)."""
         self.config = config
+        self._hands_off = config.mode == "prefill"  # a prefill worker's requests leave after their first token
         self.model = load_model(config.model, config.torch_dtype, config.device)
         self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
         if config.tensor_parallel_size > 1:
@@ -200,13 +202,13 @@ class LLMEngine:
             seq.request.num_computed_tokens += seq.num_new_tokens
         if self.prefix_cache is not None:
             self._cache_prefixes(seqs)
-        outputs = []
-        if done:
-            rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy
-            sampled = self.runner.sample(rows, [seqs[i] for i in done])
-            for row, i in enumerate(done):
-                outputs.append(self._accept(seqs[i], sampled.token_ids[row], sampled.logprobs[row]))
-        return outputs
+        if not done:
+            return []
+        rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy
+        sampled = self.runner.sample(rows, [seqs[i] for i in done])
+        accept = self._accept
+        return [accept(seqs[i].request, token_id, logprob)
+                for i, token_id, logprob in zip(done, sampled.token_ids, sampled.logprobs)]
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -246,17 +248,19 @@ class LLMEngine:
                     request.rolling_checkpoint = key
         self.runner.copy_state(saves)
 
-    def _accept(self, seq: ScheduledSeq, token_id: int, logprob) -> RequestOutput:
-        request = seq.request
-        if request.first_token_time is None:
-            request.first_token_time = time.monotonic()
-        request.status = RequestStatus.DECODING
+    def _accept(self, request: Request, token_id: int, logprob) -> RequestOutput:
+        # Runs for every row of every step on caches the forward flushed: a decoding request
+        # skips the first token's bookkeeping (docs/benchmarks.md, session 17).
+        if request.status is not DECODING:
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            request.status = DECODING
         tracker = self.trackers[request.request_id]
         tracker.append(token_id, logprob)
         out = tracker.output()
         if out.finished:
             self._retire(request)
-        elif self.config.mode == "prefill":
+        elif self._hands_off:
             request.status = RequestStatus.HANDED_OFF
             self.scheduler.running.remove(request)
             self._handoffs.append(Handoff(
