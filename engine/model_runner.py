@@ -118,18 +118,19 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
     step's Python runs on caches the layers just flushed, where each torch call costs 10-30 us,
     so this makes four."""
     token_ids, begins, write_index, lens, slots, counts = [], [], [], [], [], []
+    mirrored, mirrored_lens = tables.lists, tables.lens
     for seq in seqs:
         request, table, slot = seq.request, seq.block_table, seq.slot
-        begin = request.num_computed_tokens
+        begin, blocks = request.num_computed_tokens, len(table)
         # A decode runs the request's last token (Phase.DECODE: begin == num_tokens - 1).
         token_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
-        if tables.lists[slot] is not table or tables.lens[slot] != len(table):
+        if mirrored[slot] is not table or mirrored_lens[slot] != blocks:
             tables.update(slot, table)
         begins.append(begin)
         write_index.append(table[begin // block_size] * block_size + begin % block_size)
         lens.append(begin + 1)
         slots.append(slot)
-        counts.append(len(table))
+        counts.append(blocks)
     rows = len(seqs)
     starts = list(range(rows + 1))
     columns = int64(token_ids + begins + write_index + lens + slots + counts + starts).split(
