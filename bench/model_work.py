@@ -97,12 +97,11 @@ def byte_profile(model) -> dict:
 
     vocab = model._vocab_weight()
     itemsize = vocab.element_size()  # the KV cache's dtype is the model's
-    moes = [m for m in model.modules() if _expert_stacks(m)]
-    apart = {id(p) for m in moes for p in _expert_stacks(m)}
-    apart |= {id(model.embed.weight), id(vocab)}
+    moes = [(m, stacks) for m in model.modules() if (stacks := _expert_stacks(m))]
+    apart = {id(p) for _, stacks in moes for p in stacks} | {id(model.embed.weight), id(vocab)}
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in apart)
     experts = [(stacks[0].shape[0], sum(p[0].numel() * p.element_size() for p in stacks), m.top_k)
-               for m, stacks in ((m, _expert_stacks(m)) for m in moes)]
+               for m, stacks in moes]
     kv = [(2 * m.num_kv_heads * m.head_dim * itemsize, m.sliding_window)
           for layer in model.layers for m in _applied(layer) if isinstance(m, PagedAttention)]
     return {"weights": weights, "experts": experts, "lm_head": vocab.numel() * itemsize,

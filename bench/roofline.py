@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import os
 import time
+from pathlib import Path
 
 from bench.model_work import decode_bytes, decode_contexts, matmul_flops
 
@@ -115,7 +116,7 @@ def memory_bandwidth(megabytes: int | None = None, repeats: int = 5, min_time_s:
 
 def _l3_megabytes() -> int:
     try:
-        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
     except OSError:
         return 0
     scale = {"K": 1 / 1024, "M": 1, "G": 1024}.get(text[-1:], 1 / (1 << 20))
@@ -211,7 +212,8 @@ def measure(model_dir: str, cfg: dict, quick: bool = False, vllm_python: str | N
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "load_avg": list(os.getloadavg()), "peak_gflops": peak["gflops"], "gemm": peak,
               "gemm_sweeps_gflops": [p["gflops"] for p in peaks],
-              "memory_gbps": bandwidth, "memory": bandwidths[0] | {"sweeps_gbps": [b["gbps"] for b in bandwidths]}}
+              "memory_gbps": bandwidth, "memory": {"megabytes": bandwidths[0]["megabytes"],
+                                                   "sweeps_gbps": [b["gbps"] for b in bandwidths]}}
     vllm_walls = None
     if vllm_python is None:
         result["vllm"] = "not requested (--vllm-python)"

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequest
 from engine.tokenizer import Tokenizer
-
-FINISHED_FROM = RequestStatus.FINISHED_STOPPED  # statuses from here on are final (RequestStatus.finished)
 
 
 @dataclass
@@ -135,7 +133,6 @@ class OutputTracker:
         if not params.ignore_eos:
             self.stop_ids.update(eos_token_ids)
         self.detok = tokenizer.stream(params.skip_special_tokens) if tokenizer else None
-        self.max_model_len = max_model_len
         # The length stop in one comparison: outputs reach max_tokens, or prompt + outputs max_model_len.
         self._output_limit = min(params.max_tokens, max_model_len - request.num_prompt_tokens)
         self._text = GrowingText()
@@ -183,10 +180,10 @@ class OutputTracker:
             request.finish(RequestStatus.FINISHED_LENGTH)
 
     def output(self) -> RequestOutput:
-        # Called for every row of every decode step, on caches the forward just flushed: each
-        # property or method call skipped here is measurable there (docs/benchmarks.md, session 17).
+        # Called for every row of every decode step, on caches the forward just flushed: the text
+        # work is skipped where there is none (docs/benchmarks.md, session 17).
         request = self.request
-        finished = request.status >= FINISHED_FROM
+        finished = request.finished
         new_text = ""
         if self.detok is not None:  # without one the text stays empty
             length = len(self._text)
@@ -208,7 +205,7 @@ class OutputTracker:
         else:
             prompt, tokens, text, logprobs = request.prompt_token_ids, list(outputs), self._text.whole(), self.logprobs
         return RequestOutput(
-            request.request_id, prompt, tokens, text, finished, FINISH_REASONS[request.status] if finished else None,
+            request.request_id, prompt, tokens, text, finished, request.finish_reason,
             new_tokens, new_text, logprobs, new_logprobs, request.num_cached_tokens or 0, request.error,
             request.arrival_time, request.first_token_time, request.finish_time,
         )
