@@ -107,7 +107,9 @@ class PrefillWorker(EngineEndpoint):
         return sorted(broken + [p for p in self._peers - self._rank_peers if not self.sender.connected(p)])
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      target: HandoffTarget, resume: Resume | None = None) -> PrefillOutcome:
+                      target: HandoffTarget | None, resume: Resume | None = None) -> PrefillOutcome:
+        """Prefill one request and send it to `target`; None: the router reserved nowhere, since
+        the request ends at its first token (the outcome then carries its output)."""
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters[request_id] = waiter
         self._targets[request_id] = target
@@ -172,8 +174,10 @@ class PrefillWorker(EngineEndpoint):
         ready, self._deferred = self._deferred + engine.take_handoffs(), []
         for handoff in ready:
             target = self._targets.get(handoff.request_id)
-            if target is None or handoff.request_id not in engine.requests:  # aborted meanwhile
+            if target is None or handoff.request_id not in engine.requests:  # aborted, or nowhere to go
                 engine.finish_handoff(handoff.request_id, "aborted")
+                self._resolve(handoff.request_id, PrefillOutcome(
+                    handoff.request_id, False, error="no decode worker holds room for this request"))
                 continue
             if target.ranks > 1 or target.receiver in self._rank_peers:
                 self._ship_by_rank(engine, handoff, target)

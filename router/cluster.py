@@ -298,6 +298,13 @@ class Cluster(ElasticPools):
         """Place the attempt; True when it is split across a prefill and a decode worker."""
         wid, ids, params, resume = tracked.worker_id, tracked.prompt_ids, tracked.params, tracked.resume()
         hashes = self._block_hashes(ids + tracked.tokens)
+        if params.max_tokens - len(tracked.tokens) <= 1:
+            # Its one token left comes from the prefill: nothing to decode, so no reservation,
+            # no hand-off, and nothing on a decode worker to race the request's end.
+            prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
+            tracked.prefill_outcome = asyncio.get_running_loop().create_future()
+            self._spawn(self._prefill(prefill, None, tracked, wid, None, resume, charge))
+            return True
         decode, cached = self.workers.pick_decode(tracked.num_tokens, hashes, self.config.local_prefill_tokens)
         life = decode.incarnation
         self.workers.owner[wid] = (decode, life)
@@ -349,6 +356,7 @@ class Cluster(ElasticPools):
         await self.workers.abort_everywhere(wid)
 
     async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
+        """Run the attempt's prefill; `decode` holds its reservation (None: it finishes here)."""
         waiter, life, outcome = tracked.prefill_outcome, prefill.incarnation, None
         try:
             call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
@@ -364,18 +372,24 @@ class Cluster(ElasticPools):
                 waiter.set_result(outcome if handed_off else None)
         if handed_off:
             return
-        with contextlib.suppress(Exception):  # free the reservation
-            await asyncio.wait_for(decode.handle.abort.remote(wid, error), 10)
+        # The attempt's end goes to the caller before the reservation is released: the decode
+        # worker reports the released reservation as a failed hand-off, and that report must
+        # find the attempt over, not be taken for a broken hand-off and retried.
         if outcome is not None and outcome.output is not None and outcome.output.error is None:
             self._deliver(wid, outcome.output)  # finished at its first token on the prefill worker
         else:
             self._deliver(wid, Failure(error or "prefill failed", retryable))
+        if decode is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(decode.handle.abort.remote(wid, error), 10)
 
     async def _while_prefill_queued(self, call, prefill, decode, wid: str):
         """Await the prefill call. The decode worker's reservation waits transfer_timeout_s for
         its hand-off; while the prefill worker is making progress (its step count moves) but has
         not begun this hand-off, a long prefill queue is not a stalled hand-off, so the router
         restarts that wait. A stuck prefill worker or a hand-off that began times out as before."""
+        if decode is None:  # no reservation to keep
+            return await call
         task = asyncio.ensure_future(call)
         period = self.config.transfer_timeout_s / 3
         steps = prefill.stats.get("steps")

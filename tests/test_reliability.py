@@ -463,3 +463,63 @@ def test_soak_with_cancellations_and_a_worker_kill(rcluster):
     cancelled = sum(r == "cancelled" for r in results.values())
     print(f"\nsoak: {SOAK_REQUESTS} requests ({cancelled} cancelled) in {took:.1f} s, "
           f"{handle.retries - retries} retried after the kill, 0 wrong, 0 hung, 0 leaked")
+
+
+ONE_TOKEN_SOAK = int(os.environ.get("SPLITSERVE_ONE_TOKEN_SOAK", "600"))
+
+
+def test_requests_that_end_at_their_first_token_never_hand_off_retry_or_fail(rcluster):
+    """max_tokens 1, and requests whose first token is a stop token, finish on the prefill
+    worker: no hand-off, no retry, no error, nothing held (a race with the reservation's
+    release once turned some into HTTP 500s). Mixed with longer requests, at concurrency 1 to
+    32, some cancelled; ONE_TOKEN_SOAK requests (SPLITSERVE_ONE_TOKEN_SOAK; 2,000 for the full run)."""
+    handle, path, hf = rcluster
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(1, 40))] for _ in range(24)]
+    solo = LLM(path, block_size=4)
+    first = [solo.generate([p], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0] for p in prompts]
+    handoffs_before = sum(ray.get(w.handle.stats.remote())["handoff_count"] for w in handle.workers.prefill)
+    retries = handle.retries
+
+    def kind_of(i):  # (max_tokens, stop at the first token?)
+        return [(1, False), (1, False), (2, False), (5, True), (7, False)][i % 5]
+
+    async def one(i, limit):
+        which = rng.randrange(len(prompts))
+        max_tokens, stop_first = kind_of(i)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not stop_first,
+                                stop_token_ids=[first[which]] if stop_first else [])
+        cancel_after = rng.uniform(0, 0.05) if rng.random() < 0.05 else None
+        async with limit:
+            task = asyncio.ensure_future(collect(handle, f"one-{i}", prompts[which], params))
+            if cancel_after is not None:
+                await asyncio.sleep(cancel_after)
+                task.cancel()
+            try:
+                seen, final = await asyncio.wait_for(task, 60)
+            except asyncio.CancelledError:
+                return "cancelled"
+        if final.error is not None:
+            return f"error: {final.error}"
+        expected = 1 if max_tokens == 1 or stop_first else max_tokens
+        if len(final.token_ids) != expected or final.token_ids[0] != first[which]:
+            return f"tokens {final.token_ids} for max_tokens {max_tokens}"
+        return "ok"
+
+    async def run(concurrency, count, start):
+        limit = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*(one(start + i, limit) for i in range(count)))
+
+    results, start = [], 0
+    for concurrency in (1, 4, 32):
+        count = ONE_TOKEN_SOAK // 3
+        results += asyncio.run(run(concurrency, count, start))
+        start += count
+    bad = [r for r in results if r not in ("ok", "cancelled")]
+    assert not bad, f"{len(bad)} of {len(results)} failed, e.g. {bad[:3]}"
+    assert handle.retries == retries, f"{handle.retries - retries} retries"
+    wait_idle(handle, 30)
+    assert not handle._requests and not handle._attempts and not handle.workers.owner
+    handoffs = sum(ray.get(w.handle.stats.remote())["handoff_count"] for w in handle.workers.prefill) - handoffs_before
+    longer = sum(1 for i in range(start) if kind_of(i)[0] > 1 and not kind_of(i)[1])
+    assert handoffs <= longer, f"{handoffs} hand-offs for {longer} requests that decode"
