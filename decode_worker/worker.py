@@ -3,8 +3,8 @@
 A request arrives in two steps: `reserve` (blocks + state slot held, WAITING_FOR_STATE,
 receiver told to expect it), then the prefill worker's hand-off lands and the request starts
 decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
-rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows
-(engine.tp.staging). Outputs of every step, for all requests, leave in one `poll` reply.
+rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows; a GPU worker
+on a host-side wire (shm, gloo) receives into host staging rows (engine.staging). Outputs of every step, for all requests, leave in one `poll` reply.
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 
@@ -21,7 +21,7 @@ from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankHandoffs
 from engine.tp.ray_ranks import RayRanks
-from engine.tp.staging import HandoffStaging
+from engine.staging import HandoffStaging, staging_device
 from kvtransfer import HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
 
@@ -32,13 +32,15 @@ class DecodeWorker(EngineEndpoint):
         # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
         launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
         engine = LLMEngine(EngineConfig(model=model, mode="decode", output_kind="delta", **engine_options), launcher)
-        self.staging = HandoffStaging(engine) if engine.tp is not None else None
-        self._reservations: dict[str, Reservation] = {}  # tensor-parallel: where staging rows go
+        wire = make_transport(transport)
+        where = staging_device(engine, wire.devices)  # None: the wire moves the engine's own rows
+        self.staging = HandoffStaging(engine, where) if where is not None else None
+        self._reservations: dict[str, Reservation] = {}  # staged hand-offs: where the rows go
         self._slow_reservations = (0, 0.0)  # fault injection: (count, seconds) before reserving
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
-        self.receiver = make_transport(transport).receiver(name, self.cache_tensors, self.transfer_config)
+        self.receiver = wire.receiver(name, self.cache_tensors, self.transfer_config)
         self.ranks = engine.tp.group.size if engine.tp is not None else 1
         self.rank_receivers = (RankHandoffs(engine, transport, "receiver", name, self.transfer_config)
                                if self.ranks > 1 else None)
@@ -90,7 +92,7 @@ class DecodeWorker(EngineEndpoint):
             staged = self.staging.take(request_id, len(reservation.block_ids))
             if staged is None:  # the router waits for room, as for a full cache
                 engine.cancel_reservation(request_id)
-                raise MemoryError("tensor-parallel hand-off staging rows are all in use")
+                raise MemoryError("hand-off staging rows are all in use")
             self._reservations[request_id] = reservation
             return self._target(request_id, staged.blocks, staged.slot)
 
@@ -165,7 +167,7 @@ class DecodeWorker(EngineEndpoint):
             reservation = self._reservations.pop(result.request_id, None)
             if request is not None and request.status is RequestStatus.WAITING_FOR_STATE:
                 if result.ok:
-                    if reservation is not None:  # tensor-parallel: staging rows -> every rank's rows
+                    if reservation is not None:  # staging rows -> the request's rows (on every rank)
                         self.staging.scatter(self.staging.held[result.request_id],
                                              engine.blocks.blocks_needed(result.num_tokens),
                                              reservation.block_ids, reservation.slot)

@@ -16,13 +16,14 @@ from kvtransfer.layout import BLOCK, SLOT, CacheEntry, CacheLayout, CacheTensors
 from kvtransfer.messages import GlooOffer, HandoffResult, HandoffTarget, NcclOffer, ShmOffer
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender, OutgoingHandoff
-from kvtransfer.transport import TRANSPORTS, Transport, default_cpu_transport, make_transport
+from kvtransfer.transport import (TRANSPORTS, Transport, check_transport, choose_transport, default_cpu_transport,
+                                  make_transport)
 
 __all__ = [
     "BLOCK", "SLOT", "CacheEntry", "CacheLayout", "CacheTensors", "TensorSpec",
     "TransferConfig", "HandoffTarget", "HandoffResult", "GlooOffer", "NcclOffer", "ShmOffer",
     "HandoffSender", "HandoffReceiver", "OutgoingHandoff",
-    "TRANSPORTS", "Transport", "make_transport", "default_cpu_transport", "nccl",
+    "TRANSPORTS", "Transport", "make_transport", "default_cpu_transport", "check_transport", "choose_transport", "nccl",
     "TransferError", "LayoutMismatchError", "HandoffTimeoutError", "HandoffAbortedError",
     "ChannelClosedError", "WireError", "WireTimeoutError",
 ]

@@ -31,8 +31,8 @@ class EngineEndpoint:
         self.engine = engine
         if getattr(engine, "tp", None) is not None:
             engine.tp.on_rank_lost = self._rank_lost
-        # What the wire reads and writes: the engine's cache, or a tensor-parallel worker's
-        # un-sharded staging rows (engine.tp.staging).
+        # What the wire reads and writes: the engine's cache, or staging rows (engine.staging:
+        # a GPU cache over a host-side wire, a tensor-parallel worker's un-sharded rows).
         cache = handoff_cache if handoff_cache is not None else engine.cache
         self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors())
         self.transfer_config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=node_ip())

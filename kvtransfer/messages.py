@@ -66,6 +66,7 @@ class GlooOffer:
 class NcclOffer:
     receiver: str
     unique_id: bytes = field(repr=False)
+    device_uuid: str = ""  # the receiver's GPU: a sender on the same one is refused (NCCL would be)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """A ctypes binding to libnccl.so.2: pairwise communicators without torch.distributed.
 
-The library comes from the nvidia-nccl-cu12 wheel (nvidia/nccl/lib/libnccl.so.2), else
-the system loader; KVTRANSFER_NCCL_LIBRARY names another file. Loading, the version, a
+The library comes from the nvidia-nccl-cu12 or -cu13 wheel (both install
+nvidia/nccl/lib/libnccl.so.2; a CUDA build of torch brings the one it matches), else the
+system loader; KVTRANSFER_NCCL_LIBRARY names another file. Loading, the version, a
 unique id and error strings need no GPU. The caller carries the unique id from one side
 to the other (Ray in the cluster); both then call NcclCommunicator(...) at the same time.
 """
@@ -73,7 +74,7 @@ class NcclLibrary:
         try:
             self._lib = ctypes.CDLL(self.path)
         except OSError as error:
-            raise OSError(f"cannot load NCCL from {self.path!r} (pip install nvidia-nccl-cu12): {error}") from None
+            raise OSError(f"cannot load NCCL from {self.path!r} (install the nvidia-nccl-cu12 or -cu13 wheel that matches torch's CUDA, or name a libnccl.so.2 in KVTRANSFER_NCCL_LIBRARY): {error}") from None
         for name, (restype, argtypes) in _SIGNATURES.items():
             function = getattr(self._lib, name)
             function.restype, function.argtypes = restype, argtypes

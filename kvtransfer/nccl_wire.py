@@ -118,13 +118,26 @@ class NcclWire:
                 pass
 
 
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_distinct_devices(sender: str, sender_uuid: str, receiver: str, receiver_uuid: str) -> None:
+    """NCCL refuses two ranks of one communicator on one GPU, and would say so only as an
+    opaque error at the first hand-off: refuse the pairing, naming both workers."""
+    if sender_uuid and sender_uuid == receiver_uuid:
+        raise ValueError(f"nccl: sender {sender} and receiver {receiver} share GPU {sender_uuid}, which NCCL "
+                         "refuses; give each worker whole GPUs of its own, or use shm or gloo (staged "
+                         "through host memory)")
+
+
 class NcclReceiver(HandoffReceiver):
     transport, devices = "nccl", ("cuda",)
 
     def accept(self, peer: str) -> NcclOffer:
         unique_id = load_library().unique_id()
         threading.Thread(target=self._join, args=(peer, unique_id), name=f"kvtransfer-nccl-accept-{peer}", daemon=True).start()
-        return NcclOffer(self.name, unique_id)
+        return NcclOffer(self.name, unique_id, device_uuid(self.cache.device))
 
     def _join(self, peer: str, unique_id: bytes) -> None:
         join_as_receiver(self, peer, lambda: NcclWire(
@@ -137,5 +150,6 @@ class NcclSender(HandoffSender):
     def _open_channel(self, peer: str, offer: NcclOffer) -> StreamSenderChannel:
         if not isinstance(offer, NcclOffer) or offer.receiver != peer:
             raise ValueError(f"expected an NcclOffer from receiver {peer!r}, got {offer!r}")
+        check_distinct_devices(self.name, device_uuid(self.cache.device), peer, offer.device_uuid)
         wire = NcclWire(NcclCommunicator(offer.unique_id, SENDER_RANK, 2, self.cache.device), SENDER_RANK)
         return join_as_sender(self, peer, wire)

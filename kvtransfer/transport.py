@@ -19,6 +19,11 @@ class Transport:
     sender_class: type
     receiver_class: type
 
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Cache device types this transport moves in place (others go through staging rows)."""
+        return self.sender_class.devices
+
     def sender(self, name: str, cache: CacheTensors, config: TransferConfig | None = None, on_done: OnDone | None = None) -> HandoffSender:
         return self.sender_class(name, cache, config, on_done)
 
@@ -43,9 +48,37 @@ def make_transport(kind: str) -> Transport:
 
 
 def default_cpu_transport(same_node: bool) -> str:
-    """What the cluster uses between two CPU workers.
+    """What the cluster uses between two CPU workers (or GPU workers that share GPUs).
 
     shm on one node: it copies each byte once, straight into the reserved blocks, and
     measured well above Gloo over loopback (docs/kvtransfer.md); gloo across nodes.
     """
     return "shm" if same_node else "gloo"
+
+
+def whole_gpus(gpus_per_worker: float) -> bool:
+    """Each worker holds whole GPUs of its own: Ray never gives two of them the same device."""
+    return gpus_per_worker >= 1 and float(gpus_per_worker).is_integer()
+
+
+def check_transport(requested: str, gpus_per_worker: float) -> None:
+    """Refuse at start a transport that cannot move these workers' caches."""
+    if requested not in ("auto", *TRANSPORTS):
+        raise ValueError(f"transport: {requested!r} not in auto, {', '.join(TRANSPORTS)}")
+    if requested != "nccl" or whole_gpus(gpus_per_worker):
+        return
+    if not gpus_per_worker:
+        raise ValueError("transport nccl moves GPU caches, and these workers run on CPU (gpus_per_worker=0): "
+                         "use shm or gloo")
+    raise ValueError(f"transport nccl with gpus_per_worker={gpus_per_worker}: two workers may share one GPU, "
+                     "and NCCL refuses two ranks on one device; give each worker whole GPUs "
+                     "(gpus_per_worker=1) or use shm or gloo, which stage GPU caches through host memory")
+
+
+def choose_transport(requested: str, gpus_per_worker: float, same_node: bool) -> str:
+    """"auto": nccl between workers that hold whole GPUs of their own; otherwise shm on one
+    node and gloo across nodes (GPU caches then go through host staging rows, engine.staging)."""
+    check_transport(requested, gpus_per_worker)
+    if requested != "auto":
+        return requested
+    return "nccl" if whole_gpus(gpus_per_worker) else default_cpu_transport(same_node)

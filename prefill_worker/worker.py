@@ -5,7 +5,8 @@ the engine batches and chunks prompts like any engine; once a prompt's first tok
 sampled, its KV rows, recurrent state and the token go out through kvtransfer, and the blocks
 and slot are freed only when the transport reports it can no longer read them. A
 tensor-parallel worker sends to a decode worker of its own TP size rank to rank
-(engine.tp.rank_handoffs), to any other through rank 0's staging rows (engine.tp.staging).
+(engine.tp.rank_handoffs), to any other through rank 0's staging rows; a GPU worker on a
+host-side wire (shm, gloo) sends through host staging rows (engine.staging).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.request import Resume
 from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankHandoffs, RankOffers
 from engine.tp.ray_ranks import RayRanks
-from engine.tp.staging import HandoffStaging
+from engine.staging import HandoffStaging, staging_device
 from kvtransfer import HandoffResult, HandoffTarget, make_transport
 from kvtransfer.engine_endpoint import EngineEndpoint
 
@@ -48,9 +49,11 @@ class PrefillWorker(EngineEndpoint):
         # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
         launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
         engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options), launcher)
-        self.staging = HandoffStaging(engine) if engine.tp is not None else None
+        wire = make_transport(transport)
+        where = staging_device(engine, wire.devices)  # None: the wire moves the engine's own rows
+        self.staging = HandoffStaging(engine, where) if where is not None else None
         super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
-        self.sender = make_transport(transport).sender(name, self.cache_tensors, self.transfer_config,
+        self.sender = wire.sender(name, self.cache_tensors, self.transfer_config,
                                                        on_done=self._handoff_done)
         self.ranks = engine.tp.group.size if engine.tp is not None else 1
         self.rank_senders = (RankHandoffs(engine, transport, "sender", name, self.transfer_config)
@@ -61,7 +64,7 @@ class PrefillWorker(EngineEndpoint):
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
-        self._deferred: list[Handoff] = []  # tensor-parallel: waiting for staging rows
+        self._deferred: list[Handoff] = []  # waiting for staging rows
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
@@ -183,7 +186,7 @@ class PrefillWorker(EngineEndpoint):
                 self._ship_by_rank(engine, handoff, target)
                 continue
             blocks, slot = handoff.block_ids, handoff.slot
-            if self.staging is not None:  # the wire carries the un-sharded rows, gathered on rank 0
+            if self.staging is not None:  # the wire reads staging rows (engine.staging)
                 staged = self.staging.take(handoff.request_id, len(blocks))
                 if staged is None:
                     self._deferred.append(handoff)

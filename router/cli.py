@@ -142,7 +142,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="tensor-parallel ranks per prefill worker (CPU ranks; docs/tensor-parallel.md)")
     serve.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks per decode worker")
     serve.add_argument("--transport", default="auto", choices=["auto", "shm", "gloo", "nccl"],
-                       help="hand-off transport (auto: shm on one node, gloo across nodes)")
+                       help="hand-off transport (auto: nccl when each worker holds whole GPUs, else shm on one node, "
+                            "gloo across nodes; shm and gloo stage GPU caches through host memory)")
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or host:port)")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--http-port", type=int, default=8000)

@@ -28,6 +28,7 @@ from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
+from kvtransfer.transport import check_transport
 from router.backend import ModelInfo, Overloaded, Unavailable
 from router.autoscaler import AutoscaleConfig
 from router.placement import PlacementConfig
@@ -49,7 +50,7 @@ class ClusterConfig:
     model: str
     prefill: int = 1
     decode: int = 1
-    transport: str = "auto"  # "auto": shm when every worker shares one node, else gloo
+    transport: str = "auto"  # "auto": nccl between whole GPUs, else shm on one node, gloo across nodes
     address: str | None = None  # None: start a local Ray; "auto" or host:port: join one
     engine_options: dict = field(default_factory=dict)
     # One kind's block size when it differs from engine_options' (hand-offs re-block: kvtransfer/grid.py)
@@ -86,8 +87,7 @@ class ClusterConfig:
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"need at least one worker of each kind, got prefill={self.prefill} "
                              f"decode={self.decode}")
-        if self.transport not in ("auto", "shm", "gloo", "nccl"):
-            raise ValueError(f"transport: {self.transport!r} not in auto, shm, gloo, nccl")
+        check_transport(self.transport, self.placement.gpus_per_worker)
         if self.local_prefill_tokens < 0 or self.max_queued < 1:
             raise ValueError("local_prefill_tokens must be >= 0 and max_queued >= 1")
         if self.max_retries < 0 or self.retry_wait_s < 0 or self.max_restarts < -1:

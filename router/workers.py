@@ -9,6 +9,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from kvtransfer.transport import choose_transport
 from router.backend import Unavailable
 from router.placement import place_workers, remove_groups
 from router.prefix_routing import PrefixIndex
@@ -106,7 +107,7 @@ class WorkerSet:
 
         nodes = set().union(*(_group_nodes(g) for g in groups))
         if self.transport == "auto":
-            self.transport = "shm" if len(nodes) == 1 else "gloo"
+            self.transport = choose_transport("auto", placement.gpus_per_worker, same_node=len(nodes) == 1)
         elif self.transport == "shm" and self.prefill and nodes - {w.node_id for w in self.prefill + self.decode}:
             remove_groups(groups)
             self._groups = [g for g in self._groups if g not in groups]

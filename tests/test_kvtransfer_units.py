@@ -241,3 +241,31 @@ def test_no_model_family_is_named_where_state_travels():
                 if pattern.search(line):
                     offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_auto_picks_nccl_only_between_whole_gpus_and_refuses_nccl_on_shared_ones():
+    from kvtransfer.transport import check_transport, choose_transport
+
+    assert choose_transport("auto", 0, same_node=True) == "shm"
+    assert choose_transport("auto", 0, same_node=False) == "gloo"
+    assert choose_transport("auto", 0.5, same_node=True) == "shm"  # two workers may share a GPU: staged
+    assert choose_transport("auto", 1, same_node=True) == "nccl"
+    assert choose_transport("auto", 2.0, same_node=False) == "nccl"
+    assert choose_transport("auto", 1.5, same_node=False) == "gloo"
+    assert choose_transport("gloo", 1, same_node=True) == "gloo"  # asked for: staged through host memory
+    with pytest.raises(ValueError, match=r"gpus_per_worker=0.5: two workers may share one GPU"):
+        check_transport("nccl", 0.5)
+    with pytest.raises(ValueError, match="run on CPU"):
+        check_transport("nccl", 0)
+    with pytest.raises(ValueError, match="transport: 'tcp' not in"):
+        check_transport("tcp", 0)
+    check_transport("nccl", 1)
+
+
+def test_an_nccl_pair_on_one_gpu_is_refused_naming_both():
+    from kvtransfer.nccl_wire import check_distinct_devices
+
+    check_distinct_devices("prefill-0", "GPU-a", "decode-0", "GPU-b")
+    check_distinct_devices("prefill-0", "", "decode-0", "")  # an older offer without a device
+    with pytest.raises(ValueError, match="sender prefill-0 and receiver decode-0 share GPU GPU-a"):
+        check_distinct_devices("prefill-0", "GPU-a", "decode-0", "GPU-a")

@@ -12,7 +12,7 @@ import pytest
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.tp.staging import HandoffStaging
+from engine.staging import HandoffStaging
 from tests.test_handoff_engine import judged_and_freed
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Hand-offs of a tensor-parallel worker, through rank 0, in the un-sharded layout.
+"""Hand-offs of a tensor-parallel worker, through rank 0, in the un-sharded layout (the rows
+that engine.staging.HandoffStaging moves between the ranks and its staging cache).
 
 The wire carries every request in the un-sharded layout, so prefill and decode workers of any
 TP sizes (1->2, 2->1, 2->2) pass the same layout handshake over every transport, and the bytes
@@ -18,21 +19,10 @@ issues them (engine.tp.ranks), on its engine thread.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache
+from engine.cache import BLOCK_ROLE, ModelCache
 from engine.tp.plan import model_shards
-
-STAGING_REQUESTS = 4
-
-
-@dataclass
-class Staged:
-    blocks: list[int]
-    slot: int | None
-
 
 def shard_indices(full_spec, size: int, device="cpu") -> dict[str, list[tuple[int, torch.Tensor]]]:
     """Per hand-off tensor name, per rank: (axis of a selected-rows tensor, un-sharded indices).
@@ -84,55 +74,3 @@ def scatter_rows(group, cache: ModelCache, index, full: list[torch.Tensor] | Non
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         mine.append(group.scatter_from_first(parts, out))
     write_local(cache, mine, blocks, slot)
-
-
-class HandoffStaging:
-    """Rank 0's staging cache and its bookkeeping (engine thread only)."""
-
-    def __init__(self, engine, requests: int = STAGING_REQUESTS):
-        config, spec = engine.config, engine.model.full_spec
-        self.engine, self.group = engine, engine.tp.group
-        self.index = shard_indices(spec, self.group.size, engine.cache.device)
-        blocks_each = -(-engine.max_model_len // config.block_size) if spec.attention_layers else 0
-        slots = requests if spec.state_layers else 0
-        self.cache = ModelCache(spec, CacheSizes(requests * blocks_each, slots, 0, 0), config.block_size,
-                                config.torch_dtype, config.device)
-        self.free_blocks = list(range(requests * blocks_each))
-        self.free_slots = list(range(slots))
-        self.held: dict[str, Staged] = {}
-
-    def take(self, request_id: str, num_blocks: int) -> Staged | None:
-        """Staging rows for a request, or None when they are all in use."""
-        if not self.cache.spec.attention_layers:
-            num_blocks = 0  # block tables are bookkeeping only: nothing to move
-        has_state = bool(self.cache.spec.state_layers)
-        if len(self.free_blocks) < num_blocks or (has_state and not self.free_slots):
-            return None
-        blocks = [self.free_blocks.pop() for _ in range(num_blocks)]
-        slot = self.free_slots.pop() if has_state else None
-        self.held[request_id] = Staged(blocks, slot)
-        return self.held[request_id]
-
-    def give_back(self, request_id: str) -> None:
-        staged = self.held.pop(request_id, None)
-        if staged is not None:
-            self.free_blocks += staged.blocks
-            if staged.slot is not None:
-                self.free_slots.append(staged.slot)
-
-    def gather(self, staged: Staged, blocks: list[int], slot: int | None) -> None:
-        """Prefill side: the request's rows from every rank into its staging rows."""
-        self.engine.tp.send("gather", blocks, slot)
-        parts = gather_rows(self.group, self.engine.cache, blocks, slot)
-        full = local_rows(self.cache, staged.blocks, staged.slot)  # shaped like the request's rows
-        for (name, *_), by_rank, rows in zip(self.cache.handoff_tensors(), parts, full):
-            for rank, (axis, idx) in enumerate(self.index[name]):
-                rows.index_copy_(axis, idx, by_rank[rank])
-        write_local(self.cache, full, staged.blocks, staged.slot)
-
-    def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:
-        """Decode side: landed staging rows into the request's own rows on every rank."""
-        full = local_rows(self.cache, staged.blocks[:num_blocks], staged.slot)
-        shapes = [r.shape for r in full]
-        self.engine.tp.send("scatter", shapes, blocks[:num_blocks], slot)
-        scatter_rows(self.group, self.engine.cache, self.index, full, shapes, blocks[:num_blocks], slot)
