@@ -15,8 +15,8 @@ on its own, so nothing of it reaches a real row.
 
 Capture is refused with a reason, and the step stays eager, when the decode step would
 synchronise with the host (`capture_blockers`); any other capture failure is logged and
-falls back to eager too. None of this has run on a GPU yet: on CPU only the eager static
-path runs (tests/test_static_decode.py).
+falls back to eager too. On CPU only the eager static path runs (tests/test_static_decode.py);
+scripts/gpu_check.py captures and replays on a GPU.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import torch
 
 from engine.kernels import uses_triton
 from engine.models import ForwardBatch, HybridLM
-from engine.models.layers import SparseMoE
-from engine.models.nemotron_moe import NemotronMoE
 from engine.phase import Phase
 
 if TYPE_CHECKING:
@@ -38,11 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Modules whose forward reads device data on the host (dispatch_experts: bincount().tolist()
-# sizes its per-expert loop), which a CUDA graph cannot capture.
-HOST_SYNCING_MODULES = (SparseMoE, NemotronMoE)
-
-
 def padded_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with static buffers (and graphs): 1, 2, 4, then every multiple of 8, and
     max_num_seqs itself; a step pads to the smallest size that holds it."""
@@ -50,12 +43,10 @@ def padded_sizes(max_num_seqs: int) -> list[int]:
 
 
 def capture_blockers(model: HybridLM, device: torch.device) -> list[str]:
-    """Why the decode step of `model` on `device` cannot be captured; empty when it can."""
+    """Why the decode step of `model` on `device` cannot be captured; empty when it can. MoE
+    layers capture: on CUDA they dispatch without reading counts on the host
+    (engine.models.expert_dispatch); tests/test_decode_host_reads.py holds every family to it."""
     reasons = []
-    syncing = sorted({type(m).__name__ for m in model.modules() if isinstance(m, HOST_SYNCING_MODULES)})
-    if syncing:
-        reasons.append(f"{', '.join(syncing)}: expert dispatch reads per-expert token counts on "
-                       "the host (engine.models.layers.dispatch_experts)")
     if model.spec.attention_layers and not uses_triton(torch.empty(0, device=device)):
         reasons.append("decode attention without Triton reads context_lens.max() on the host")
     return reasons

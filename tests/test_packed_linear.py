@@ -150,7 +150,8 @@ def test_all_experts_in_one_call_equal_the_expert_loop(tokens, inter, monkeypatc
     first), the whole layer as one call bit for bit the layer's chain
     of kernels, and F.linear's result to float rounding; counts that do not fit are refused."""
     from engine.kernels import cpu
-    from engine.models.layers import SparseMoE, _expert_ranges
+    from engine.models.expert_dispatch import expert_ranges as _expert_ranges
+    from engine.models.layers import SparseMoE
     from engine.models.packed_linear import silu_experts
 
     torch.manual_seed(tokens)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, native, uses_cpu_kernel
+from engine.models.expert_dispatch import dispatch_experts
 from engine.models.packed_linear import (fused_linear, linear, pack_fused, pack_per_expert, panel_pointers,
                                          silu_experts)
 
@@ -184,7 +185,8 @@ class SparseMoE(nn.Module):
             weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
             if self.normalize_top_k:
                 weights = weights / weights.sum(-1, keepdim=True)
-        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert)
+        return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert,
+                                (self.gate_up, self.down, self._between))
 
     def _runs_in_one_call(self, x: torch.Tensor) -> bool:
         return self.fits_one_call() and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad
@@ -211,6 +213,10 @@ class SparseMoE(nn.Module):
         self.panel_pointers = panel_pointers(self.packed) if self.packed else None
         return 2 * self.num_experts if self.packed else 0
 
+    def _between(self, projected: torch.Tensor) -> torch.Tensor:
+        gate, up = projected.chunk(2, dim=-1)
+        return self.act(gate) * up
+
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.packed[expert] if self.packed else (None, None)
         projected = linear(x, self.gate_up[expert], None, gate_up)
@@ -218,46 +224,6 @@ class SparseMoE(nn.Module):
         if self.act is F.silu and uses_cpu_kernel(projected):
             return linear(cpu.silu_mul_cpu(gate, up), self.down[expert], None, down)
         return linear(self.act(gate) * up, self.down[expert], None, down)
-
-
-def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     num_experts: int, expert_fn) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_fn(experts[t, k], x[t]) for every token t, with each hit
-    expert run once over exactly the tokens routed to it (no capacity, nothing dropped).
-
-    Each (token, k) pick's weighted output is copied to its own row of a [T, k, hidden] buffer
-    and the k rows summed: copies, not index_add_, whose CPU kernel runs 2-50x slower at these
-    sizes (it parallelises a few KB of work). For top_k <= 2 the sum equals the sequential one
-    bit for bit (addition is commutative). On CPU in float32 one C++ pass groups the picks
-    (engine.kernels.cpu.moe_group_cpu), the outputs stay grouped by expert and one C++ pass
-    weights, gathers and sums them (moe_combine_cpu)."""
-    tokens, top_k = experts.shape
-    if uses_cpu_kernel(x) and uses_cpu_kernel(weights):  # grouped in one pass; one weighted gather-sum
-        counts, token_of_row, position = cpu.moe_group_cpu(experts, num_experts)
-        routed = x.index_select(0, token_of_row)
-        grouped = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype)
-        for expert, start, end in _expert_ranges(counts):
-            grouped[start:end] = expert_fn(expert, routed[start:end])
-        return cpu.moe_combine_cpu(grouped, position, weights)
-    flat_experts = experts.flatten()
-    order = torch.argsort(flat_experts, stable=True)
-    counts = torch.bincount(flat_experts, minlength=num_experts).tolist()
-    routed = x.index_select(0, order // top_k)  # inputs grouped by expert
-    flat_weights = weights.flatten().index_select(0, order)
-    picks = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    for expert, start, end in _expert_ranges(counts):
-        y = expert_fn(expert, routed[start:end])
-        picks.index_copy_(0, order[start:end], (y * flat_weights[start:end, None]).to(x.dtype))
-    return picks.view(tokens, top_k, -1).sum(dim=1)
-
-
-def _expert_ranges(counts: list[int]):
-    """(expert, start, end) of each hit expert's rows in the expert-grouped order."""
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            yield expert, start, start + count
-            start += count
 
 
 class RotaryEmbedding(nn.Module):

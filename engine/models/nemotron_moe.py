@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.checkpoint import ConfigReader
-from engine.models.layers import activation, dispatch_experts
+from engine.models.expert_dispatch import dispatch_experts
+from engine.models.layers import activation
 from engine.models.packed_linear import linear, pack_per_expert
 
 
@@ -98,7 +99,8 @@ class NemotronMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
         inner = self.fc1_latent(x) if self.fc1_latent is not None else x
-        routed = dispatch_experts(inner, experts, weights.to(inner.dtype), self.num_experts, self._expert)
+        routed = dispatch_experts(inner, experts, weights.to(inner.dtype), self.num_experts, self._expert,
+                                  (self.up, self.down, self.act))
         if self.fc2_latent is not None:
             routed = self.fc2_latent(routed)
         return routed + self.shared(x)
