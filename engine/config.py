@@ -18,7 +18,7 @@ OUTPUT_KINDS = ("cumulative", "delta")
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (recurrent state is float32 either way)
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 64  # running sequences at once = Mamba state slots
@@ -26,6 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max positions, capped at 8192
     num_kv_blocks: int | None = None  # overrides the count derived from cache_memory_bytes
     cache_memory_bytes: int = 1 << 30  # KV blocks + state slots are carved from this at start
+    # CUDA: size the cache from this share of the device's memory instead, after the weights
+    # and the largest step (engine.memory_profile); ignored on CPU, where cache_memory_bytes is.
+    gpu_memory_utilization: float | None = None
     mode: str = "colocated"  # "prefill" / "decode": one half of a disaggregated pair
     seed: int = 0
     # False: on CUDA, decode-only steps replay a CUDA graph per padded batch size, captured at
@@ -54,8 +57,12 @@ class EngineConfig:
         self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
         if not Path(self.model).is_dir():
             raise ValueError(f"model: {self.model!r} is not a directory")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} not in {sorted(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} not in {['auto', *sorted(_DTYPES)]}")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
+                                        or not 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {utilization!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "cache_memory_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -88,6 +95,11 @@ class EngineConfig:
             raise ValueError(f"mode: {self.mode!r} not in {ENGINE_MODES}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {self.device!r} requested but CUDA is not available")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if device.type == "cuda" else "float32"
+        if device.type == "cuda" and self.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"dtype: bfloat16 is not supported on {torch.cuda.get_device_name(device)}; "
+                             "use float16 or float32")
 
     @property
     def num_prefix_checkpoints(self) -> int:

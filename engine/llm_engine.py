@@ -87,9 +87,14 @@ class LLMEngine:
             self.tokenizer = None
         self.eos_token_ids = list(self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
-        sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
-                           self.max_model_len, config.cache_memory_bytes, config.num_kv_blocks,
-                           config.num_prefix_checkpoints)
+        try:
+            sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
+                               self.max_model_len, self._cache_bytes(), config.num_kv_blocks,
+                               config.num_prefix_checkpoints)
+        except ValueError as e:
+            if config.gpu_memory_utilization is None or not config.device.startswith("cuda"):
+                raise
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: {e}") from None
         self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
         if self.tp is not None:
             self.tp.send("cache", sizes, self.max_model_len)
@@ -107,6 +112,29 @@ class LLMEngine:
         self.num_steps = 0  # steps that ran something: proof of progress for the router
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
+
+    def _cache_bytes(self) -> int:
+        """cache_memory_bytes, or on CUDA with gpu_memory_utilization what the device has left
+        for the cache after the weights and a profile of the largest step."""
+        config = self.config
+        if config.gpu_memory_utilization is None or not config.device.startswith("cuda") or self.tp is not None:
+            return config.cache_memory_bytes
+        import torch
+
+        from engine import memory_profile
+
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        memory = memory_profile.measure(self.model, self.spec, config.torch_dtype, config.block_size, tokens,
+                                        torch.device(config.device))
+        budget = memory_profile.cache_budget(memory, config.gpu_memory_utilization)
+        log.info("gpu_memory_utilization %.2f: %.2f GiB for the cache (device %.1f GiB, weights and peak step "
+                 "%.2f GiB)", config.gpu_memory_utilization, budget / 2**30, memory.total / 2**30,
+                 (memory.peak - memory.profile_cache) / 2**30)
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: the weights and the largest "
+                             f"step already take {(memory.peak - memory.profile_cache) / 2**30:.2f} GiB of "
+                             f"{memory.total / 2**30:.1f} GiB; raise it or lower max_num_batched_tokens")
+        return budget
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""

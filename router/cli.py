@@ -81,6 +81,8 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
                                         ("num_kv_blocks", args.num_kv_blocks),
                                         ("max_model_len", args.max_model_len),
                                         ("revision", args.revision),
+                                        ("dtype", args.dtype),
+                                        ("gpu_memory_utilization", args.gpu_memory_utilization),
                                         ("prefix_checkpoints", args.prefix_checkpoints)) if v is not None}
     if args.enable_prefix_caching:
         engine_options["enable_prefix_caching"] = True
@@ -187,6 +189,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-num-seqs", type=int, default=None)
     serve.add_argument("--num-kv-blocks", type=int, default=None)
     serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                       help="weights, activations and KV cache (auto: bfloat16 on GPU workers, float32 on CPU "
+                            "ones); recurrent state stays float32")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                       help="GPU workers: size the cache from this share of each GPU's memory, after the "
+                            "weights and the largest step (default: a fixed 1 GiB cache)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -252,8 +252,11 @@ def test_serve_flags_match_the_worker_groups(variant):
     cluster = _one(RAYCLUSTERS[variant])
     flags = _serve_args(cluster)
     allowed = {"address", "model", "prefill", "decode", "transport", "grpc-port", "http-port", "host",
-               "gpus-per-worker", "prefill-tp", "decode-tp"}
+               "gpus-per-worker", "prefill-tp", "decode-tp", "dtype", "gpu-memory-utilization"}
     assert set(flags) <= allowed, set(flags) - allowed
+    # GPU workers serve bf16 with the cache sized from each GPU's memory, not float32 in 1 GiB.
+    assert (flags.get("dtype"), flags.get("gpu-memory-utilization")) == {"cuda": ("bfloat16", "0.9"),
+                                                                         "cpu": (None, None)}[variant]
     assert flags["address"] == "auto" and flags["host"] == "0.0.0.0"
     assert flags["grpc-port"] == "50051" and flags["http-port"] == "8000"
     assert flags["transport"] == {"cuda": "nccl", "cpu": "gloo"}[variant]
@@ -446,6 +449,8 @@ def test_rayservice_runs_the_serve_app_with_options_matching_the_worker_groups(v
     model, launch, _ = parse_options(app["args"])  # the builder's own parsing: the args are valid
     assert launch["transport"] == {"cuda": "nccl", "cpu": "gloo"}[variant]
     assert launch["gpus_per_worker"] == {"cuda": 1.0, "cpu": 0.0}[variant]
+    assert (launch["dtype"], launch.get("gpu_memory_utilization")) == {"cuda": ("bfloat16", 0.9),
+                                                                       "cpu": ("auto", None)}[variant]
     assert (model or "").startswith("/models/") if variant == "cuda" else model is None
     cluster = {"spec": service["spec"]["rayClusterConfig"]}
     assert (launch["prefill_tp"], launch["decode_tp"]) == {"cuda": (2, 1), "cpu": (1, 1)}[variant]

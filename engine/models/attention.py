@@ -134,7 +134,7 @@ class PagedAttention(nn.Module):
 
     def _attend_one(self, q, keys, values, context):
         """q: [n, H, D] for the last n positions of a sequence whose cache holds `context` tokens."""
-        if cpu_kernels_ready() and all(map(cpu.rows_of_heads, (q, keys, values))):
+        if all(map(cpu.rows_of_heads, (q, keys, values))) and cpu_kernels_ready():  # the device first: no build on a GPU
             return cpu.prefill_attention_cpu(q, keys, values, self.scale, self.sliding_window)
         n = q.shape[0]
         mask = None

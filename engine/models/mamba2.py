@@ -94,7 +94,7 @@ class Mamba2Mixer(nn.Module):
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
-        norm, rows = self.norm, cpu_kernels_ready() and cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z)
+        norm, rows = self.norm, cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z) and cpu_kernels_ready()
         if rows and norm is not None and norm.norm_before_gate and type(norm) is GatedRMSNorm \
                 and norm.weight.dtype == torch.float32:  # y + x D, normed, then gated: one pass
             y = cpu.skip_norm_gate_cpu(y.view(tokens, self.d_ssm), x_rows, D, z, norm.weight, norm.group_size, norm.eps)

@@ -230,7 +230,7 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
     """
     channels, d_conv = weight.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    kernel = uses_cpu_kernel(conv_state) and x.dtype == torch.float32 and x.stride(-1) == 1
+    kernel = x.dtype == torch.float32 and x.stride(-1) == 1 and uses_cpu_kernel(conv_state)
     for row in batch.prefill_rows:
         start, end = batch.query_starts[row], batch.query_starts[row + 1]
         slot = batch.state_slots[row]
