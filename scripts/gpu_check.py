@@ -1,10 +1,23 @@
 #!/usr/bin/env python
-"""GPU check: the Triton kernel tests compiled on the GPU, a 1P1D generation, and a
-bandwidth micro-benchmark of each kernel, printed as tables. Budget: under 8 minutes on one GPU.
+"""GPU check: what the GPU path must do, checked on one GPU without Ray, in under 8 minutes.
 
-    python scripts/gpu_check.py [--transport nccl|gloo|shm] [--skip-tests] [--skip-e2e] [--skip-bench]
+    python scripts/gpu_check.py [--dry-run] [--steps env,kernels,...] [--report PATH]
 
-Exit status: 0 every check passed; 1 a check failed; 2 no CUDA device, nothing was checked.
+Steps (scripts/gpu_check_steps.py), each in its own process with its own time limit:
+  env       versions, compute capability; NCCL loaded, a unique id, a one-rank communicator,
+            a send/recv on a torch stream
+  kernels   the Triton kernel tests compiled; every kernel at realistic shapes in bf16 and
+            float32 against its reference (error, compile time) and the device's bandwidth
+  engine    LLM(cuda) in float32 and bf16 against LLM(cpu) on every zoo family, judged by the
+            tie rule, with a prompt longer than the step budget and a prefix-cache repeat;
+            no C++ CPU library built by a CUDA engine
+  graphs    CUDA-graph replay equal to eager bit for bit (dense and MoE hybrids)
+  handoff   a prefill worker handing off to a decode worker in another process on the same
+            GPU over staged shm, outputs equal to the colocated engine
+  speed     per layer kind, an 8k-token prefill and a batch-64 decode step against the floors
+            of bytes moved at the device's bandwidth and FLOPs at its matmul rate
+--dry-run runs every step's non-CUDA part on CPU (CI does). Prints one table, writes a JSON
+report. Exit status: 0 all passed; 1 a step failed; 2 no CUDA device (and not --dry-run).
 """
 
 from __future__ import annotations
@@ -18,206 +31,95 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-TESTS_LIMIT_S = 200
-E2E_LIMIT_S = 200
-BENCH_DEADLINE_S = 7 * 60  # no new benchmark case starts after this much total time
-PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self,"]
-MAX_TOKENS = 32
+LIMITS_S = {"env": 60, "engine": 150, "handoff": 100, "graphs": 100, "kernels": 170, "speed": 130}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transport", default=None,
-                        help="hand-off transport; default nccl with two or more GPUs, else gloo")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-e2e", action="store_true")
-    parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--e2e-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dry-run", action="store_true", help="the non-CUDA part of every step, on CPU")
+    parser.add_argument("--steps", default=",".join(LIMITS_S), help="comma-separated subset of the steps")
+    parser.add_argument("--report", default=None, help="JSON report path (default: gpu_check.json here)")
+    parser.add_argument("--budget", type=float, default=480.0,
+                        help="seconds for the whole check: a step gets its own limit or what is left")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-
+    if args.child:
+        return child(args.child, args.dry_run)
     import torch
 
-    if args.e2e_child:
-        return e2e_child(args.transport)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); nothing was "
-              "checked. The CPU side of the kernels is `TRITON_INTERPRET=1 python -m pytest -m triton`.")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible; nothing was checked (--dry-run checks the rest on CPU)")
         return 2
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = set(steps) - set(LIMITS_S)
+    if unknown:
+        parser.error(f"unknown steps {sorted(unknown)}; choose from {', '.join(LIMITS_S)}")
+    started, report = time.monotonic(), {"dry_run": args.dry_run, "steps": {}}
+    for step in steps:
+        left = args.budget - (time.monotonic() - started)
+        if left < 15:
+            report["steps"][step] = {"result": "FAIL", "summary": "not run: the time budget is spent", "seconds": 0}
+            continue
+        result = run_step(step, args.dry_run, min(LIMITS_S[step], left))
+        report["steps"][step] = result
+        print_result(step, result)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    rows = [[step, r["result"], r["summary"][:110], f"{r['seconds']:.0f}"] for step, r in report["steps"].items()]
+    print_table("gpu_check" + (" --dry-run (CPU)" if args.dry_run else ""), ["step", "result", "summary", "s"], rows)
+    print(f"gpu_check: {report['seconds']:.0f} s", flush=True)
+    Path(args.report or "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+    return 0 if all(r["result"] in ("PASS", "INFO") for r in report["steps"].values()) else 1
+
+
+def run_step(step: str, dry_run: bool, limit_s: float) -> dict:
+    """The step in a child process; its last stdout line is its JSON result."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", step] + (["--dry-run"] if dry_run else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     started = time.monotonic()
-    gpus = torch.cuda.device_count()
-    print(f"gpu_check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-          f"triton {_triton_version()}", flush=True)
-    checks = []
-    if not args.skip_tests:
-        checks.append(run_kernel_tests())
-    if not args.skip_e2e:
-        checks.append(run_e2e(args.transport or ("nccl" if gpus >= 2 else "gloo"), gpus))
-    if not args.skip_tests:
-        checks.append(run_tp_tests(gpus))
-    if not args.skip_bench:
-        checks.append(run_bench(started))
-    print_table("checks", ["check", "result", "detail"], checks)
-    print(f"gpu_check: {time.monotonic() - started:.0f} s", flush=True)
-    return 0 if all(row[1] in ("PASS", "INFO") for row in checks) else 1
-
-
-def run_kernel_tests():
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TRITON_INTERPRET", "SPLITSERVE_FORCE_TRITON", "SPLITSERVE_DISABLE_TRITON")}
-    env["SPLITSERVE_TRITON_ON_GPU"] = "1"  # tests/conftest.py otherwise selects the interpreter
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "triton", "-p", "no:cacheprovider",
-               str(ROOT / "tests" / "test_kernels.py"), str(ROOT / "tests" / "test_kernels_mamba2.py"),
-               str(ROOT / "tests" / "test_kernels_gdn.py"), str(ROOT / "tests" / "test_kernels_mamba1_scan.py")]
-    print("\n== kernel tests on the GPU (compiled, no interpreter):", " ".join(command[1:]), flush=True)
-    return _pytest_check("pytest -m triton (cuda)", command, env)
-
-
-def _pytest_check(name: str, command: list[str], env=None) -> list[str]:
-    """A pytest run as one row of the table: PASS only when something passed and it exited 0."""
     try:
-        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TESTS_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        return [name, "FAIL", f"timed out after {TESTS_LIMIT_S} s"]
-    lines = (done.stdout + done.stderr).strip().splitlines()
-    if done.returncode != 0:
-        print("\n".join(lines[-60:]))
-    summary = lines[-1] if lines else "no output"
-    passed = done.returncode == 0 and "passed" in summary
-    return [name, "PASS" if passed else "FAIL", summary.strip("= ")]
-
-
-def run_tp_tests(gpus: int):
-    """Two NCCL ranks of one engine, judged by transformers (NCCL refuses two ranks on one GPU)."""
-    if gpus < 2:
-        return ["TP=2 NCCL ranks", "INFO", "not run: needs two GPUs"]
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-               str(ROOT / "tests" / "test_tp_engine.py")]
-    print("\n== tensor-parallel ranks over NCCL:", " ".join(command[1:]), flush=True)
-    return _pytest_check("TP=2 NCCL ranks", command)
-
-
-def run_e2e(transport: str, gpus: int):
-    if gpus < 2 and transport == "nccl":
-        return ["1P1D generation", "FAIL", "transport nccl needs two GPUs (one per worker)"]
-    if gpus < 2:
-        print(f"\n== 1P1D generation: one GPU, so no pairwise NCCL hand-off (it needs two); using the "
-              f"fallback transport {transport!r}, both workers sharing the GPU", flush=True)
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+        output, code = done.stdout, done.returncode
+        stderr = done.stderr
+    except subprocess.TimeoutExpired as timeout:
+        output = timeout.stdout.decode() if isinstance(timeout.stdout, bytes) else (timeout.stdout or "")
+        stderr = timeout.stderr.decode() if isinstance(timeout.stderr, bytes) else (timeout.stderr or "")
+        code = None
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    if lines:
+        result = json.loads(lines[-1][len("RESULT "):])
+    elif code is None:
+        result = {"result": "FAIL", "summary": f"timed out after {limit_s:.0f} s"}
     else:
-        print(f"\n== 1P1D generation over {transport!r}, one GPU per worker", flush=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "--e2e-child", "--transport", transport]
+        result = {"result": "FAIL", "summary": f"exited {code} without a result"}
+    if result["result"] == "FAIL" or not lines:
+        result["log_tail"] = (output[-2500:] + "\n" + stderr[-2500:]).strip()
+    result["seconds"] = round(time.monotonic() - started, 1)
+    return result
+
+
+def child(step: str, dry_run: bool) -> int:
+    sys.path.insert(0, str(ROOT))
+    import traceback
+
+    from scripts import gpu_check_steps
+
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=E2E_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        return [f"1P1D generation ({transport})", "FAIL", f"timed out after {E2E_LIMIT_S} s"]
-    report = None
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("E2E "):
-            report = json.loads(line[4:])
-            break
-    if report is None:
-        print((done.stdout + done.stderr)[-4000:])
-        return [f"1P1D generation ({transport})", "FAIL", f"child exited {done.returncode} without a report"]
-    for key, value in report.items():
-        print(f"  {key}: {value}")
-    return [f"1P1D generation ({transport})", "PASS" if report["ok"] else "FAIL", report["summary"]]
-
-
-def e2e_child(transport: str) -> int:
-    """Runs in its own process so a hung Ray start cannot outlive the time limit."""
-    import torch
-
-    from engine import LLM, SamplingParams, demo_model_path
-    from router.cluster import launch
-
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    model = demo_model_path()
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of this function
-    report = {"ok": False, "transport": transport, "model": str(model)}
-    try:
-        started = time.monotonic()
-        gpus = torch.cuda.device_count()
-        cluster = launch(model, prefill=1, decode=1, transport=transport, address="local",  # own Ray, never a stray one
-                         gpus_per_worker=0.0 if gpus == 0 else 0.5 if gpus == 1 else 1.0)
-        try:
-            split = [out.token_ids for out in cluster.generate(PROMPTS, params)]
-            report["cluster_transport"] = getattr(cluster.workers, "transport", transport)
-        finally:
-            cluster.shutdown()
-        report["cluster_s"] = round(time.monotonic() - started, 1)
-        if gpus >= 4 and transport == "nccl":  # TP=2 prefill and decode workers, one GPU per rank
-            report["TP2->TP2 (rank to rank) == 1P1D"] = _tp_pair_agreement(model, params, split)
-        gpu_llm = LLM(model, device=device)
-        colocated = [out.token_ids for out in gpu_llm.generate(PROMPTS, params)]
-        os.environ["SPLITSERVE_DISABLE_TRITON"] = "1"  # same GPU run on the torch references
-        torch_only = [out.token_ids for out in gpu_llm.generate(PROMPTS, params)]
-        os.environ.pop("SPLITSERVE_DISABLE_TRITON")
-        cpu = [out.token_ids for out in LLM(model, device="cpu").generate(PROMPTS, params)]
-        same = sum(a == b for a, b in zip(split, colocated))
-        report[f"1P1D == LLM({device})"] = f"{same}/{len(PROMPTS)} prompts token-identical"
-        report[f"LLM({device}) kernels == torch refs"] = _agreement(colocated, torch_only)
-        report[f"LLM({device}) == LLM(cpu) (info)"] = _agreement(colocated, cpu)
-        report["ok"] = same == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in split)
-        report["summary"] = (f"{same}/{len(PROMPTS)} prompts x {MAX_TOKENS} tokens identical to "
-                             f"LLM({device}); cluster {report['cluster_s']} s")
+        result = getattr(gpu_check_steps, f"step_{step}")(dry_run)
     except Exception as error:  # reported, not raised: the parent prints the table either way
-        report["summary"] = f"{type(error).__name__}: {error}"[:300]
-    print("E2E " + json.dumps(report), flush=True)
+        result = {"result": "FAIL", "summary": f"{type(error).__name__}: {error}"[:300],
+                  "traceback": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(result, default=str), flush=True)
     return 0
 
 
-def _tp_pair_agreement(model, params, expected) -> str:
-    """Equal TP sizes hand off rank to rank over NCCL (engine.tp.rank_handoffs)."""
-    import ray
-
-    from router.cluster import launch
-
-    cluster = launch(model, prefill=1, decode=1, transport="nccl", address="local", gpus_per_worker=1.0,
-                     prefill_tp=2, decode_tp=2)
-    try:
-        tokens = [out.token_ids for out in cluster.generate(PROMPTS, params)]
-        stats = ray.get(cluster.workers.prefill[0].handle.stats.remote())
-    finally:
-        cluster.shutdown()
-    return (f"{_agreement(tokens, expected)}; {stats['handoffs_by_rank']} of {stats['handoff_count']} "
-            f"hand-offs rank to rank, {stats['handoff_failures']} failed")
-
-
-def _agreement(a, b) -> str:
-    tokens = sum(len(x) for x in a)
-    equal = sum(p == q for x, y in zip(a, b) for p, q in zip(x, y))
-    return f"{equal}/{tokens} tokens equal"
-
-
-def run_bench(started: float):
-    import torch
-
-    from engine.kernels import bench
-
-    print("\n== kernel micro-benchmark (bytes each call must move / mean time, cold L2)", flush=True)
-    device = torch.device("cuda")
-    try:
-        peak = bench.copy_bandwidth_gbps(device)
-    except Exception as error:
-        return ["kernel benchmark", "FAIL", f"copy benchmark: {type(error).__name__}: {error}"[:200]]
-    rows, failures = [], 0
-    for case in bench.all_cases(device):
-        if time.monotonic() - started > BENCH_DEADLINE_S:
-            rows.append([case.name, case.shape, "-", "-", "-", "-", "skipped: time budget"])
-            continue
-        try:
-            r = bench.run(case)
-        except Exception as error:
-            failures += 1
-            rows.append([case.name, case.shape, "-", "-", "-", "-", f"{type(error).__name__}: {error}"[:80]])
-            continue
-        rows.append([r.name, r.shape, f"{r.nbytes / 1e6:.1f}", f"{r.kernel_us:.1f}", f"{r.gbps():.0f}",
-                     f"{100 * r.gbps() / peak:.0f}%", f"{r.reference_us:.1f} ({r.reference_us / r.kernel_us:.1f}x)"])
-    print_table(f"kernels vs copy bandwidth {peak:.0f} GB/s (torch copy of 1 GiB, read + write)",
-                ["kernel", "shape", "MB", "triton us", "GB/s", "of copy", "torch ref us (speedup)"], rows)
-    return ["kernel benchmark", "INFO" if not failures else "FAIL",
-            f"copy {peak:.0f} GB/s; {len(rows) - failures}/{len(rows)} cases ran"]
+def print_result(step: str, result: dict) -> None:
+    print(f"\n== {step}: {result['result']} ({result['seconds']:.0f} s) {result['summary']}", flush=True)
+    for table in result.get("tables", []):
+        print_table(table["title"], table["header"], table["rows"])
+    if "log_tail" in result:
+        print(result["log_tail"])
+    if "traceback" in result:
+        print(result["traceback"])
 
 
 def print_table(title, header, rows):
@@ -228,14 +130,6 @@ def print_table(title, header, rows):
         if i == 0:
             print("  ".join("-" * w for w in widths))
     sys.stdout.flush()
-
-
-def _triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return "not installed"
-    return triton.__version__
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ out/2], the function between them); `dispatch_experts` picks the way by device, 
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
@@ -27,6 +28,8 @@ from engine.kernels import cpu, uses_cpu_kernel
 STATIC_ENV = "SPLITSERVE_STATIC_MOE"  # 1: the host-read-free ways on CPU tensors too (tests)
 DENSE_MAX_TOKENS = 512  # beyond, dense work costs more than the host read it saves
 DENSE_CHUNK_ELEMENTS = 1 << 24  # per matmul output: bounds the dense way's memory
+log = logging.getLogger(__name__)
+_refused: set[tuple] = set()  # (device type, dtype, weight shapes) torch._grouped_mm raised on
 
 
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
@@ -37,14 +40,22 @@ def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tens
     if stacked is not None and (x.is_cuda or os.environ.get(STATIC_ENV, "") not in ("", "0")):
         first, second, between = stacked
         if grouped_supported(x, first, second):
-            return grouped(x, experts, weights, first, second, between)
+            try:
+                return grouped(x, experts, weights, first, second, between)
+            except RuntimeError as error:  # a shape or build this torch's grouped GEMM refuses
+                _refused.add(_grouped_key(x, first, second))
+                log.warning("grouped expert GEMM refused (%s); experts run batched instead", error)
         if x.shape[0] <= DENSE_MAX_TOKENS:
             return dense(x, experts, weights, first, second, between)
     return by_expert_loop(x, experts, weights, num_experts, expert_fn)
 
 
+def _grouped_key(x, first, second) -> tuple:
+    return x.device.type, x.dtype, tuple(first.shape), tuple(second.shape)
+
+
 def grouped_supported(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> bool:
-    if not hasattr(torch, "_grouped_mm") or x.dtype != first.dtype:
+    if not hasattr(torch, "_grouped_mm") or x.dtype != first.dtype or _grouped_key(x, first, second) in _refused:
         return False
     widths = (first.shape[1], first.shape[2], second.shape[1], second.shape[2])
     if any(w * x.element_size() % 16 for w in widths):

@@ -1,0 +1,260 @@
+"""The Triton kernels at realistic shapes: each against its torch reference (error, compile
+time) and, on CUDA, against the device's memory bandwidth (scripts/gpu_check.py).
+
+Each case counts the bytes the operation must move at least (reads + writes of the tensors it
+touches); achieved GB/s = bytes / time, beside the bandwidth of a large device copy measured
+on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow released models:
+Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
+Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
+decode steps at batch 64-128 and one prefill of each recurrent kind. `scale` divides every
+size (the CPU dry run checks the same cases, small, under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
+from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
+from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
+from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
+from engine.kernels.row_copy import gather_rows_ref, gather_rows_triton, scatter_rows_ref, scatter_rows_triton
+from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
+from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
+from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
+
+
+@dataclass
+class Case:
+    name: str
+    shape: str
+    nbytes: int
+    kernel: Callable[[], object]
+    reference: Callable[[], object]
+    state: tuple[torch.Tensor, ...] = ()  # what both update in place (pools, out= buffers)
+    dtype: str = field(default="")
+
+
+@dataclass
+class Check:
+    case: Case
+    compile_s: float  # the kernel's first call: Triton's compile (or cache load) and one run
+    error: float  # max |kernel - reference| over outputs and updated state
+    scale: float  # max |reference| there
+
+    def ok(self) -> bool:
+        tolerance = 2e-2 if self.case.dtype == "bfloat16" else 2e-3
+        return self.error == self.error and self.error <= tolerance * max(1.0, self.scale)
+
+
+def check(case: Case) -> Check:
+    """Run the kernel, then the reference from the same inputs, and compare what each wrote."""
+    saved = [t.clone() for t in case.state]
+    sync = torch.cuda.synchronize if any(t.is_cuda for t in saved) else (lambda: None)
+    started = time.perf_counter()
+    got = _tensors(case.kernel()) + [t.clone() for t in case.state]
+    sync()
+    compile_s = time.perf_counter() - started
+    for tensor, before in zip(case.state, saved):
+        tensor.copy_(before)
+    want = _tensors(case.reference()) + [t.clone() for t in case.state]
+    error = scale = 0.0
+    for a, b in zip(got, want):
+        a, b = a.float(), b.float()
+        error = max(error, float((a - b).abs().max())) if a.numel() else error
+        scale = max(scale, float(b.abs().max())) if b.numel() else scale
+    return Check(case, compile_s, error, scale)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out.clone()]
+    return [t.clone() for t in out or () if isinstance(t, torch.Tensor)]
+
+
+def time_us(fn: Callable[[], object]) -> float:
+    """Mean time of one call with a cold L2 (triton.testing.do_bench flushes it between calls)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50) * 1e3
+
+
+def copy_bandwidth_gbps(device, nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (time_us(lambda: dst.copy_(src)) * 1e-6) / 1e9
+
+
+def _rand(device, dtype):
+    return lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+
+
+def mamba_cases(device, dtype, scale=1, batch=128, d_inner=8192, d_state=16, d_conv=4, length=2048):
+    batch, d_inner, length = max(2, batch // scale), max(32, d_inner // scale), max(16, length // scale)
+    act, item = _rand(device, dtype), torch.empty((), dtype=dtype).element_size()
+    slots = torch.randperm(2 * batch, device=device)[:batch]
+    ssm = torch.randn(2 * batch, d_inner, d_state, device=device)
+    conv = torch.randn(2 * batch, d_inner, d_conv, device=device)
+    x, z, dt = act(batch, d_inner), act(batch, d_inner), act(batch, d_inner).sigmoid()
+    B, C = act(batch, d_state), act(batch, d_state)
+    A = -torch.rand(d_inner, d_state, device=device)
+    D = torch.randn(d_inner, device=device)
+    weight, bias = act(d_inner, d_conv), act(d_inner)
+    ssm_bytes = 2 * batch * d_inner * d_state * 4 + 3 * batch * d_inner * item + batch * d_inner * 4 \
+        + d_inner * d_state * 4
+    conv_bytes = 2 * batch * d_inner * d_conv * 4 + 2 * batch * d_inner * item + d_inner * (d_conv + 1) * item
+    args, conv_args = (ssm, slots, x, dt, A, B, C), (conv, slots, x, weight, bias, "silu")
+    seqs = 4
+    tokens = seqs * length
+    sx, sB, sC = (act(tokens, width) for width in (d_inner, d_state, d_state))
+    sdt = torch.rand(tokens, d_inner, device=device) * 0.1
+    cu_seqlens = torch.arange(seqs + 1, device=device) * length
+    pool = torch.randn(2 * seqs, d_inner, d_state, device=device)
+    pool_slots = torch.randperm(2 * seqs, device=device)[:seqs]
+    h0 = pool.index_select(0, pool_slots)
+    y = torch.empty(tokens, d_inner, device=device)
+    scan_bytes = tokens * d_inner * (item + 4 + 4) + 2 * tokens * d_state * item + d_inner * d_state * 4 \
+        + 2 * seqs * d_inner * d_state * 4
+    scan_args, scan_kw = (sx, sdt, A, sB, sC, cu_seqlens, h0), dict(state=pool, slots=pool_slots, out=y)
+    return [
+        Case("selective_state_update", f"B={batch} D={d_inner} N={d_state} fused", ssm_bytes,
+             lambda: selective_state_update_triton(*args, D=D, z=z),
+             lambda: selective_state_update_ref(*args, D=D, z=z), (ssm,)),
+        Case("causal_conv1d_update", f"B={batch} D={d_inner} K={d_conv} silu", conv_bytes,
+             lambda: causal_conv1d_update_triton(*conv_args), lambda: causal_conv1d_update_ref(*conv_args), (conv,)),
+        Case("selective_scan_varlen", f"{seqs}x{length} tokens D={d_inner} N={d_state}", scan_bytes,
+             lambda: selective_scan_varlen_triton(*scan_args, **scan_kw),
+             lambda: selective_scan_varlen_ref(*scan_args, **scan_kw), (pool, y)),
+    ]
+
+
+def mamba2_cases(device, dtype, scale=1, batch=64, length=4096, heads=128, head_dim=64, d_state=128,
+                 groups=1, chunk_size=256):
+    batch, heads, length = max(2, batch // scale), max(2, heads // scale), max(16, length // scale)
+    chunk_size = min(chunk_size, length)
+    act, item = _rand(device, dtype), torch.empty((), dtype=dtype).element_size()
+    slots = torch.randperm(2 * batch, device=device)[:batch]
+    ssm = torch.randn(2 * batch, heads, head_dim, d_state, device=device)
+    x, dt = act(batch, heads, head_dim), act(batch, heads)
+    B, C = act(batch, groups, d_state), act(batch, groups, d_state)
+    A = -torch.rand(heads, device=device)
+    D, dt_bias = torch.randn(heads, device=device), torch.randn(heads, device=device)
+    out = torch.empty(batch, heads, head_dim, device=device)
+    update_bytes = 2 * batch * heads * head_dim * d_state * 4 + batch * heads * head_dim * (item + 4) \
+        + 2 * batch * groups * d_state * item
+    args = (ssm, slots, x, dt, A, B, C)
+    kw = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, 100.0))
+    sx, sB, sC = act(length, heads, head_dim), act(length, groups, d_state), act(length, groups, d_state)
+    sdt = torch.rand(length, heads, device=device) * 0.1
+    h0 = torch.randn(heads, head_dim, d_state, device=device)
+    scan_bytes = length * heads * head_dim * (item + 4) + 2 * length * groups * d_state * item \
+        + length * heads * 4 + 2 * h0.numel() * 4
+    scan = (sx, sdt, A, sB, sC, h0, chunk_size)
+    return [
+        Case("mamba2_state_update", f"B={batch} H={heads} P={head_dim} N={d_state} G={groups}", update_bytes,
+             lambda: mamba2_state_update_triton(*args, out=out, **kw), lambda: mamba2_state_update_ref(*args, **kw),
+             (ssm,)),
+        Case("ssd_chunk_scan", f"L={length} H={heads} P={head_dim} N={d_state} chunk={chunk_size}", scan_bytes,
+             lambda: ssd_chunk_scan_triton(*scan), lambda: ssd_chunk_scan_ref(*scan)),
+    ]
+
+
+def gdn_cases(device, dtype, scale=1, batch=64, length=4096, k_heads=16, heads=32, k_dim=128, v_dim=128,
+              chunk_size=64):
+    batch, length = max(2, batch // scale), max(16, length // scale)
+    k_heads, heads = max(1, k_heads // scale), max(2, heads // scale)
+    act, item = _rand(device, dtype), torch.empty((), dtype=dtype).element_size()
+    state = torch.randn(2 * batch, heads, k_dim, v_dim, device=device) * 0.1
+    slots = torch.randperm(2 * batch, device=device)[:batch]
+    q, k, v = act(batch, k_heads, k_dim), act(batch, k_heads, k_dim), act(batch, heads, v_dim)
+    g = -torch.rand(batch, heads, device=device)
+    beta = torch.rand(batch, heads, device=device)
+    step_bytes = 2 * batch * heads * k_dim * v_dim * 4 + batch * (2 * k_heads * k_dim + heads * v_dim) * item \
+        + batch * heads * v_dim * 4
+    sq, sk, sv = act(length, k_heads, k_dim), act(length, k_heads, k_dim), act(length, heads, v_dim)
+    sg, sbeta = -torch.rand(length, heads, device=device) * 0.1, torch.rand(length, heads, device=device)
+    h0 = torch.randn(heads, k_dim, v_dim, device=device) * 0.1
+    rule_bytes = length * (2 * k_heads * k_dim + heads * v_dim) * item + length * heads * v_dim * 4 + 2 * h0.numel() * 4
+    rule = (sq, sk, sv, sg, sbeta, h0, chunk_size)
+    step = (state, slots, q, k, v, g, beta)
+    return [
+        Case("gated_delta_step", f"B={batch} Hk={k_heads} Hv={heads} dk={k_dim} dv={v_dim}", step_bytes,
+             lambda: gated_delta_step_triton(*step), lambda: gated_delta_step_ref(*step), (state,)),
+        Case("chunk_gated_delta_rule", f"L={length} Hk={k_heads} Hv={heads} dk={k_dim} dv={v_dim}", rule_bytes,
+             lambda: chunk_gated_delta_rule_triton(*rule), lambda: chunk_gated_delta_rule_ref(*rule)),
+    ]
+
+
+def attention_case(device, dtype, scale=1, batch=64, context=4096, heads=32, kv_heads=8, head_dim=128,
+                   block_size=16):
+    batch, context = max(1, batch // scale), max(block_size, context // scale)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq)
+    lens = torch.full((batch,), context, device=device)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    nbytes = 2 * batch * context * kv_heads * head_dim * k_cache.element_size() + 2 * q.numel() * q.element_size()
+    return Case("paged_attention_decode",
+                f"B={batch} ctx={context} H={heads} KVH={kv_heads} Dh={head_dim} bs={block_size}", nbytes,
+                lambda: paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out=out),
+                lambda: paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, head_dim ** -0.5))
+
+
+def row_copy_cases(device, dtype, scale=1, rows=4096, row_shape=(16, 8, 128)):
+    rows = max(4, rows // scale)
+    cache = torch.randn(2 * rows, *row_shape, device=device, dtype=dtype)
+    ids = torch.randperm(2 * rows, device=device)[:rows]
+    packed = torch.empty(rows, *row_shape, device=device, dtype=dtype)
+    nbytes = 2 * packed.numel() * packed.element_size()
+    shape = f"{rows} blocks of {list(row_shape)}"
+    return [
+        Case("gather_rows", shape, nbytes, lambda: gather_rows_triton(cache, ids, out=packed),
+             lambda: gather_rows_ref(cache, ids, out=packed), (packed,)),
+        Case("scatter_rows", shape, nbytes, lambda: scatter_rows_triton(packed, ids, cache),
+             lambda: scatter_rows_ref(packed, ids, cache), (cache,)),
+    ]
+
+
+GROUPS = (
+    lambda d, t, s: mamba_cases(d, t, s),
+    lambda d, t, s: mamba2_cases(d, t, s),
+    lambda d, t, s: gdn_cases(d, t, s),
+    lambda d, t, s: [attention_case(d, t, s)],
+    lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
+    lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
+    lambda d, t, s: row_copy_cases(d, t, s),
+)
+
+
+def all_cases(device, dtype=torch.bfloat16, scale=1):
+    """Built one group at a time, so each group's tensors are freed before the next."""
+    for group in GROUPS:
+        for case in group(device, dtype, scale):
+            case.dtype = str(dtype).removeprefix("torch.")
+            yield case
+
+
+@dataclass
+class Result:
+    name: str
+    shape: str
+    nbytes: int
+    kernel_us: float
+    reference_us: float
+
+    def gbps(self) -> float:
+        return self.nbytes / (self.kernel_us * 1e-6) / 1e9
+
+
+def run(case: Case) -> Result:
+    result = Result(case.name, case.shape, case.nbytes, time_us(case.kernel), time_us(case.reference))
+    torch.cuda.synchronize()
+    return result
