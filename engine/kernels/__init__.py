@@ -105,10 +105,17 @@ def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None,
     return impl(x, dt, A, B, C, cu_seqlens, h0, rows=rows, state=state, slots=slots, out=out)
 
 
+def _prefill_scan_on_triton(tensor: torch.Tensor) -> bool:
+    """Our Triton SSD and Gated DeltaNet prefill kernels measured several times slower than the
+    chunked torch references on an H200 (docs/gpu.md), so CUDA runs the references until the
+    field's kernels replace both; SPLITSERVE_FORCE_TRITON=1 still picks ours (the A/B)."""
+    return uses_triton(tensor) and os.environ.get("SPLITSERVE_FORCE_TRITON", "0") not in ("", "0")
+
+
 def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     """Mamba2 prefill scan of one sequence from state h0; returns (y [L, H, P], h_L [H, P, N]).
     See engine.kernels.ssd_scan."""
-    if uses_triton(x):
+    if _prefill_scan_on_triton(x):
         return ssd_chunk_scan_triton(x, dt, A, B, C, h0, chunk_size)
     # x is often a view into the projection's output; the state says whether this is float32 on CPU.
     if uses_cpu_kernel(h0):  # the recurrence itself: on a CPU it is cheaper than the chunked form
@@ -126,7 +133,7 @@ def gated_delta_step(state, slots, q, k, v, g, beta):
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
     See engine.kernels.gdn_scan."""
-    if uses_triton(v):
+    if _prefill_scan_on_triton(v):
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)
