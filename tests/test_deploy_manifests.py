@@ -33,10 +33,22 @@ def _load_validate_module():
 validate = _load_validate_module()
 
 
+def crd_dir() -> Path:
+    """The KubeRay v1 CRDs the strict checks validate against. A user's clone has none beside
+    it: those checks skip, saying how to run them; CI sets SPLITSERVE_REQUIRE_CRDS=1 and fails."""
+    if CRD_DIR.is_dir():
+        return CRD_DIR
+    message = (f"KubeRay CRDs not found at {CRD_DIR}: set SPLITSERVE_KUBERAY_CRDS to a folder holding the "
+               "KubeRay v1 CRD YAMLs (ray.io_rayclusters.yaml, ray.io_rayservices.yaml, ray.io_rayjobs.yaml) "
+               "to run the strict schema checks")
+    if os.environ.get("SPLITSERVE_REQUIRE_CRDS", "") not in ("", "0"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 @pytest.fixture(scope="module")
 def validator():
-    assert CRD_DIR.is_dir(), f"KubeRay CRDs not found at {CRD_DIR} (set SPLITSERVE_KUBERAY_CRDS)"
-    return validate.ManifestValidator(CRD_DIR)
+    return validate.ManifestValidator(crd_dir())
 
 
 def _docs(path: Path) -> list[dict]:
@@ -105,7 +117,7 @@ def latest_validator():
     import kubernetes_validate
 
     latest = ".".join(kubernetes_validate.latest_version().split(".")[:2])
-    return validate.ManifestValidator(CRD_DIR, latest)
+    return validate.ManifestValidator(crd_dir(), latest)
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(REPO)))
@@ -207,7 +219,7 @@ def test_unknown_kind_is_an_error_not_a_pass(validator):
 
 def test_validate_cli_passes_on_the_repository():
     result = subprocess.run(
-        [sys.executable, str(REPO / "deploy" / "validate.py"), "--crds", str(CRD_DIR)],
+        [sys.executable, str(REPO / "deploy" / "validate.py"), "--crds", str(crd_dir())],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"{len(MANIFESTS)} file(s), 0 problem(s)" in result.stdout
