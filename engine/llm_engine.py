@@ -43,6 +43,7 @@ class Handoff:
     block_ids: list[int]
     slot: int
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: the wire carries none
 
 
 @dataclass
@@ -175,6 +176,10 @@ class LLMEngine:
                 raise InvalidRequest("resume", f"{len(done)} tokens already generated leave nothing to "
                                      f"generate (max_tokens {params.max_tokens}, context {self.max_model_len})")
             request.output_token_ids = list(done)
+        elif params.prompt_logprobs is not None:
+            if self.tp is not None:
+                raise InvalidRequest("prompt_logprobs", "not supported on a tensor-parallel engine yet")
+            request.prompt_logprobs = [None]  # the first prompt token follows nothing
         tracker = OutputTracker(request, self.tokenizer, self.eos_token_ids,
                                 self.max_model_len, resume.sent_chars if resume else 0,
                                 deltas=self.config.output_kind == "delta")
@@ -294,7 +299,7 @@ class LLMEngine:
             self._handoffs.append(Handoff(
                 request.request_id, request.num_computed_tokens, token_id, logprob,
                 list(self.blocks.table(request.request_id)), self.slots.slot_of[request.request_id],
-                request.num_cached_tokens or 0))
+                request.num_cached_tokens or 0, request.prompt_logprobs))
         return out
 
     def _fail(self, seqs: list[ScheduledSeq], message: str) -> list[RequestOutput]:

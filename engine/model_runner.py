@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import prompt_logprobs
 from engine.cache import ModelCache
 from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graphs import StaticDecode
 from engine.models import ForwardBatch, HybridLM
 from engine.phase import Phase
+from engine.prompt_logprobs import PromptLogprobPlan
 from engine.request import Request
 from engine.sampler import SampleResult, Sampler
 from engine.scheduler import ScheduledSeq
@@ -38,6 +40,7 @@ class HostBatch:
     # query_starts, context_lens and slots as Python lists where the builder had them (decode
     # steps), so the ForwardBatch's lists need no conversion back.
     row_lists: tuple[list[int], list[int], list[int]] | None = None
+    prompt_logprobs: PromptLogprobPlan | None = None  # rows whose prompt logprobs this step scores
 
 
 class SlotBlockTables:
@@ -172,7 +175,13 @@ class ModelRunner:
             self.static.capture()
 
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
-        return self.device_batch(host_batch(seqs, self.cache.block_size, self.block_tables))
+        return self.device_batch(self.host_batch(seqs))
+
+    def host_batch(self, seqs: list[ScheduledSeq]) -> HostBatch:
+        host = host_batch(seqs, self.cache.block_size, self.block_tables)
+        if host.row_lists is None:  # a step with prefill rows: some may want their prompt's logprobs
+            host.prompt_logprobs = prompt_logprobs.plan(seqs)
+        return host
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
         starts = host.query_starts[:-1]
@@ -196,6 +205,7 @@ class ModelRunner:
             block_tables=tables, kv_write_index=write_index, block_size=self.cache.block_size,
             logits_indices=logits_indices, decode_token_index=d_index, decode_slots=d_slots,
             decode_context_lens=d_lens, decode_block_tables=d_tables,
+            prompt_logprobs=host.prompt_logprobs.to(self.device) if host.prompt_logprobs is not None else None,
         )
 
     def check_state_reads(self, seqs: list[ScheduledSeq]) -> None:
@@ -216,12 +226,14 @@ class ModelRunner:
                 logits = self.static.run(host)
             else:
                 logits = self.model(self.device_batch(host), self.cache.layers)
-        elif self.tp is None:
-            logits = self.model(self.build_batch(seqs), self.cache.layers)
-        else:  # the other ranks build the same batch from the same host tensors
-            host = host_batch(seqs, self.cache.block_size, self.block_tables)
-            self.tp.send("forward", host)
-            logits = self.model(self.device_batch(host), self.cache.layers)
+        else:
+            host = self.host_batch(seqs)
+            if self.tp is not None:  # the other ranks build the same batch from the same host tensors
+                self.tp.send("forward", host)
+            batch = self.device_batch(host)
+            logits = self.model(batch, self.cache.layers)
+            if host.prompt_logprobs is not None:
+                prompt_logprobs.record(host.prompt_logprobs, batch.prompt_logprobs_result)
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
         return logits

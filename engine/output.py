@@ -26,6 +26,9 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # SamplingParams.prompt_logprobs: an entry per prompt token (the first None). A request's
+    # first output carries them; cumulative outputs carry them every time.
+    prompt_logprobs: list[dict | None] | None = None
 
     def delta(self, **changes) -> RequestOutput:
         """This output without what the request's earlier outputs carried (the prompt, and the
@@ -44,16 +47,20 @@ class Cumulative:
         self.token_ids: list[int] = []
         self._text = GrowingText()
         self.logprobs: list[dict] | None = [] if with_logprobs else None
+        self.prompt_logprobs: list[dict | None] | None = None
 
     @property
     def text(self) -> str:
         return self._text.whole()
 
-    def add(self, out: RequestOutput, first_logprob: dict | None = None, whole: bool = True) -> RequestOutput:
+    def add(self, out: RequestOutput, first_logprob: dict | None = None, whole: bool = True,
+            prompt_logprobs: list | None = None) -> RequestOutput:
         """`out` whole, or (whole=False) as a delta until the final output, which is whole: each
         step then costs what is new, not the output so far. An error adds nothing.
-        first_logprob: the entry of the first new token when it was sampled elsewhere (a split
-        request's, on the prefill worker)."""
+        first_logprob, prompt_logprobs: the first new token's entry and the prompt's when they
+        were computed elsewhere (a split request's, on the prefill worker)."""
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprobs or out.prompt_logprobs
         new_logprobs = out.new_logprobs
         if out.error is None:
             self.token_ids += out.new_token_ids
@@ -63,9 +70,9 @@ class Cumulative:
                 new_logprobs = ([first_logprob] if first_logprob is not None else []) + list(new_logprobs or [])
                 self.logprobs += new_logprobs
         if not (whole or out.finished):
-            return out.delta(new_logprobs=new_logprobs)
+            return out.delta(new_logprobs=new_logprobs, prompt_logprobs=prompt_logprobs or out.prompt_logprobs)
         return replace(out, prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
-                       text=self.text, new_logprobs=new_logprobs,
+                       text=self.text, new_logprobs=new_logprobs, prompt_logprobs=self.prompt_logprobs,
                        logprobs=list(self.logprobs) if self.logprobs is not None else None)
 
 
@@ -149,6 +156,7 @@ class OutputTracker:
         self.sent_tokens = request.num_output_tokens
         self.sent_text = min(max(sent_chars, 0), len(self._text))
         self.sent_logprobs = 0
+        self.sent_prompt_logprobs = False
 
     def append(self, token_id: int, logprob: dict | None) -> None:
         request = self.request
@@ -200,12 +208,15 @@ class OutputTracker:
         if self.logprobs is not None:
             new_logprobs = self.logprobs[self.sent_logprobs:]
             self.sent_logprobs += len(new_logprobs)
+        prompt_logprobs = request.prompt_logprobs
         if self.deltas:
             prompt, tokens, text, logprobs = [], [], "", None
+            if prompt_logprobs is not None:  # the first output carries them, once
+                prompt_logprobs, self.sent_prompt_logprobs = (None if self.sent_prompt_logprobs else prompt_logprobs), True
         else:
             prompt, tokens, text, logprobs = request.prompt_token_ids, list(outputs), self._text.whole(), self.logprobs
         return RequestOutput(
             request.request_id, prompt, tokens, text, finished, request.finish_reason,
             new_tokens, new_text, logprobs, new_logprobs, request.num_cached_tokens or 0, request.error,
-            request.arrival_time, request.first_token_time, request.finish_time,
+            request.arrival_time, request.first_token_time, request.finish_time, prompt_logprobs,
         )

@@ -71,6 +71,9 @@ class Request:
     save_points: list[int] = field(default_factory=list)
     rolling_checkpoint: bytes | None = None  # the decode-boundary checkpoint this request saved last
     num_cached_tokens: int | None = None
+    # sampling_params.prompt_logprobs: an entry per prompt token as far as computed (the first
+    # None); a resumed request's caller has them already, so it gets None here.
+    prompt_logprobs: list[dict | None] | None = None
     # Greedy, without logprobs or penalties: its token is the logits' argmax unless a grammar
     # masks them (engine.model_runner's sampling fast path; sampling_params do not change).
     argmax_only: bool = field(init=False)

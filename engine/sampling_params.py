@@ -76,6 +76,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; n: also the top n
+    # None: none; 0: each prompt token's logprob given the tokens before it (and its rank); n:
+    # also the top n there. The first output carries them; the first prompt token has none.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # engine.structured.StructuredOutput: the output must match it (checked when that is built)
     structured_output: object | None = None
@@ -139,6 +142,11 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequest("logprobs", f"must be in [0, {MAX_LOGPROBS}], "
                                      f"got {describe(self.logprobs)}")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _number("prompt_logprobs", self.prompt_logprobs, integer=True)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequest("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], "
+                                     f"got {describe(self.prompt_logprobs)}")
         if self.structured_output is not None:
             from engine.structured import StructuredOutput
 

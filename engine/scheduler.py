@@ -163,7 +163,9 @@ class Scheduler:
         return out
 
     def _lookup(self, request: Request):
-        if self.prefix_cache is None:
+        wants_prompt_logits = request.prompt_logprobs is not None and \
+            len(request.prompt_logprobs) < request.num_prompt_tokens
+        if self.prefix_cache is None or wants_prompt_logits:  # a cached block has no logits to give
             return None
         request.block_hashes = block_hashes(request.all_token_ids, self.blocks.block_size, request.block_hashes)
         hit = self.prefix_cache.lookup(request.block_hashes, request.num_tokens)

@@ -40,6 +40,7 @@ class PrefillOutcome:
     handoff_seconds: float = 0.0
     first_logprob: dict | None = None  # the wire carries the first token, not its logprobs
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, computed here
     retryable: bool = False  # failed in the plumbing (hand-off), not because of the request
 
 
@@ -246,7 +247,8 @@ class PrefillWorker(EngineEndpoint):
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
             handoff_seconds=result.elapsed_s, first_logprob=shipped.first_logprob if shipped else None,
-            num_cached_tokens=shipped.num_cached_tokens if shipped else 0, retryable=not result.ok))
+            num_cached_tokens=shipped.num_cached_tokens if shipped else 0,
+            prompt_logprobs=shipped.prompt_logprobs if shipped else None, retryable=not result.ok))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

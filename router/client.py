@@ -11,7 +11,7 @@ Failed calls raise grpc.RpcError (e.code(): INVALID_ARGUMENT, RESOURCE_EXHAUSTED
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -33,6 +33,7 @@ class Completion:
     usage: pb.Usage
     timings: pb.Timings
     logprobs: list[pb.TokenLogprob]
+    prompt_logprobs: list[pb.PromptTokenLogprob] = field(default_factory=list)  # with prompt_logprobs=n
 
 
 def finish_reason_name(value: int) -> str:
@@ -53,11 +54,13 @@ class CompletionBuilder:
 
     def __init__(self):
         self.text, self.token_ids, self.logprobs, self.final = [], [], [], None
+        self.prompt_logprobs = []
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.text.append(response.text)
         self.token_ids.extend(response.token_ids)
         self.logprobs.extend(response.logprobs)
+        self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finished:
             self.final = response
 
@@ -66,7 +69,8 @@ class CompletionBuilder:
             raise RuntimeError("the stream ended without a final message")
         f = self.final
         return Completion(f.request_id, "".join(self.text), self.token_ids,
-                          finish_reason_name(f.finish_reason), f.usage, f.timings, self.logprobs)
+                          finish_reason_name(f.finish_reason), f.usage, f.timings, self.logprobs,
+                          self.prompt_logprobs)
 
 
 def _credentials(tls_ca, tls: bool | None):

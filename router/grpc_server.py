@@ -180,7 +180,8 @@ class SplitServeServicer(pb_grpc.SplitServeServicer):
                         yield pb.GenerateResponse(request_id=request_id, token_ids=event.token_ids,
                                                   text=event.text,
                                                   logprobs=[_logprob_proto(t, lp) for t, lp in
-                                                            zip(event.token_ids, event.logprobs)])
+                                                            zip(event.token_ids, event.logprobs)],
+                                                  prompt_logprobs=_prompt_logprobs_proto(event))
                     elif event.finish_reason == "abort":
                         await context.abort(grpc.StatusCode.CANCELLED,
                                             f"request {request_id!r} was aborted")
@@ -284,6 +285,19 @@ class DeadlineWatch:
 def _logprob_proto(token_id: int, lp: dict) -> pb.TokenLogprob:
     top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.get("top", [])]
     return pb.TokenLogprob(token_id=token_id, logprob=lp["token"], top=top)
+
+
+def _prompt_logprobs_proto(event: Delta) -> list[pb.PromptTokenLogprob]:
+    if event.prompt_logprobs is None:
+        return []
+    out = []
+    for token_id, lp in zip(event.prompt_token_ids, event.prompt_logprobs):
+        if lp is None:
+            out.append(pb.PromptTokenLogprob(token_id=token_id))
+            continue
+        top = [pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.get("top", [])]
+        out.append(pb.PromptTokenLogprob(token_id=token_id, logprob=lp["token"], rank=lp["rank"], top=top))
+    return out
 
 
 def _final_proto(request_id: str, final, tools: ToolPlan | None = None) -> pb.GenerateResponse:

@@ -42,6 +42,13 @@ class _Shape:
     def first_chunk_choice(self) -> dict | None:
         return None
 
+    def usage(self, final: Final) -> dict:
+        return oa.usage_dict(final.usage)
+
+    def response_fields(self, final: Final) -> dict:
+        """Fields of the whole response beside its choices."""
+        return {}
+
 
 class CompletionShape(_Shape):
     object_name, chunk_object_name, id_prefix = "text_completion", "text_completion", "cmpl"
@@ -49,6 +56,7 @@ class CompletionShape(_Shape):
     def __init__(self, parsed: oa.ParsedRequest, tokenizer):
         super().__init__(parsed, tokenizer)
         self.text_offset = 0
+        self.echoed = False
 
     def _logprobs(self, token_ids, logprobs):
         if self.parsed.logprobs is None:
@@ -57,18 +65,54 @@ class CompletionShape(_Shape):
         self.text_offset += sum(len(t) for t in out["tokens"])
         return out
 
-    def _choice(self, text, token_ids, logprobs, finish_reason) -> dict:
+    def _choice(self, text, token_ids, logprobs, finish_reason, prompt=None) -> dict:
+        """prompt: (ids, entries) of the prompt, echoed before the completion (text and logprobs)."""
+        if self.parsed.score_only:  # max_tokens 0: the one token that ran is not the caller's
+            text, token_ids, logprobs = "", [], []
+        prompt_field = None
+        if prompt is not None:
+            ids, entries = prompt
+            if self.parsed.echo:
+                text = self._prompt_text(ids) + text
+                token_ids, logprobs = list(ids) + list(token_ids), list(entries or [None] * len(ids)) + list(logprobs)
+            if self.parsed.prompt_logprobs is not None and entries is not None:
+                prompt_field = oa.vllm_prompt_logprobs(self.tokenizer, ids, entries)
         choice = {"index": 0, "text": text, "logprobs": self._logprobs(token_ids, logprobs),
                   "finish_reason": finish_reason}
+        if self.parsed.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_field
         if self.parsed.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
 
+    def _prompt_text(self, ids: list[int]) -> str:
+        if isinstance(self.parsed.prompt, str):
+            return self.parsed.prompt
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _prompt_once(self, ids, entries):
+        if self.echoed or not (self.parsed.echo or self.parsed.prompt_logprobs is not None):
+            return None
+        self.echoed = True
+        return ids, entries
+
     def full(self, final: Final) -> dict:
-        return self._choice(final.text, final.token_ids, final.logprobs, final.finish_reason)
+        return self._choice(final.text, final.token_ids, final.logprobs,
+                            "length" if self.parsed.score_only else final.finish_reason,
+                            self._prompt_once(final.prompt_token_ids, final.prompt_logprobs))
 
     def chunk(self, delta: Delta) -> dict:
-        return self._choice(delta.text, delta.token_ids, delta.logprobs, None)
+        ids = delta.prompt_token_ids
+        if ids is None:  # no prompt logprobs asked for: the ids as sent (a text prompt echoes as sent)
+            ids = self.parsed.prompt if isinstance(self.parsed.prompt, list) else []
+        return self._choice(delta.text, delta.token_ids, delta.logprobs, None,
+                            self._prompt_once(ids, delta.prompt_logprobs))
+
+    def usage(self, final: Final) -> dict:
+        usage = oa.usage_dict(final.usage)
+        if self.parsed.score_only:
+            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+        return usage
 
     def last_chunk(self, final: Final) -> dict:
         return self._choice("", [], [], final.finish_reason)
@@ -110,6 +154,12 @@ class ChatShape(_Shape):
 
     def full(self, final: Final) -> dict:
         return self._with_tool_calls("message", final, final.token_ids, final.logprobs)
+
+    def response_fields(self, final: Final) -> dict:
+        if self.parsed.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": oa.vllm_prompt_logprobs(self.tokenizer, final.prompt_token_ids,
+                                                            final.prompt_logprobs or [])}
 
     def chunk(self, delta: Delta) -> dict | None:
         if self.buffered:
@@ -229,7 +279,7 @@ class OpenAIApp:
             if final is None:
                 return Response(status_code=499)  # nobody is listening; the request was aborted
             return JSONResponse(self._envelope(request_id, shape, shape.object_name, [shape.full(final)],
-                                               usage=oa.usage_dict(final.usage)))
+                                               usage=shape.usage(final), **shape.response_fields(final)))
         except Exception as e:
             return _error_for(e)
 
@@ -247,13 +297,13 @@ class OpenAIApp:
                 event = first
                 while True:
                     if isinstance(event, Final):
-                        usage = oa.usage_dict(event.usage)
+                        usage = shape.usage(event)
                         yield chunk([shape.last_chunk(event)], usage=usage)
                         if shape.parsed.include_usage_chunk:
                             yield chunk([], usage=usage)
                         break
                     piece = shape.chunk(event)
-                    if piece is not None and (event.text or shape.parsed.return_token_ids
+                    if piece is not None and (event.text or piece.get("text") or shape.parsed.return_token_ids
                                               or shape.parsed.logprobs is not None):
                         yield chunk([piece])  # else: text held back (or buffered), nothing to show yet
                     event = await events.__anext__()

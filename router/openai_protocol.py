@@ -23,7 +23,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "presence_penal
                    "stop_token_ids", "ignore_eos", "skip_special_tokens")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # field -> values that mean "not used"; anything else is refused rather than silently ignored
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
                "logit_bias": (None, {}), "functions": (None, [])}
 
 
@@ -40,6 +40,9 @@ class ParsedRequest:
     logprobs: int | None  # None: none; n: the chosen token's and the top n
     return_token_ids: bool  # extension: token ids next to the text
     tools: ToolPlan | None = None  # chat with tools: how to constrain and read tool calls
+    echo: bool = False  # completions: the prompt before the completion (text and logprobs)
+    score_only: bool = False  # completions max_tokens 0 with echo: run one token, return none of it
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs in its own shape
 
 
 def _structured(body, tools: ToolPlan | None = None) -> dict:
@@ -129,12 +132,30 @@ def parse_completion(body, info: ModelInfo) -> ParsedRequest:
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise InvalidRequest("logprobs", "must be an integer (how many top tokens to return)")
     stream = _flag(body, "stream")
+    echo = _flag(body, "echo")
+    score_only = body.get("max_tokens") == 0 and not isinstance(body.get("max_tokens"), bool)
+    if score_only:  # scoring the prompt: one token runs (the prefill samples it) and is not returned
+        if not echo:
+            raise InvalidRequest("max_tokens", "0 returns nothing but the prompt: it needs echo: true")
+        body = {**body, "max_tokens": 1}
     defaults = {} if body.get("max_tokens") is not None else {"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS}
     if body.get("tools") not in (None, []):
         raise InvalidRequest("tools", "not supported on /v1/completions; use /v1/chat/completions")
-    params = _sampling(body, logprobs=logprobs, **defaults, **_structured(body))
+    prompt_logprobs = _prompt_logprobs(body)
+    scored = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
+    params = _sampling(body, logprobs=logprobs, prompt_logprobs=max(scored) if scored else None,
+                       **defaults, **_structured(body))
     return ParsedRequest(prompt, params, stream, _stream_options(body, stream), params.logprobs,
-                         _flag(body, "return_token_ids"))
+                         _flag(body, "return_token_ids"), echo=echo, score_only=score_only,
+                         prompt_logprobs=prompt_logprobs)
+
+
+def _prompt_logprobs(body) -> int | None:
+    """vLLM's prompt_logprobs extension: how many top tokens at each prompt position."""
+    value = body.get("prompt_logprobs")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise InvalidRequest("prompt_logprobs", "must be an integer (how many top tokens to return)")
+    return value
 
 
 def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
@@ -155,11 +176,13 @@ def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
     stream = _flag(body, "stream")
     # No max_tokens: up to the end of the context, as OpenAI does.
     defaults = {} if body.get("max_tokens") is not None else {"max_tokens": info.max_model_len - len(ids)}
+    prompt_logprobs = _prompt_logprobs(body)
     with _renamed({"max_tokens": max_tokens_name, "logprobs": "top_logprobs"}):
-        params = _sampling(body, logprobs=logprobs, **defaults, **_structured(body, tools))
+        params = _sampling(body, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **defaults,
+                           **_structured(body, tools))
         check_max_tokens(len(ids), params.max_tokens, info.max_model_len)
     return ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
-                         _flag(body, "return_token_ids"), tools)
+                         _flag(body, "return_token_ids"), tools, prompt_logprobs=prompt_logprobs)
 
 
 # ---------------------------------------------------------------- responses
@@ -180,17 +203,34 @@ def token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict], offset: int = 0) -> dict:
-    """The legacy completions shape: parallel lists, one entry per token."""
+def completion_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict | None], offset: int = 0) -> dict:
+    """The legacy completions shape: parallel lists, one entry per token (None for the first
+    token of an echoed prompt, which follows nothing)."""
     tokens, values, tops, offsets = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs):
         text = token_text(tokenizer, token_id)
         tokens.append(text)
-        values.append(lp["token"])
-        tops.append({token_text(tokenizer, t): v for t, v in lp.get("top", [])})
+        values.append(lp["token"] if lp is not None else None)
+        tops.append({token_text(tokenizer, t): v for t, v in lp.get("top", [])} if lp is not None else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[dict | None]) -> list[dict | None]:
+    """vLLM's prompt_logprobs shape: per prompt token None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt's own token and the top n there."""
+    out = []
+    for token_id, lp in zip(prompt_ids, entries):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = {token_id: (lp["token"], lp["rank"])}
+        for rank, (t, v) in enumerate(lp.get("top", []), start=1):
+            ranked.setdefault(t, (v, rank))
+        out.append({str(t): {"logprob": v, "rank": r, "decoded_token": token_text(tokenizer, t)}
+                    for t, (v, r) in ranked.items()})
+    return out
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict]) -> dict:

@@ -28,6 +28,10 @@ class Delta:
     token_ids: list[int]
     text: str
     logprobs: list[dict] = field(default_factory=list)  # {"token": lp, "top": [(id, lp)]} per token
+    # The first delta of a request with SamplingParams.prompt_logprobs: the prompt's ids and an
+    # entry per prompt token ({"token": lp, "rank": r, "top": [...]}; the first None).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Final:
     time_to_first_token_s: float
     time_per_output_token_s: float
     e2e_s: float
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class ServingCore:
@@ -129,8 +134,9 @@ class ServingCore:
                 if out.finished and out.finish_reason == "error":
                     outcome = "error"
                     raise GenerationFailed(out.error or "the backend failed this request")
-                if new or out.new_text:
-                    yield Delta(new, out.new_text, list(out.new_logprobs or []))
+                if new or out.new_text or out.prompt_logprobs is not None:
+                    yield Delta(new, out.new_text, list(out.new_logprobs or []),
+                                ids if out.prompt_logprobs is not None else None, out.prompt_logprobs)
                 if out.finished:
                     outcome = out.finish_reason or "stop"
                     yield self._final(out, start, first_token_at, now)
@@ -177,5 +183,6 @@ class ServingCore:
         m.prompt_tokens.inc(usage.prompt_tokens)
         m.generation_tokens.inc(usage.completion_tokens)
         return Final(out.request_id, out.finish_reason or "stop", usage, list(out.prompt_token_ids),
-                     list(out.token_ids), out.text, list(out.logprobs or []), ttft, tpot, now - start)
+                     list(out.token_ids), out.text, list(out.logprobs or []), ttft, tpot, now - start,
+                     out.prompt_logprobs)
 

@@ -76,20 +76,22 @@ class Tracked:
 
     async def delivered(self, out: RequestOutput) -> RequestOutput:
         """The worker's output (a delta: RequestOutput.delta) as the caller must see it, whole,
-        recorded as delivered. A split attempt's first token with logprobs and its last output
-        wait for the prefill worker's report: the decode worker never saw the first token's
-        logprob, nor how much of the prompt the prefill worker's cache supplied."""
+        recorded as delivered. A split attempt's first token with logprobs (of it or of the
+        prompt) and its last output wait for the prefill worker's report: the decode worker never
+        saw those logprobs, nor how much of the prompt the prefill worker's cache supplied."""
         first_token = out.error is None and bool(out.new_token_ids) and self.tokens_this_attempt == 0
+        wants_prefill_side = self.params.logprobs is not None or self.params.prompt_logprobs is not None
         prefill = None
         if self.prefill_outcome is not None and out.error is None and (
-                out.finished or (first_token and self.params.logprobs is not None) or self.prefill_outcome.done()):
+                out.finished or (first_token and wants_prefill_side) or self.prefill_outcome.done()):
             prefill = await self.prefill_outcome
         if out.error is None and out.new_token_ids:
             self.tokens_this_attempt += len(out.new_token_ids)
             if self.first_token_time is None:
                 self.first_token_time = out.first_token_time or time.monotonic()
         first_logprob = prefill.first_logprob if first_token and prefill is not None else None
-        out = self.so_far.add(out, first_logprob, self.whole)
+        prompt_logprobs = prefill.prompt_logprobs if first_token and prefill is not None else None
+        out = self.so_far.add(out, first_logprob, self.whole, prompt_logprobs)
         out.request_id = self.request_id
         if prefill is not None:
             out.num_cached_tokens = prefill.num_cached_tokens

@@ -135,7 +135,10 @@ CASES = {
     "skip-special-tokens-string": http_only("skip_special_tokens", "no"),
     "stream-string": http_only("stream", "yes"),
     "stream-options-not-object": http_only("stream_options", True),
-    "echo-unsupported": http_only("echo", True),
+    "echo-string": http_only("echo", "yes"),
+    "suffix-unsupported": http_only("suffix", "x"),
+    "prompt-logprobs-negative": http_only("prompt_logprobs", -1),
+    "prompt-logprobs-string": http_only("prompt_logprobs", "2"),
     "model-not-string": http_only("model", 5),
     "unknown-model": Case("model", body(model="gpt-17"), status=404),
     # chat

@@ -246,3 +246,24 @@ def test_concurrent_streams_are_independent(client, idle_backend):
     for t in threads:
         t.join()
     assert results == [alone] * 4
+
+
+def test_prompt_logprobs_come_in_the_first_message(stub, idle_backend, model_factory):
+    import torch
+
+    from tests.oracle import hf_logits
+
+    ids = [5, 9, 13, 200, 17, 42]
+    first, *_ = generate(stub, ids, max_tokens=2, prompt_logprobs=1, **GREEDY)
+    entries = list(first.prompt_logprobs)
+    assert [e.token_id for e in entries] == ids and not entries[0].HasField("logprob")
+    ref = torch.log_softmax(hf_logits(model_factory("jamba")[1], ids).double(), dim=-1)
+    for i in range(1, len(ids)):
+        assert abs(entries[i].logprob - float(ref[i - 1, ids[i]])) <= 1e-4
+        assert entries[i].rank >= 1 and len(entries[i].top) == 1
+
+
+def test_the_python_client_collects_prompt_logprobs(client, idle_backend):
+    done = client.generate([5, 9, 13, 200], max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    assert [e.token_id for e in done.prompt_logprobs] == [5, 9, 13, 200]
+    assert all(e.logprob <= 0 and e.rank >= 1 for e in done.prompt_logprobs[1:])

@@ -198,3 +198,71 @@ def test_http_disconnect_before_a_whole_answer_aborts(server, idle_backend, long
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
     wait_idle(idle_backend)
+
+
+# ---------------------------------------------------------------- scoring a prompt (lm-eval's loglikelihood)
+
+def _reference_logprobs(model_factory, ids):
+    import torch
+
+    from tests.oracle import hf_logits
+
+    _, hf = model_factory("jamba")  # the API model's weights (tests.test_api_support.make_api_model)
+    return torch.log_softmax(hf_logits(hf, ids).double(), dim=-1)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(http, idle_backend, model_factory, max_tokens):
+    """What lm-eval's local-completions sends for loglikelihood: token ids, echo, logprobs 1."""
+    ids = [5, 9, 13, 200, 17, 42, 8, 77, 300]
+    body = {"model": MODEL_NAME, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": max_tokens,
+            "temperature": 0.0}
+    done = http.post("/v1/completions", json=body).json()
+    choice, ref = done["choices"][0], _reference_logprobs(model_factory, ids)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + max_tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][i] - float(ref[i - 1, ids[i]])) <= 1e-4
+        assert len(lp["top_logprobs"][i]) == 1
+        assert abs(max(lp["top_logprobs"][i].values()) - float(ref[i - 1].max())) <= 1e-4
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    assert choice["text"].startswith(idle_backend.tokenizer.decode(ids, skip_special_tokens=False))
+    assert done["usage"]["completion_tokens"] == max_tokens and done["usage"]["prompt_tokens"] == len(ids)
+    if max_tokens == 1:  # the generated token scored as any other: greedy, so the best there
+        assert abs(lp["token_logprobs"][-1] - max(lp["top_logprobs"][-1].values())) <= 1e-6
+
+
+def test_echo_of_a_text_prompt_and_its_stream(client, idle_backend):
+    whole = client.completions.create(model=MODEL_NAME, prompt="def f(x):", echo=True, max_tokens=4,
+                                      logprobs=0, **GREEDY)
+    text = whole.choices[0].text
+    assert text.startswith("def f(x):") and whole.usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="def f(x):", echo=True, max_tokens=4,
+                                            logprobs=0, stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks) == text
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == whole.choices[0].logprobs.token_logprobs
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(client, idle_backend, model_factory):
+    ids = [5, 9, 13, 200, 17]
+    done = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2,
+                                     extra_body={"prompt_logprobs": 2, "ignore_eos": True}, temperature=0.0)
+    entries, ref = done.choices[0].model_extra["prompt_logprobs"], _reference_logprobs(model_factory, ids)
+    assert entries[0] is None and len(entries) == len(ids)
+    for i in range(1, len(ids)):
+        own = entries[i][str(ids[i])]
+        assert abs(own["logprob"] - float(ref[i - 1, ids[i]])) <= 1e-4 and own["rank"] >= 1
+        assert len(entries[i]) in (2, 3)  # the prompt's own token and the top 2 (it may be one of them)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0}, temperature=0.0)
+    entries = chat.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == chat.usage.prompt_tokens
+    assert all(len(e) == 1 for e in entries[1:])
+
+
+def test_max_tokens_zero_needs_echo(http, idle_backend):
+    response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+    assert "echo" in response.json()["error"]["message"]

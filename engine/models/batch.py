@@ -32,6 +32,10 @@ class ForwardBatch:
     decode_slots: torch.Tensor | None = None  # [D]
     decode_context_lens: torch.Tensor | None = None  # [D]
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    # engine.prompt_logprobs: the rows to score (a PromptLogprobPlan on this device), and what
+    # the model's forward leaves here for them.
+    prompt_logprobs: object | None = None
+    prompt_logprobs_result: tuple | None = field(default=None, init=False)
     decode_rows: list[int] = field(init=False)
     prefill_rows: list[int] = field(init=False)
     # Where the decode rows' tokens sit: decode_token_index, or on CPU, when every token is a

@@ -162,8 +162,8 @@ class FalconH1LM(HybridLM):
         super().__init__(*args, **kw)
         self.lm_head_scale = lm_head_scale
 
-    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        logits = super().forward(batch, caches)
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = super().head(h)
         return logits if self.lm_head_scale == 1.0 else logits * self.lm_head_scale
 
 

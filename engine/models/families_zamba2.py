@@ -178,7 +178,7 @@ class Zamba2LM(HybridLM):
         else:
             for index in range(len(self.layers)):
                 h = run_layer(index, h)
-        return self.lm_logits(self.final_norm(h.index_select(0, batch.logits_indices)))
+        return self.finish(h, batch)
 
 
 def _mixer(cfg: ConfigReader, hidden: int) -> Mamba2Mixer:

@@ -178,9 +178,22 @@ class HybridLM(nn.Module):
             h = plan.run(h, batch, lambda index, x: self.layers[index](x, batch, caches, index))
         else:
             h = self.run_layers(h, batch, caches)
+        return self.finish(h, batch)
+
+    def finish(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The last layer's output -> each sequence's logits; the prompt rows' logprobs too
+        where the batch asks (engine.prompt_logprobs)."""
+        if batch.prompt_logprobs is not None:
+            from engine import prompt_logprobs
+
+            batch.prompt_logprobs_result = prompt_logprobs.compute(self.head, h, batch.prompt_logprobs)
         # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
         last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
-        logits = self.lm_logits(self.final_norm(last))
+        return self.head(last)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Rows of the last layer's output -> their float32 logits."""
+        logits = self.lm_logits(self.final_norm(h))
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
 
     def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
