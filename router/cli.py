@@ -1,9 +1,26 @@
-"""The `splitserve` command."""
+"""splitserve: disaggregated prefill/decode serving of hybrid (attention + recurrent) models.
+
+Start with `splitserve serve` (a local Ray, one prefill and one decode worker, gRPC on 50051 and
+OpenAI HTTP on 8000), then `splitserve generate "def main():"` or any OpenAI client. Each
+command has its own --help; docs/api.md and docs/deploy.md have the rest.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default after its help (unless it says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS or \
+                not action.option_strings or default == []:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
 def _cmd_run(args) -> int:
@@ -13,7 +30,7 @@ def _cmd_run(args) -> int:
     llm = LLM(args.model, **({"revision": args.revision} if args.revision else {}))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, seed=args.seed)
-    for prompt in args.prompt:
+    for prompt in [" ".join(args.prompt)]:  # the words of one prompt, quoted or not
         if args.stream:
             engine = llm.engine
             engine.add_request(prompt, params)
@@ -76,7 +93,8 @@ def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
 
     door_config = FrontDoorConfig(grpc_port=args.grpc_port, http_port=args.http_port, host=args.host,
                                   auth_token=args.auth_token, tls_cert=args.tls_cert,
-                                  tls_key=args.tls_key, max_queued=args.max_queued)
+                                  tls_key=args.tls_key, max_queued=args.max_queued,
+                                  metrics_compat=args.metrics_compat)
     engine_options = {k: v for k, v in (("block_size", args.block_size), ("max_num_seqs", args.max_num_seqs),
                                         ("num_kv_blocks", args.num_kv_blocks),
                                         ("max_model_len", args.max_model_len),
@@ -147,13 +165,16 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="hand-off transport (auto: nccl when each worker holds whole GPUs, else shm on one node, "
                             "gloo across nodes; shm and gloo stage GPU caches through host memory)")
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or host:port)")
-    serve.add_argument("--grpc-port", type=int, default=50051)
-    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (splitserve.v1.SplitServe, health, reflection)")
+    serve.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /metrics)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 listens on all interfaces")
     serve.add_argument("--auth-token", default=None, help="require this bearer token (or $SPLITSERVE_AUTH_TOKEN)")
-    serve.add_argument("--tls-cert", default=None)
-    serve.add_argument("--tls-key", default=None)
+    serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")
+    serve.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     serve.add_argument("--max-queued", type=int, default=256, help="requests in flight before 429 / RESOURCE_EXHAUSTED")
+    serve.add_argument("--metrics-compat", default="none", choices=["none", "vllm"],
+                       help="vllm: /metrics also serves vLLM's metric names (vllm:num_requests_running, "
+                            "vllm:time_to_first_token_seconds, ...) for dashboards and benchmark clients")
     serve.add_argument("--local-prefill-tokens", type=int, default=0,
                        help="prompts with at most this many tokens not cached prefill on the decode "
                             "worker (conditional disaggregation)")
@@ -162,8 +183,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "sends each request where its prefix likely is (docs/prefix-caching.md)")
     serve.add_argument("--prefix-checkpoints", type=int, default=None,
                        help="recurrent-state checkpoint rows per worker (default: --max-num-seqs)")
-    serve.add_argument("--cpus-per-worker", type=float, default=1.0)
-    serve.add_argument("--gpus-per-worker", type=float, default=0.0)
+    serve.add_argument("--cpus-per-worker", type=float, default=1.0,
+                       help="CPUs Ray reserves for each worker (each TP rank); lower it to fit more workers on a node")
+    serve.add_argument("--gpus-per-worker", type=float, default=0.0,
+                       help="GPUs per worker (each TP rank); 0: CPU workers; whole numbers let --transport auto pick nccl")
     serve.add_argument("--prefill-resource", default="auto",
                        help="custom Ray resource pinning prefill workers (auto: splitserve_prefill if "
                             "some node offers it; none: no pinning)")
@@ -181,14 +204,17 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--slo-tpot-ms", type=float, default=100.0, help="--autoscale: time-per-output-token SLO")
     serve.add_argument("--autoscale-profile", default=None, metavar="JSON",
                        help="--autoscale: size steps with this worker profile (`splitserve bench plan --out`)")
-    serve.add_argument("--block-size", type=int, default=None)
+    serve.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's, 16)")
     serve.add_argument("--prefill-block-size", type=int, default=None,
                        help="prefill workers' block size, when it differs from --block-size (hand-offs re-block)")
     serve.add_argument("--decode-block-size", type=int, default=None,
                        help="decode workers' block size, when it differs from --block-size")
-    serve.add_argument("--max-num-seqs", type=int, default=None)
-    serve.add_argument("--num-kv-blocks", type=int, default=None)
-    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=None,
+                       help="sequences a worker runs at once = its recurrent-state slots (default: 64)")
+    serve.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV blocks per worker, overriding the count from the cache size (default: from it)")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output (default: the model's, at most 8192)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                        help="weights, activations and KV cache (auto: bfloat16 on GPU workers, float32 on CPU "
                             "ones); recurrent state stays float32")
@@ -198,22 +224,31 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__, formatter_class=HelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subparser = sub.add_parser
 
-    run = sub.add_parser("run", help="generate in-process from a model folder (default: bundled demo)")
-    run.add_argument("prompt", nargs="+")
+    def add_parser(name, **kw):  # every command's help shows its options' defaults
+        kw.setdefault("formatter_class", HelpFormatter)
+        kw.setdefault("description", kw.get("help"))
+        return subparser(name, **kw)
+
+    sub.add_parser = add_parser
+    run = sub.add_parser("run", help="generate in-process from a model folder (default: bundled demo), no "
+                                     "server: the quickest way to see the model work")
+    run.add_argument("prompt", nargs="+", help="the prompt (several words form one prompt)")
     run.add_argument("--model", default=None,
                      help="HF-format folder or Hugging Face Hub id (default: the bundled demo model)")
     run.add_argument("--revision", default=None, help="Hub id only: branch, tag or commit (default: main)")
-    run.add_argument("--max-tokens", type=int, default=64)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stream", action="store_true")
+    run.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    run.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    run.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this much probability")
+    run.add_argument("--seed", type=int, default=None, help="same seed, same tokens, whatever the batch (default: random)")
+    run.add_argument("--stream", action="store_true", help="print the text as it is generated")
     run.set_defaults(func=_cmd_run)
 
-    serve = sub.add_parser("serve", help="serve a model on a local or existing Ray cluster")
+    serve = sub.add_parser("serve", help="serve a model on a local or existing Ray cluster (gRPC and OpenAI "
+                                         "HTTP) until Ctrl-C")
     add_serve_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -224,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_client_commands(sub)
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (online), offline, compare, plan, transfer "
-                                         "(`bench WHAT --help`)", add_help=False)
+    bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (`splitserve bench` lists "
+                                         "them, `splitserve bench WHAT --help` explains one)", add_help=False)
     bench.add_argument("what", nargs="?", choices=list(BENCHMARKS))
     bench.set_defaults(func=_cmd_bench)
     return parser

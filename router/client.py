@@ -41,12 +41,30 @@ def finish_reason_name(value: int) -> str:
 
 
 def build_request(prompt: str | list[int], request_id: str = "", **sampling) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling_message(sampling))
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
     return request
+
+
+def sampling_message(sampling: dict) -> pb.SamplingParams:
+    """The SamplingParams message; a value the wire cannot carry (a negative count in an
+    unsigned field, a wrong type, an unknown name) is a ValueError naming the field, as the
+    server's INVALID_ARGUMENT would, not protobuf's bare "Value out of range"."""
+    fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    for name, value in sampling.items():
+        if name not in fields:
+            raise ValueError(f"sampling.{name}: not a field of splitserve.v1.SamplingParams "
+                             f"(known: {', '.join(sorted(fields))})")
+        try:
+            pb.SamplingParams(**{name: value})
+        except (ValueError, TypeError) as e:
+            unsigned = fields[name].type in (fields[name].TYPE_UINT32, fields[name].TYPE_UINT64)
+            reason = "must be >= 0" if unsigned and isinstance(value, int) and value < 0 else str(e)
+            raise ValueError(f"sampling.{name}: {reason}, got {value!r}") from None
+    return pb.SamplingParams(**sampling)
 
 
 class CompletionBuilder:

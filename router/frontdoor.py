@@ -35,6 +35,7 @@ class FrontDoorConfig:
     max_queued: int = 256  # requests in flight in the front door; beyond: RESOURCE_EXHAUSTED / 429
     grace_s: float = 5.0  # stop(): how long in-flight requests get to finish
     health_poll_s: float = 1.0  # how often gRPC health for the service follows backend.ready()
+    metrics_compat: str = "none"  # "vllm": /metrics also serves vLLM's names (router.metrics)
 
     def __post_init__(self):
         for name in ("grpc_port", "http_port"):
@@ -80,7 +81,7 @@ class FrontDoor:
     def __init__(self, backend: Backend, config: FrontDoorConfig):
         self.backend = backend
         self.config = config
-        self.core = ServingCore(backend, config.max_queued)
+        self.core = ServingCore(backend, config.max_queued, config.metrics_compat)
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self._grpc = self._http = None

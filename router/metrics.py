@@ -22,8 +22,28 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.
 WORKER_LABELS = ["worker", "kind", "node"]
 
 
+METRICS_COMPAT = ("none", "vllm")
+
+
+class Both:
+    """One observation into splitserve's metric and its vLLM-named alias (--metrics-compat vllm)."""
+
+    def __init__(self, *metrics):
+        self.metrics = metrics
+
+    def observe(self, value: float) -> None:
+        for m in self.metrics:
+            m.observe(value)
+
+    def inc(self, value: float = 1.0) -> None:
+        for m in self.metrics:
+            m.inc(value)
+
+
 class FrontDoorMetrics:
-    def __init__(self, status: Callable[[], dict]):
+    def __init__(self, status: Callable[[], dict], compat: str = "none", model_name: str = ""):
+        if compat not in METRICS_COMPAT:
+            raise ValueError(f"metrics_compat: {compat!r} not in {', '.join(METRICS_COMPAT)}")
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("splitserve_time_to_first_token_seconds",
@@ -47,6 +67,35 @@ class FrontDoorMetrics:
         self.in_flight = Gauge("splitserve_frontdoor_requests_in_flight",
                                "Requests admitted by the front door and not yet finished", registry=r)
         r.register(WorkerStatusCollector(status))
+        self.finished = None
+        if compat == "vllm":
+            self._vllm_aliases(r, status, model_name)
+
+    def _vllm_aliases(self, r, status, model_name: str) -> None:
+        """The names vLLM's /metrics uses, which dashboards and benchmark clients read, with its
+        model_name label; each observed with its splitserve twin (docs/api.md#metrics)."""
+        def alias(kind, name, doc, **kw):
+            return kind(name, doc, ["model_name"], registry=r, **kw).labels(model_name)
+
+        self.ttft = Both(self.ttft, alias(Histogram, "vllm:time_to_first_token_seconds", "Time to first token",
+                                          buckets=LATENCY_BUCKETS))
+        self.itl = Both(self.itl, alias(Histogram, "vllm:inter_token_latency_seconds", "Inter-token latency",
+                                        buckets=LATENCY_BUCKETS))
+        self.tpot = Both(self.tpot, alias(Histogram, "vllm:time_per_output_token_seconds",
+                                          "Time per output token", buckets=LATENCY_BUCKETS))
+        self.e2e = Both(self.e2e, alias(Histogram, "vllm:e2e_request_latency_seconds", "End-to-end latency",
+                                        buckets=E2E_BUCKETS))
+        self.prompt_tokens = Both(self.prompt_tokens, alias(Counter, "vllm:prompt_tokens", "Prompt tokens"))
+        self.generation_tokens = Both(self.generation_tokens,
+                                      alias(Counter, "vllm:generation_tokens", "Generation tokens"))
+        self.finished = Counter("vllm:request_success", "Finished requests by reason",
+                                ["model_name", "finished_reason"], registry=r)
+        self.model_name = model_name
+        r.register(VllmWorkerAliases(status, model_name))
+
+    def count_finished(self, reason: str) -> None:
+        if self.finished is not None and reason in ("stop", "length", "abort"):
+            self.finished.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         """The exposition text; calls backend.status(), so run it off the event loop."""
@@ -133,3 +182,36 @@ class WorkerStatusCollector:
         yield from (alive, waiting, running, blocks_used, blocks_free, slots_used, slots_free,
                     preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
                     cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes)
+
+
+class VllmWorkerAliases:
+    """vLLM's scheduler gauges over the whole cluster, from backend.status() at scrape time:
+    requests running and waiting on every worker, and the decode workers' KV cache in use."""
+
+    def __init__(self, status: Callable[[], dict], model_name: str):
+        self._status, self._model = status, model_name
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        try:
+            workers = self._status().get("workers", [])
+        except Exception:
+            log.exception("backend.status() failed during a metrics scrape")
+            workers = []
+        decode = [w for w in workers if w.get("kind") != "prefill" and w.get("kv_blocks_total")]
+        total = sum(w["kv_blocks_total"] for w in decode)
+        used = total - sum(w.get("kv_blocks_free", 0) for w in decode)
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests running", sum(w.get("running", 0) for w in workers)),
+                ("vllm:num_requests_waiting", "Requests waiting", sum(w.get("waiting", 0) for w in workers)),
+                ("vllm:kv_cache_usage_perc", "KV cache in use (1 = full)", used / total if total else 0.0),
+                ("vllm:gpu_cache_usage_perc", "KV cache in use (1 = full; vLLM's older name)",
+                 used / total if total else 0.0)):
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self._model], value)
+            yield family
+        preempted = CounterMetricFamily("vllm:num_preemptions", "Requests preempted", labels=["model_name"])
+        preempted.add_metric([self._model], sum(w.get("preemptions", 0) for w in workers))
+        yield preempted

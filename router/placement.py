@@ -66,6 +66,33 @@ def resolve_auto_resources(config: PlacementConfig, cluster_resources: dict) -> 
             setattr(config, attr, default if cluster_resources.get(default) else None)
 
 
+def check_capacity(config: PlacementConfig, num_prefill: int, num_decode: int, available: dict,
+                   total_workers: int) -> None:
+    """Refuse at once what a Ray of fixed size (one `splitserve serve` started itself) cannot
+    place, instead of waiting ready_timeout_s for resources that will never come; name what is
+    short and the setting that would fit. `total_workers`: ranks the cluster would then run."""
+    need: dict[str, float] = {}
+    for kind, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for name, amount in config.bundle(kind).items():
+            need[name] = need.get(name, 0.0) + amount * count * config.ranks(kind)
+    short = {name: (amount, available.get(name, 0.0)) for name, amount in need.items()
+             if amount > available.get(name, 0.0) + 1e-9}
+    if not short:
+        return
+    what = ", ".join(f"{amount:g} {name} (free: {free:g})" for name, (amount, free) in short.items())
+    hints = []
+    if "CPU" in short and total_workers:
+        fits = int(available.get("CPU", 0.0) / max(num_prefill * config.ranks("prefill")
+                                                   + num_decode * config.ranks("decode"), 1) * 100) / 100
+        if fits > 0:
+            hints.append(f"--cpus-per-worker {fits:g} (now {config.cpus_per_worker:g}) when starting the server")
+    if "GPU" in short:
+        hints.append("fewer GPUs per worker (--gpus-per-worker) or a GPU node more")
+    hints.append("or join a larger Ray cluster with --address")
+    raise PlacementError(f"{num_prefill} prefill and {num_decode} decode worker(s) more need {what} on this "
+                         f"Ray of fixed size: try {'; '.join(hints)}")
+
+
 def place_workers(config: PlacementConfig, num_prefill: int, num_decode: int):
     """Placement groups for the workers: returns (groups, [(group, bundle indices)] per P, per D);
     a worker's first bundle is its rank 0 (the actor), the others its other TP ranks."""

@@ -98,7 +98,7 @@ class SplitServeIngress:
         # never from the (stored) application config.
         _, _, door = parse_options(args)
         self.backend = RouterBackend(lambda: serve.get_deployment_actor(ROUTER_ACTOR))
-        self.core = ServingCore(self.backend, door.max_queued)
+        self.core = ServingCore(self.backend, door.max_queued, door.metrics_compat)
         self.auth_token = door.auth_token
         self._check = TokenCheck(door.auth_token) if door.auth_token else None
         self._servicer = SplitServeServicer(self.core)

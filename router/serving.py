@@ -63,11 +63,12 @@ class Final:
 
 
 class ServingCore:
-    def __init__(self, backend: Backend, max_queued: int):
+    def __init__(self, backend: Backend, max_queued: int, metrics_compat: str = "none"):
         self.backend = backend
         self.max_queued = max_queued
         self.in_flight = 0
-        self.metrics = FrontDoorMetrics(backend.status)
+        self.metrics = FrontDoorMetrics(backend.status, metrics_compat,
+                                        backend.info.model_name if metrics_compat != "none" else "")
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -139,6 +140,7 @@ class ServingCore:
                                 ids if out.prompt_logprobs is not None else None, out.prompt_logprobs)
                 if out.finished:
                     outcome = out.finish_reason or "stop"
+                    self.metrics.count_finished(outcome)
                     yield self._final(out, start, first_token_at, now)
                     return
         except InvalidRequest:

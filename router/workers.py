@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvtransfer.transport import choose_transport
 from router.backend import Unavailable
-from router.placement import place_workers, remove_groups
+from router.placement import check_capacity, place_workers, remove_groups, resolve_auto_resources
 from router.prefix_routing import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,11 @@ class WorkerSet:
 
         config = self.config
         placement = dataclasses.replace(config.placement, pack_pairs=pack_pairs)
+        if self._started_ray:  # a Ray of fixed size: what does not fit now never will
+            resolve_auto_resources(placement, ray.cluster_resources())
+            running = len(self.prefill) * placement.prefill_tp + len(self.decode) * placement.decode_tp
+            check_capacity(placement, num_prefill, num_decode, ray.available_resources(),
+                           running + num_prefill * placement.prefill_tp + num_decode * placement.decode_tp)
         groups, p_slots, d_slots = await asyncio.to_thread(place_workers, placement, num_prefill, num_decode)
         self._groups += groups
 

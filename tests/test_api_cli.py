@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.cli import main
 from router.client_cli import format_status
 from protos.splitserve.v1 import splitserve_pb2 as pb
@@ -48,3 +50,50 @@ def test_status_table_for_a_cluster():
     text = format_status(status)
     assert "ready: NO" in text and "75/100 (75%)" in text and "7 (0)" in text and "5.0" in text
     assert text.count("n1") == 2 and text.count("n2") == 2  # a worker row and a node row each
+
+
+def test_every_command_and_option_explains_itself():
+    """`splitserve --help` lists every command on its own line; every option of every command has
+    help text, and the help shows each option's default."""
+    import argparse
+
+    from router.cli import BENCHMARKS, build_parser
+
+    parser = build_parser()
+    top = parser.format_help()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sub in commands.choices.items():
+        assert f"\n    {name}" in top, name
+        if name == "bench":
+            assert all(what in top for what in BENCHMARKS)
+            continue
+        text = " ".join(sub.format_help().split())
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest}: no help text"
+            if action.option_strings and action.default not in (None, False, []):
+                assert f"default: {action.default}" in text or "default" in action.help, (name, action.dest)
+
+
+def test_run_takes_one_prompt_of_several_words(capsys):
+    from router.cli import main
+
+    assert main(["run", "def", "main():", "--max-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("def main():") and out.err.count("tokens, finish_reason") == 1
+
+
+def test_values_the_wire_cannot_carry_are_named_on_the_client_side(capsys):
+    from router.cli import main
+    from router.client import build_request
+
+    with pytest.raises(ValueError, match=r"sampling.max_tokens: must be >= 0, got -1"):
+        build_request("x", max_tokens=-1)
+    with pytest.raises(ValueError, match=r"sampling.temperature: .*got 'hot'"):
+        build_request("x", temperature="hot")
+    with pytest.raises(ValueError, match=r"sampling.max_token: not a field"):
+        build_request("x", max_token=3)
+    # the command line: a clear error and status 2, before any connection is tried
+    assert main(["generate", "hi", "--max-tokens", "-1", "--server", "127.0.0.1:1"]) == 2
+    assert "sampling.max_tokens: must be >= 0, got -1" in capsys.readouterr().err

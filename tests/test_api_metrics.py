@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.client import SplitServeClient
 from router.metrics import FrontDoorMetrics
 from tests.test_api_support import (LONG, long_requests, backend, idle_backend, server, text_model_path,  # noqa: F401
+                                    wait_until,
                                     wait_idle)
 
 
@@ -111,3 +112,44 @@ def test_a_failing_status_still_scrapes():
         raise RuntimeError("cluster gone")
 
     assert b"splitserve_time_to_first_token_seconds" in FrontDoorMetrics(broken).render()
+
+
+def test_vllm_named_metrics_when_asked_for(backend, idle_backend, long_requests):
+    """--metrics-compat vllm: the names vLLM's /metrics uses, which dashboards and benchmark
+    clients read, beside splitserve's own, moving together."""
+    from router.openai_protocol import COMPLETIONS_DEFAULT_MAX_TOKENS  # noqa: F401
+    from tests.test_api_support import MODEL_NAME, serving
+
+    with serving(backend, metrics_compat="vllm") as door:
+        before = scrape(door)
+        httpx.post(f"http://127.0.0.1:{door.http_port}/v1/completions", timeout=10,
+                   json={"prompt": [5, 6], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
+        after = scrape(door)
+        grew = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+        model = dict(model_name=MODEL_NAME)
+        assert grew("vllm:time_to_first_token_seconds_count", **model) == 1
+        assert grew("vllm:e2e_request_latency_seconds_count", **model) == 1
+        assert grew("vllm:prompt_tokens_total", **model) == 2 == grew("splitserve_prompt_tokens_total")
+        assert grew("vllm:generation_tokens_total", **model) == 3
+        assert grew("vllm:request_success_total", finished_reason="length", **model) == 1
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:gpu_cache_usage_perc", "vllm:num_preemptions_total"):
+            assert (name, frozenset(model.items())) in after, name
+        import threading
+
+        body = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0.0, "ignore_eos": True}
+        running = threading.Thread(target=lambda: httpx.post(f"http://127.0.0.1:{door.http_port}/v1/completions",
+                                                             json=body, timeout=60))
+        running.start()
+        wait_until(lambda: value(scrape(door), "vllm:num_requests_running", **model) >= 1, 10, "a running request")
+        assert 0 < value(scrape(door), "vllm:kv_cache_usage_perc", **model) <= 1
+        running.join(60)
+    with serving(backend) as plain:  # off by default
+        assert not any(name.startswith("vllm:") for name, _ in scrape(plain))
+
+
+def test_an_unknown_compat_mode_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="metrics_compat: 'prometheus' not in none, vllm"):
+        FrontDoorMetrics(lambda: {}, "prometheus")

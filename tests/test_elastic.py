@@ -253,3 +253,30 @@ def test_a_rolling_restart_of_several_workers_needs_no_spare_room(elastic, monke
     assert {layout["block_size"] for layout in layouts} == {8} and handle.workers.model_facts["block_size"] == 8
     handle.scale(decode=1)
     wait_idle(handle)
+
+
+def test_capacity_is_checked_before_anything_is_placed():
+    from router.placement import PlacementConfig, PlacementError, check_capacity
+
+    config = PlacementConfig(cpus_per_worker=1.0, prefill_resource=None, decode_resource=None)
+    check_capacity(config, 0, 2, {"CPU": 2.0}, 4)
+    with pytest.raises(PlacementError, match=r"need 3 CPU \(free: 2\).*--cpus-per-worker 0.66 \(now 1\)"):
+        check_capacity(config, 0, 3, {"CPU": 2.0}, 5)
+    gpu = PlacementConfig(cpus_per_worker=0.5, gpus_per_worker=1.0, prefill_resource=None, decode_resource=None)
+    with pytest.raises(PlacementError, match=r"1 GPU \(free: 0\).*--gpus-per-worker"):
+        check_capacity(gpu, 1, 0, {"CPU": 8.0}, 3)
+
+
+def test_scaling_past_a_fixed_ray_answers_at_once_and_changes_nothing(elastic, monkeypatch):
+    """On a Ray that `splitserve serve` started itself nothing will ever free room: scale
+    refuses before placing anything (it once waited two minutes), naming what is short."""
+    from router.placement import PlacementError
+
+    handle, _, _ = elastic
+    monkeypatch.setattr(handle.workers, "_started_ray", True)
+    before = {k: len(getattr(handle.workers, k)) for k in ("prefill", "decode")}
+    started = time.monotonic()
+    with pytest.raises(PlacementError, match=r"decode worker\(s\) more need .*splitserve_decode \(free"):
+        handle.scale(decode=50)
+    assert time.monotonic() - started < 5
+    assert {k: len(getattr(handle.workers, k)) for k in ("prefill", "decode")} == before
