@@ -227,13 +227,15 @@ class ModelRunner:
             else:
                 logits = self.model(self.device_batch(host), self.cache.layers)
         else:
-            host = self.host_batch(seqs)
-            if self.tp is not None:  # the other ranks build the same batch from the same host tensors
+            if self.tp is None:
+                batch = self.build_batch(seqs)
+            else:  # the other ranks build the same batch from the same host tensors
+                host = self.host_batch(seqs)
                 self.tp.send("forward", host)
-            batch = self.device_batch(host)
+                batch = self.device_batch(host)
             logits = self.model(batch, self.cache.layers)
-            if host.prompt_logprobs is not None:
-                prompt_logprobs.record(host.prompt_logprobs, batch.prompt_logprobs_result)
+            if batch.prompt_logprobs is not None:
+                prompt_logprobs.record(batch.prompt_logprobs, batch.prompt_logprobs_result)
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
         return logits

@@ -142,7 +142,8 @@ extern "C" {
 // state [S, D, N]; x, dt (final: bias and softplus done), y [batch, D]; A [D, N]; B, C [batch, N].
 // Where N and D are multiples of 16 (Mamba's usual d_state is 16), a thread takes 16 channels
 // at a time and sums their 16 dot products in one transposed tree (lane_sums), the same halving
-// order as mamba_step's reduction (so the same bits), with a third of the shuffles: the
+// order as mamba_step's reduction (the same bits where the compiler vectorises that at 16 lanes;
+// the same state bits, and y to rounding, where it picks 8), with a third of the shuffles: the
 // per-channel reductions were half the kernel's time (162 -> 94 us for 64 x 512 x 16 here).
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                       const float* A, const float* B, const float* C, float* y, int64_t batch,
@@ -255,7 +256,7 @@ void selective_scan(const float* x, const float* dt, const float* A, const float
 // A [H]; B, C [batch, G, N]. Where P and N are multiples of 16, a thread takes 16 rows of a head
 // at a time: one exp for them, their dot products summed together by lane_sums (as in
 // ssm_state_update). 64 rows x 8 heads x 64 x 64: 251 -> 102 us with the state in cache, 352 -> 241
-// over four layers' states (which do not fit); the same bits.
+// over four layers' states (which do not fit); the same state bits (y to rounding, as there).
 void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                          const float* A, const float* B, const float* C, float* y, int64_t batch,
                          int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
