@@ -88,12 +88,17 @@ class LLMEngine:
             self.tokenizer = None
         self.eos_token_ids = list(self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        profiled = config.gpu_memory_utilization is not None and config.device.startswith("cuda")
+        if profiled and self.tp is not None:
+            log.warning("gpu_memory_utilization is not applied to tensor-parallel engines yet: the cache is "
+                        "cache_memory_bytes (%d) per rank", config.cache_memory_bytes)
+            profiled = False
+        cache_bytes = self._profiled_cache_bytes() if profiled else config.cache_memory_bytes
         try:
             sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
-                               self.max_model_len, self._cache_bytes(), config.num_kv_blocks,
-                               config.num_prefix_checkpoints)
+                               self.max_model_len, cache_bytes, config.num_kv_blocks, config.num_prefix_checkpoints)
         except ValueError as e:
-            if config.gpu_memory_utilization is None or not config.device.startswith("cuda"):
+            if not profiled:
                 raise
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: {e}") from None
         self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
@@ -114,12 +119,10 @@ class LLMEngine:
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
 
-    def _cache_bytes(self) -> int:
-        """cache_memory_bytes, or on CUDA with gpu_memory_utilization what the device has left
-        for the cache after the weights and a profile of the largest step."""
+    def _profiled_cache_bytes(self) -> int:
+        """What the device has left for the cache (gpu_memory_utilization) after the weights and
+        a profile of the largest step."""
         config = self.config
-        if config.gpu_memory_utilization is None or not config.device.startswith("cuda") or self.tp is not None:
-            return config.cache_memory_bytes
         import torch
 
         from engine import memory_profile

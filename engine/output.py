@@ -211,8 +211,9 @@ class OutputTracker:
         prompt_logprobs = request.prompt_logprobs
         if self.deltas:
             prompt, tokens, text, logprobs = [], [], "", None
-            if prompt_logprobs is not None:  # the first output carries them, once
-                prompt_logprobs, self.sent_prompt_logprobs = (None if self.sent_prompt_logprobs else prompt_logprobs), True
+            if self.sent_prompt_logprobs:  # the first output carries them, once
+                prompt_logprobs = None
+            self.sent_prompt_logprobs = self.sent_prompt_logprobs or prompt_logprobs is not None
         else:
             prompt, tokens, text, logprobs = request.prompt_token_ids, list(outputs), self._text.whole(), self.logprobs
         return RequestOutput(

@@ -178,10 +178,12 @@ class PrefillWorker(EngineEndpoint):
         ready, self._deferred = self._deferred + engine.take_handoffs(), []
         for handoff in ready:
             target = self._targets.get(handoff.request_id)
-            if target is None or handoff.request_id not in engine.requests:  # aborted, or nowhere to go
-                engine.finish_handoff(handoff.request_id, "aborted")
-                self._resolve(handoff.request_id, PrefillOutcome(
-                    handoff.request_id, False, error="no decode worker holds room for this request"))
+            if handoff.request_id not in engine.requests:  # aborted meanwhile: its output says so
+                continue
+            if target is None:  # the router reserved nowhere, expecting it to end at its first token
+                error = "no decode worker holds room for this request"
+                engine.finish_handoff(handoff.request_id, error)
+                self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=error))
                 continue
             if target.ranks > 1 or target.receiver in self._rank_peers:
                 self._ship_by_rank(engine, handoff, target)

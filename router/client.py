@@ -53,6 +53,10 @@ def sampling_message(sampling: dict) -> pb.SamplingParams:
     """The SamplingParams message; a value the wire cannot carry (a negative count in an
     unsigned field, a wrong type, an unknown name) is a ValueError naming the field, as the
     server's INVALID_ARGUMENT would, not protobuf's bare "Value out of range"."""
+    try:
+        return pb.SamplingParams(**sampling)
+    except (ValueError, TypeError):
+        pass  # find the field to name
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
     for name, value in sampling.items():
         if name not in fields:
@@ -64,7 +68,7 @@ def sampling_message(sampling: dict) -> pb.SamplingParams:
             unsigned = fields[name].type in (fields[name].TYPE_UINT32, fields[name].TYPE_UINT64)
             reason = "must be >= 0" if unsigned and isinstance(value, int) and value < 0 else str(e)
             raise ValueError(f"sampling.{name}: {reason}, got {value!r}") from None
-    return pb.SamplingParams(**sampling)
+    return pb.SamplingParams(**sampling)  # the fields pass one by one: raises as protobuf does
 
 
 class CompletionBuilder:

@@ -114,6 +114,7 @@ class ServingCore:
         self.metrics.in_flight.inc()
         start = last_token_at = time.monotonic()
         first_token_at = None
+        prompt_sent = False  # a request's prompt logprobs go out once, with its first delta
         stream = None
         try:
             ids = await self._checked_prompt(prompt, params)
@@ -135,9 +136,11 @@ class ServingCore:
                 if out.finished and out.finish_reason == "error":
                     outcome = "error"
                     raise GenerationFailed(out.error or "the backend failed this request")
-                if new or out.new_text or out.prompt_logprobs is not None:
+                prompt_logprobs = None if prompt_sent else out.prompt_logprobs  # whole outputs repeat them
+                prompt_sent = prompt_sent or prompt_logprobs is not None
+                if new or out.new_text or prompt_logprobs is not None:
                     yield Delta(new, out.new_text, list(out.new_logprobs or []),
-                                ids if out.prompt_logprobs is not None else None, out.prompt_logprobs)
+                                ids if prompt_logprobs is not None else None, prompt_logprobs)
                 if out.finished:
                     outcome = out.finish_reason or "stop"
                     self.metrics.count_finished(outcome)

@@ -146,8 +146,6 @@ ENGINE_PROMPTS = [[5, 6, 7], [9], list(range(3, 60))]  # 57 tokens: chunked over
 def step_engine(dry_run: bool) -> dict:
     kernel_cache = tempfile.mkdtemp(prefix="splitserve-kernels-")
     os.environ["SPLITSERVE_KERNEL_CACHE"] = kernel_cache  # empty: a CUDA engine must build nothing into it
-    import torch
-
     from engine import LLM, SamplingParams
     from engine.kernels import native
     from tests import oracle
@@ -196,7 +194,6 @@ def step_engine(dry_run: bool) -> dict:
                 equal = sum(a == b for x, y in zip(bf16, cpu) for a, b in zip(x, y))
                 row.append(f"{equal}/{sum(map(len, cpu))} tokens as float32 CPU (info)")
             rows.append(row)
-    del torch
     header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice", f"LLM({device}) bf16"]
     note = "" if trusted else "; transformers here normalises Mamba2's gated norm over the full width, so " \
                               "mamba2/bamba/granite are judged by equality to the CPU engine only"

@@ -267,3 +267,10 @@ def test_the_python_client_collects_prompt_logprobs(client, idle_backend):
     done = client.generate([5, 9, 13, 200], max_tokens=1, prompt_logprobs=0, temperature=0.0)
     assert [e.token_id for e in done.prompt_logprobs] == [5, 9, 13, 200]
     assert all(e.logprob <= 0 and e.rank >= 1 for e in done.prompt_logprobs[1:])
+
+
+def test_prompt_logprobs_come_once_however_long_the_answer(client, idle_backend):
+    """Whole final outputs repeat the prompt's logprobs; the stream sends them once."""
+    done = client.generate([5, 9, 13, 200], max_tokens=5, prompt_logprobs=0, temperature=0.0, ignore_eos=True)
+    assert len(done.token_ids) == 5
+    assert [e.token_id for e in done.prompt_logprobs] == [5, 9, 13, 200]

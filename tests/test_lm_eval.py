@@ -53,8 +53,7 @@ def test_lm_eval_loglikelihoods_through_the_split_equal_transformers(server, idl
         rows = logprobs[n - 1:len(whole) - 1]
         expected = float(rows.gather(1, torch.tensor(whole[n:])[:, None]).sum())
         greedy = bool((rows.argmax(-1) == torch.tensor(whole[n:])).all())
-        (got, got_greedy), = sample["filtered_resps"] if isinstance(sample["filtered_resps"][0], (tuple, list)) \
-            else [sample["filtered_resps"]]
+        (got, got_greedy), = sample["filtered_resps"]  # one (loglikelihood, is_greedy) per sample
         assert abs(got - expected) <= 1e-4 * (len(whole) - n), (context, continuation, got, expected)
         assert got_greedy == greedy
     assert "acc,none" in out["results"][TASK]

@@ -85,3 +85,4 @@ def test_layers_ask_about_their_tensors_before_the_cpu_library(model_factory, mo
                      if hasattr(m, "_attend_one"))
     q, kv = torch.randn(2, 4, 16, dtype=torch.bfloat16), torch.randn(5, 4, 16, dtype=torch.bfloat16)
     assert attention._attend_one(q, kv, kv, 5).shape == (2, 4, 16)
+
