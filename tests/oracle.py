@@ -229,11 +229,11 @@ MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_
 RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next")
 
 
-def save_tiny_model(name: str, path: Path):
+def hf_classes(model_type: str):
+    """transformers' (config class, causal-LM class) for a model_type the zoo covers."""
     import transformers as tf
 
-    model_type, kwargs = CONFIGS[name]
-    config_cls, model_cls = {
+    return {
         "jamba": (tf.JambaConfig, tf.JambaForCausalLM),
         "mamba": (tf.MambaConfig, tf.MambaForCausalLM),
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
@@ -248,11 +248,17 @@ def save_tiny_model(name: str, path: Path):
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
     }[model_type]
+
+
+def tiny_hf_model(model_type: str, kwargs: dict, seed: int):
+    """A random transformers model of `model_type` built from config `kwargs` (vocab and
+    special tokens fixed here), with norms and biases moved off their constant init."""
+    config_cls, model_cls = hf_classes(model_type)
     kwargs = dict(kwargs)
     kwargs.setdefault("initializer_range", 0.1)  # peakier logits: fewer genuine near-ties
     config = config_cls(vocab_size=VOCAB, max_position_embeddings=1024, bos_token_id=1,
                         eos_token_id=2, pad_token_id=0, **kwargs)
-    torch.manual_seed(sum(map(ord, name)))
+    torch.manual_seed(seed)
     model = model_cls(config).eval()
     # Norm weights off their constant init and the linears' and convolutions' biases off zero
     # (transformers initialises both to constants), so a wrong norm weight or a dropped bias shows.
@@ -262,14 +268,21 @@ def save_tiny_model(name: str, path: Path):
                 param.add_(torch.randn_like(param) * 0.2)
             elif param_name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def save_tiny_model(name: str, path: Path):
+    model_type, kwargs = CONFIGS[name]
+    model = tiny_hf_model(model_type, kwargs, seed=sum(map(ord, name)))
     model.save_pretrained(path)
     return model
 
 
 @torch.no_grad()
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits [len, vocab] of the whole sequence in one forward."""
-    return hf_model(torch.tensor([token_ids])).logits[0].float()
+    """Teacher-forced logits [len, vocab] of the whole sequence in one forward (no cache: the
+    judge is the full forward, and transformers' cache refuses models without attention)."""
+    return hf_model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
 
 
 def judge_greedy(hf_model, prompt: list[int], output: list[int]) -> None:

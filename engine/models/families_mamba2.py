@@ -255,7 +255,9 @@ def build_nemotron_h(cfg: ConfigReader) -> HybridLM:
         layers.append(DecoderLayer(kind, RMSNorm(hidden, eps), mixer,
                                    residual_fp32=cfg.get("residual_in_fp32", bool, False)))
     return HybridLM(_spec(cfg, hidden, cfg.positive_int("max_position_embeddings", 4096)), layers,
-                    RMSNorm(hidden, eps), cfg.get("tie_word_embeddings", bool, False))
+                    # transformers never ties Nemotron-H's head (its checkpoints carry lm_head),
+                    # whatever tie_word_embeddings says
+                    RMSNorm(hidden, eps), tie_embeddings=False)
 
 
 def nemotron_h_names(name: str):

@@ -226,7 +226,10 @@ def build_zamba2(cfg: ConfigReader) -> Zamba2LM:
     hybrid_ids = [i for i, t in enumerate(types) if t == HYBRID]
     heads = cfg.positive_int("num_attention_heads")
     kv_heads = cfg.get("num_key_value_heads", int, None) or heads
-    head_dim = 2 * hidden // heads  # transformers derives it; a config's head_dim is overwritten
+    # transformers derives 2 * hidden_size // num_attention_heads unless the config sets it
+    # (saved as attention_head_dim; head_dim is its alias)
+    head_dim = (cfg.get("attention_head_dim", int, None) or cfg.get("head_dim", int, None)
+                or 2 * hidden // heads)
     if heads % kv_heads:
         raise cfg.unsupported("num_key_value_heads", f"does not divide num_attention_heads={heads}")
     attn_adapters = cfg.get("use_shared_attention_adapter", bool, False)
