@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from bench.metrics import SLO, RequestRecord, compute_metrics, records_to_dicts
 from bench.workloads import BenchRequest, describe

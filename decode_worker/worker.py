@@ -4,7 +4,8 @@ A request arrives in two steps: `reserve` (blocks + state slot held, WAITING_FOR
 receiver told to expect it), then the prefill worker's hand-off lands and the request starts
 decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
 rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows; a GPU worker
-on a host-side wire (shm, gloo) receives into host staging rows (engine.staging). Outputs of every step, for all requests, leave in one `poll` reply.
+on a host-side wire (shm, gloo) receives into host staging rows (engine.staging). Outputs of
+every step, for all requests, leave in one `poll` reply.
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 

@@ -29,10 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import lru_cache
+from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import jsonschema
 import kubernetes_validate
@@ -168,7 +169,7 @@ def _k8s_schema_dir(k8s_version: str) -> Any:
     return matches[0]
 
 
-@lru_cache(maxsize=None)
+@cache
 def _k8s_definitions(k8s_version: str) -> dict:
     return json.loads(_k8s_schema_dir(k8s_version).joinpath("_definitions.json").read_text())
 
@@ -178,7 +179,7 @@ def _k8s_definitions(k8s_version: str) -> dict:
 _K8S_DEFINITIONS_URI = "https://kubernetes.io/api/_definitions.json"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load_crd(path: Path) -> dict:
     with path.open() as handle:
         return yaml.load(handle, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))

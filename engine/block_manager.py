@@ -11,7 +11,7 @@ Invariants (checked by `check_integrity`):
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 
 class OutOfBlocks(RuntimeError):

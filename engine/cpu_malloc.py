@@ -32,7 +32,7 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only: musl has a mallopt that does nothing
+        _ = libc.gnu_get_libc_version  # glibc only: musl has a mallopt that does nothing
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

@@ -12,7 +12,7 @@ import gc
 import logging
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from engine.llm_engine import LLMEngine
 from engine.output import RequestOutput

@@ -10,7 +10,7 @@ later, take a little of the rest from their own pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -28,7 +28,7 @@ import hashlib
 import heapq
 from array import array
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine.block_manager import BlockManager
 

@@ -52,11 +52,11 @@ class StructuredOutput:
         grammar_text(self.kind, self.spec)  # bad schema / regex / grammar: refused here, before any queue
 
     @classmethod
-    def json_schema(cls, schema: dict | bool) -> "StructuredOutput":
+    def json_schema(cls, schema: dict | bool) -> StructuredOutput:
         return cls("json_schema", json.dumps(schema))  # key order kept: it is the output order
 
     @classmethod
-    def choice(cls, choices: list[str]) -> "StructuredOutput":
+    def choice(cls, choices: list[str]) -> StructuredOutput:
         return cls("choice", json.dumps(choices))
 
 
@@ -116,7 +116,7 @@ class GrammarState:
         return self.matcher.get_error()
 
 
-_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _compiled: OrderedDict = OrderedDict()
 _lock = threading.Lock()
 

@@ -41,7 +41,7 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def stream(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+    def stream(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens)
 
 

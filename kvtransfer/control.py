@@ -54,7 +54,7 @@ class ControlSocket:
                     return json.loads(body), fds
             try:
                 data, ancillary, _flags, _addr = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * 4))
-            except socket.timeout:
+            except TimeoutError:
                 raise ChannelClosedError("control socket: peer did not answer in time") from None
             except OSError as error:
                 raise ChannelClosedError(f"control socket: {error}") from None

@@ -11,7 +11,7 @@ import atexit
 import threading
 import time
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import CacheTensors
@@ -50,7 +50,9 @@ class Endpoint:
             raise ValueError("an endpoint needs a non-empty name")
         if cache.device.type not in self.devices:
             hint = "use nccl" if cache.device.type == "cuda" else "use shm or gloo"
-            raise ValueError(f"the {self.transport} transport moves {'/'.join(self.devices)} caches; this one is on {cache.device} ({hint})")
+            raise ValueError(
+                f"the {self.transport} transport moves {'/'.join(self.devices)} caches; this one is on {cache.device} ({hint})"
+            )
         self.name = name
         self.cache = cache
         self.layout = cache.layout

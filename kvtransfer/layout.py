@@ -205,7 +205,10 @@ class CacheTensors:
         state: {model layer: (state kind, {tensor name: per-slot tensor})}."""
         entries = []
         for layer, (k, v) in sorted((attention or {}).items()):
-            entries += [CacheEntry(f"layer{layer}.k", layer, "attention", BLOCK, k), CacheEntry(f"layer{layer}.v", layer, "attention", BLOCK, v)]
+            entries += [
+                CacheEntry(f"layer{layer}.k", layer, "attention", BLOCK, k),
+                CacheEntry(f"layer{layer}.v", layer, "attention", BLOCK, v),
+            ]
         for layer, (kind, tensors) in sorted((state or {}).items()):
             entries += [CacheEntry(f"layer{layer}.{name}", layer, kind, SLOT, t) for name, t in tensors.items()]
         return cls(block_size, entries)

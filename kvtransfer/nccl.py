@@ -13,7 +13,7 @@ import ctypes
 import importlib.util
 import os
 from contextlib import contextmanager, nullcontext
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -74,7 +74,10 @@ class NcclLibrary:
         try:
             self._lib = ctypes.CDLL(self.path)
         except OSError as error:
-            raise OSError(f"cannot load NCCL from {self.path!r} (install the nvidia-nccl-cu12 or -cu13 wheel that matches torch's CUDA, or name a libnccl.so.2 in KVTRANSFER_NCCL_LIBRARY): {error}") from None
+            raise OSError(
+                f"cannot load NCCL from {self.path!r} (install the nvidia-nccl-cu12 or -cu13 wheel that "
+                f"matches torch's CUDA, or name a libnccl.so.2 in KVTRANSFER_NCCL_LIBRARY): {error}"
+            ) from None
         for name, (restype, argtypes) in _SIGNATURES.items():
             function = getattr(self._lib, name)
             function.restype, function.argtypes = restype, argtypes
@@ -105,7 +108,7 @@ class NcclLibrary:
         return self._lib
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_library(path: str | None = None) -> NcclLibrary:
     return NcclLibrary(path)
 
@@ -139,7 +142,10 @@ class NcclCommunicator:
 
     def __init__(self, unique_id: bytes, rank: int, world_size: int, device: torch.device | int, library: NcclLibrary | None = None):
         if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"unique_id must be {UNIQUE_ID_BYTES} bytes from get_unique_id(), got {type(unique_id).__name__} of {len(unique_id) if hasattr(unique_id, '__len__') else '?'}")
+            raise ValueError(
+                f"unique_id must be {UNIQUE_ID_BYTES} bytes from get_unique_id(), got "
+                f"{type(unique_id).__name__} of {len(unique_id) if hasattr(unique_id, '__len__') else '?'}"
+            )
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not 0 <= rank < world_size:

@@ -144,12 +144,19 @@ class HandoffReceiver(Endpoint):
             late = [i for i in self._incoming.values() if i.state in (WAITING, LANDING) and now >= i.deadline]
         for i in late:
             rid = i.target.request_id
-            self._fail(rid, HandoffTimeoutError(f"request {rid}: hand-off timed out after {i.timeout_s}s while {i.state} (receiver {self.name})"),
-                       only_if=lambda x, i=i: x is i)
+            self._fail(
+                rid,
+                HandoffTimeoutError(
+                    f"request {rid}: hand-off timed out after {i.timeout_s}s while {i.state} (receiver {self.name})"
+                ),
+                only_if=lambda x, i=i: x is i,
+            )
 
     # ---- what channels call ----
 
-    def _claim(self, request_id: str, num_tokens: int, num_rows: int, dst_digest: int, dst_slot: int | None, channel) -> tuple[Incoming | None, str]:
+    def _claim(
+        self, request_id: str, num_tokens: int, num_rows: int, dst_digest: int, dst_slot: int | None, channel
+    ) -> tuple[Incoming | None, str]:
         """A sender announced a request; returns (incoming, "") if its rows may be written, else (None, why)."""
         with self._lock:
             incoming = self._incoming.get(request_id)
@@ -180,7 +187,13 @@ class HandoffReceiver(Endpoint):
             if incoming.state == LANDING and ok:
                 incoming.state = DONE
                 self._incoming.pop(incoming.target.request_id, None)
-                result = self._result(incoming.target.request_id, True, incoming.started, first_token=first_token, num_tokens=incoming.num_tokens)
+                result = self._result(
+                    incoming.target.request_id,
+                    True,
+                    incoming.started,
+                    first_token=first_token,
+                    num_tokens=incoming.num_tokens,
+                )
             else:
                 result = None
                 if incoming.error is None:

@@ -132,7 +132,15 @@ class HandoffSender(Endpoint):
         channel.submit(job)
         return job
 
-    def send(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, first_token: int, timeout_s: float | None = None) -> OutgoingHandoff:
+    def send(
+        self,
+        target: HandoffTarget,
+        num_tokens: int,
+        src_block_ids: list[int],
+        src_slot: int | None,
+        first_token: int,
+        timeout_s: float | None = None,
+    ) -> OutgoingHandoff:
         """begin() + finish() for a prefill that already ran to the end."""
         return self.begin(target, num_tokens, src_block_ids, src_slot, timeout_s, first_token=first_token)
 
@@ -188,7 +196,9 @@ class HandoffSender(Endpoint):
         with self._lock:
             late = [j for j in self._outgoing.values() if j.state in (QUEUED, ON_WIRE) and now >= j.deadline]
         for j in late:
-            error = HandoffTimeoutError(f"request {j.request_id}: hand-off timed out after {j.timeout_s}s while {j.state} (sender {self.name})")
+            error = HandoffTimeoutError(
+                f"request {j.request_id}: hand-off timed out after {j.timeout_s}s while {j.state} (sender {self.name})"
+            )
             self._fail(j.request_id, error, only_if=lambda x, j=j: x is j)
 
     # ---- what channels call ----

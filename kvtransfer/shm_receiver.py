@@ -63,11 +63,20 @@ class ShmReceiver(HandoffReceiver):
 
     def _reserve(self, incoming: Incoming) -> None:
         if not self._free_rows:
-            raise TransferError(f"request {incoming.target.request_id}: receiver {self.name} has {self._table.num_rows} reservations open, no room for more")
+            raise TransferError(
+                f"request {incoming.target.request_id}: receiver {self.name} has {self._table.num_rows} reservations open, no room for more"
+            )
         target = incoming.target
         incoming.row, incoming.gen = self._free_rows.pop(), self._next_gen
         self._next_gen += 1
-        self._table.grant(incoming.row, request_key(target.request_id), incoming.gen, target.digest(), len(target.dst_block_ids), target.dst_slot)
+        self._table.grant(
+            incoming.row,
+            request_key(target.request_id),
+            incoming.gen,
+            target.digest(),
+            len(target.dst_block_ids),
+            target.dst_slot,
+        )
 
     def _fail(self, request_id: str, error: TransferError, only_if=None) -> bool:
         with self._lock:
@@ -132,8 +141,11 @@ class ShmReceiver(HandoffReceiver):
                 return "ok"
             if incoming.error is None:
                 refused = done and row[STATUS] == STATUS_REFUSED
-                incoming.error = HandoffAbortedError(f"request {rid}: refused by receiver {self.name}: sender's destination rows differ from the reservation"
-                                                     if refused else f"request {rid}: aborted by the sender")
+                incoming.error = HandoffAbortedError(
+                    f"request {rid}: refused by receiver {self.name}: sender's destination rows differ from the reservation"
+                    if refused
+                    else f"request {rid}: aborted by the sender"
+                )
             incoming.state = REVOKING
             return "failed"
 
@@ -143,7 +155,7 @@ class ShmReceiver(HandoffReceiver):
         while not self._stop.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -71,7 +71,13 @@ class ShmSenderChannel:
         r[CLAIM] = gen
         job.row, job.gen, job.copied = row, gen, 0
         grid, n = self.grid, job.num_tokens
-        job.maps = request_maps(self.sender.layout, grid.my_rows(job.src_block_ids, n), job.src_slot, grid.peer_rows(job.dst_block_ids, n), slot)
+        job.maps = request_maps(
+            self.sender.layout,
+            grid.my_rows(job.src_block_ids, n),
+            job.src_slot,
+            grid.peer_rows(job.dst_block_ids, n),
+            slot,
+        )
         self._writing[rid] = job
         return ""
 

@@ -252,7 +252,9 @@ class StreamReceiverChannel:
         self.receiver._channel_broken(self, self.peer, error)
 
     def _receive(self, header: WireHeader) -> None:
-        incoming, why = self.receiver._claim(header.request_id, header.num_tokens, header.num_rows, header.dst_digest, header.dst_slot, self)
+        incoming, why = self.receiver._claim(
+            header.request_id, header.num_tokens, header.num_rows, header.dst_digest, header.dst_slot, self
+        )
         if incoming is None:
             log.warning("kvtransfer: draining hand-off: %s", why)
         plan = plan_packing(self._wire_layout, header.num_rows, header.pipelined)
@@ -308,7 +310,7 @@ def join_as_receiver(receiver, peer: str, make_wire) -> None:
     receiver._install_channel(peer, StreamReceiverChannel(receiver, peer, wire, grid))
 
 
-def join_as_sender(sender, peer: str, wire) -> "StreamSenderChannel":
+def join_as_sender(sender, peer: str, wire) -> StreamSenderChannel:
     """Sender side of pairing over a stream wire: check layouts, then the channel; a refused
     handshake aborts the wire and raises (connect() reports it to its caller)."""
     try:

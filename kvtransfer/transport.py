@@ -27,7 +27,9 @@ class Transport:
     def sender(self, name: str, cache: CacheTensors, config: TransferConfig | None = None, on_done: OnDone | None = None) -> HandoffSender:
         return self.sender_class(name, cache, config, on_done)
 
-    def receiver(self, name: str, cache: CacheTensors, config: TransferConfig | None = None, on_done: OnDone | None = None) -> HandoffReceiver:
+    def receiver(
+        self, name: str, cache: CacheTensors, config: TransferConfig | None = None, on_done: OnDone | None = None
+    ) -> HandoffReceiver:
         return self.receiver_class(name, cache, config, on_done)
 
 

@@ -7,7 +7,8 @@ single machine) and over the disaggregated Ray cluster.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
+from collections.abc import AsyncIterator
 
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams

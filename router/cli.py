@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.frontdoor import FrontDoorConfig
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -86,7 +90,7 @@ def _cmd_serve(args) -> int:
     return 0
 
 
-def serve_options(args) -> tuple[dict, "FrontDoorConfig"]:
+def serve_options(args) -> tuple[dict, FrontDoorConfig]:
     """`serve` options -> (keyword arguments of router.cluster.launch besides the model, the
     front door's config). The Ray Serve application (router/serve_app.py) takes the same."""
     from router.frontdoor import FrontDoorConfig
@@ -166,7 +170,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             "gloo across nodes; shm and gloo stage GPU caches through host memory)")
     serve.add_argument("--address", default=None, help="join a running Ray cluster ('auto' or host:port)")
     serve.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (splitserve.v1.SplitServe, health, reflection)")
-    serve.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /metrics)")
+    serve.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions, /metrics)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address; 0.0.0.0 listens on all interfaces")
     serve.add_argument("--auth-token", default=None, help="require this bearer token (or $SPLITSERVE_AUTH_TOKEN)")
     serve.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS (with --tls-key)")

@@ -176,7 +176,7 @@ class SplitServeClient(_ClientBase):
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "SplitServeClient":
+    def __enter__(self) -> SplitServeClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -229,7 +229,7 @@ class AsyncSplitServeClient(_ClientBase):
     async def close(self) -> None:
         await self.channel.close()
 
-    async def __aenter__(self) -> "AsyncSplitServeClient":
+    async def __aenter__(self) -> AsyncSplitServeClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.output import RequestOutput

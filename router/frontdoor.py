@@ -140,7 +140,7 @@ class FrontDoor:
             if isinstance(result, BaseException):
                 log.warning("front door shutdown: %r", result)
 
-    def start(self) -> "FrontDoor":
+    def start(self) -> FrontDoor:
         self._thread.start()
         self._started.wait()
         if self._start_error is not None:
@@ -165,7 +165,7 @@ class FrontDoor:
                 pass
         self._thread.join()
 
-    def __enter__(self) -> "FrontDoor":
+    def __enter__(self) -> FrontDoor:
         return self
 
     def __exit__(self, *exc) -> None:

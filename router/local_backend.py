@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.engine_thread import EngineThread

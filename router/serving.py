@@ -10,7 +10,7 @@ import asyncio
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from engine.prompts import fitting_prompt_ids
 from engine.sampling_params import InvalidRequest, SamplingParams

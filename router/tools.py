@@ -153,7 +153,7 @@ def tool_plan(tools, tool_choice, template: str | None) -> ToolPlan | None:
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}].function.parameters", "must be a JSON schema object")
-        _renamed(f"tools[{i}].function.parameters", lambda: StructuredOutput.json_schema(params))
+        _renamed(f"tools[{i}].function.parameters", lambda params=params: StructuredOutput.json_schema(params))
         functions[fn["name"]] = params
     parse_format = "hermes" if template and HERMES_MARK in template else None
     if tool_choice is None or tool_choice in ("auto", "none", "required"):

@@ -113,9 +113,12 @@ def run_handoff(dry_run: bool) -> dict:
     rows = [[f"prompt {i} ({len(p)} tokens)", "equal" if s == c else "differs", str(s[:8] if s else s)]
             for i, (p, s, c) in enumerate(zip(prompts, split, colocated))]
     mib = stats["handoff_bytes"] / 2**20
-    summary = (f"{verdict}; {stats['handoff_count']} staged shm hand-offs ({'prefill staging ' + str(prefill.staging.cache.device) if prefill.staging else 'no staging'}, "
-               f"decode staging {collected['staging_device']}), {mib:.1f} MiB in {stats['handoff_seconds_sum'] * 1e3:.0f} ms "
-               f"of sends; prefill + hand-off of all {len(prompts)} {prefill_s * 1e3:.0f} ms")
+    summary = (
+        f"{verdict}; {stats['handoff_count']} staged shm hand-offs "
+        f"({'prefill staging ' + str(prefill.staging.cache.device) if prefill.staging else 'no staging'}, "
+        f"decode staging {collected['staging_device']}), {mib:.1f} MiB in {stats['handoff_seconds_sum'] * 1e3:.0f} ms "
+        f"of sends; prefill + hand-off of all {len(prompts)} {prefill_s * 1e3:.0f} ms"
+    )
     ok = verdict.startswith(("equal", "ties")) and collected["staged"]
     return {"result": "PASS" if ok else "FAIL", "summary": summary,
             "tables": [{"title": f"1P1D on one {device} over staged shm vs the colocated engine (demo model, "

@@ -88,7 +88,7 @@ def run_speed(dry_run: bool) -> dict:
                 sync()
                 prefill_s = time.perf_counter() - started
                 params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-                for i in range(batch):
+                for _ in range(batch):
                     engine.add_request(torch.randint(3, vocab, (context,), generator=rng).tolist(), params)
                 while any(r.num_output_tokens == 0 for r in engine.requests.values()):
                     engine.step()

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,7 +246,7 @@ def _mamba2_norm_is_grouped() -> bool:
 
     from transformers.models.mamba2 import modeling_mamba2 as m
 
-    norm = getattr(m, "Mamba2RMSNormGated", None) or getattr(m, "MambaRMSNormGated")
+    norm = getattr(m, "Mamba2RMSNormGated", None) or m.MambaRMSNormGated
     return "group_size" in inspect.signature(norm.__init__).parameters
 
 

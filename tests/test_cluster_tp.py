@@ -98,7 +98,6 @@ def test_a_killed_rank_takes_its_worker_down_and_the_stream_resumes(ray_nodes, m
     request from the tokens already delivered: one stream, no token twice, none missing. Both
     workers are TP=2, so the resumed request is handed off rank to rank to the new ranks, over
     channels the router reconnected."""
-    import asyncio
     import os
     import signal
 

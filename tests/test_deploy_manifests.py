@@ -77,7 +77,7 @@ def _parse_resources_param(value: str) -> dict:
 def _serve_args(cluster: dict) -> dict:
     """Flags of the `exec splitserve serve ...` line of the head container."""
     script = "\n".join(_ray_container(cluster["spec"]["headGroupSpec"])["args"])
-    (line,) = [l.strip() for l in script.splitlines() if "splitserve serve" in l]
+    (line,) = [text.strip() for text in script.splitlines() if "splitserve serve" in text]
     argv = shlex.split(line)
     assert argv[:3] == ["exec", "splitserve", "serve"], line
     flags = {}

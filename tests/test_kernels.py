@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton  # first: it sets Triton's mode
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels import _triton, uses_triton
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton

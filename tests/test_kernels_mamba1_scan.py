@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # first: it sets Triton's mode
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 
 

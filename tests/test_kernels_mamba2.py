@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # first: it sets Triton's mode
+from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels.mamba2_update import (NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton,
                                           process_dt)
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton, ssd_scan_ref

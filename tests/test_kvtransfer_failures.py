@@ -83,7 +83,11 @@ def announcing_threads(monkeypatch) -> list[str]:
     from kvtransfer.gloo import GlooWire
 
     threads, announce = [], GlooWire.announce
-    monkeypatch.setattr(GlooWire, "announce", lambda self, header: threads.append(threading.current_thread().name) or announce(self, header))
+    monkeypatch.setattr(
+        GlooWire,
+        "announce",
+        lambda self, header: threads.append(threading.current_thread().name) or announce(self, header),
+    )
     return threads
 
 

@@ -5,7 +5,6 @@ the same checkpoint and the same context/continuation split."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest

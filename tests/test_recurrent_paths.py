@@ -1,7 +1,8 @@
 """Recurrent families through the paths where their state is easiest to get wrong.
 
 Every config with a chunked scan (Mamba2's SSD, Gated DeltaNet), not just one per family:
-prefill steps that end one token before and one after a scan chunk boundary. One config per recurrent family: a request resumed from tokens a
+prefill steps that end one token before and one after a scan chunk boundary. One config per
+recurrent family: a request resumed from tokens a
 caller already has, the cache holding exactly what the layers declare, and a mutation check
 that the tests see a fresh prefill reading its slot (the stale-state bug).
 """

@@ -5,7 +5,6 @@ redeploy with changed options lets a running stream finish."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest

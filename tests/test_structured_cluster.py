@@ -10,7 +10,6 @@ import grpc
 import jsonschema
 import pytest
 
-from engine import SamplingParams
 from protos.splitserve.v1 import splitserve_pb2 as pb
 from protos.splitserve.v1 import splitserve_pb2_grpc as pb_grpc
 from tests.test_api_support import MODEL_NAME, serving, wait_idle

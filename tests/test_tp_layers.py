@@ -304,7 +304,7 @@ def generate(model, steps: int = 4, prompt_len: int = 11):
     ids = [(7 * i + 3) % spec.vocab_size for i in range(prompt_len)]
     all_logits, tokens = [], []
     with torch.inference_mode():
-        for step in range(steps + 1):
+        for _ in range(steps + 1):
             logits = model(seqs.step([(0, len(ids))], ids), cache.layers)
             all_logits.append(logits)
             ids = [int(logits[-1].argmax())]

@@ -157,7 +157,7 @@ def _chunk_state_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, states_ptr, decay_ptr,
     acc = tl.zeros([BLOCK_P, N_PAD], dtype=tl.float32)
     after = tl.zeros([], dtype=tl.float32)  # sum of a over the chunk's steps past the tile
     for back in range(TILES):  # last tile first, so `after` is known for each
-        l = (TILES - 1 - back) * BLOCK_L + tl.arange(0, BLOCK_L)
+        l = (TILES - 1 - back) * BLOCK_L + tl.arange(0, BLOCK_L)  # noqa: E741 (the SSD papers' step index)
         t = c.to(tl.int64) * chunk + l  # int64: t * stride may exceed 2**31
         ok = (l < chunk) & (t < length)  # padded steps: dt = 0, so no decay and no input
         dt = tl.load(dt_ptr + t * dt_stride_l + head * dt_stride_h, mask=ok, other=0.0).to(tl.float32)

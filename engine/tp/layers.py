@@ -11,7 +11,7 @@ the whole FFN (routed experts + shared expert: one all-reduce).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
