@@ -35,7 +35,7 @@ class EngineThread:
         # What the process holds once the engine is loaded (modules, the model, 230k objects
         # with transformers, Ray and the APIs imported) lives as long as the process: frozen out
         # of the collector, a full collection scans only what came after instead of stalling
-        # a step for about 90 ms. Once per serving loop; the collect keeps garbage out of it,
+        # a step over all of it. Once per serving loop; the collect keeps garbage out of it,
         # and stop() unfreezes (a stopped loop's engine must be collectable again).
         gc.collect()
         gc.freeze()

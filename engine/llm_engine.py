@@ -286,7 +286,7 @@ class LLMEngine:
 
     def _accept(self, request: Request, token_id: int, logprob) -> RequestOutput:
         # Runs for every row of every step on caches the forward flushed: a decoding request
-        # skips the first token's bookkeeping (docs/benchmarks.md, session 17).
+        # skips the first token's bookkeeping.
         if request.status is not DECODING:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()

@@ -33,7 +33,7 @@ class RequestOutput:
     def delta(self, **changes) -> RequestOutput:
         """This output without what the request's earlier outputs carried (the prompt, and the
         tokens, text and logprobs so far): what a worker ships each step, so a step's message
-        does not grow with the output (64 requests 4096 tokens in: 1.8 MB, 9 ms to unpickle).
+        does not grow with the output.
         Cumulative puts the rest back."""
         return replace(self, prompt_token_ids=[], token_ids=[], text="", logprobs=None, **changes)
 
@@ -78,7 +78,7 @@ class Cumulative:
 
 class GrowingText:
     """A request's text so far, grown at the end. `str +=` on an attribute copies the whole
-    string each time (3 us at 40k characters, 112 us at 400k: quadratic over a long output);
+    string each time (quadratic over a long output);
     here a piece costs about its own length. Only the tail is a live string; what lies before
     the position `settle` was last given moves out of it, to be joined when the whole text is
     asked for (whole(), for outputs that carry it)."""
@@ -189,7 +189,7 @@ class OutputTracker:
 
     def output(self) -> RequestOutput:
         # Called for every row of every decode step, on caches the forward just flushed: the text
-        # work is skipped where there is none (docs/benchmarks.md, session 17).
+        # work is skipped where there is none.
         request = self.request
         finished = request.finished
         new_text = ""

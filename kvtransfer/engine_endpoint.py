@@ -25,8 +25,8 @@ class EngineEndpoint:
         self.incarnation = uuid.uuid4().hex[:12]
         self._crash_plan: tuple[str, int] | None = None
         # A hand-off is a few control messages, each answered by a transport thread that must
-        # take the GIL from the busy engine thread: Python's default 5 ms switch interval made
-        # a 2 MB hand-off take 14-23 ms; at 0.5 ms it took 5-10 ms (docs/kvtransfer.md).
+        # take the GIL from the busy engine thread: at Python's default switch interval each
+        # such wait is long against the hand-off itself (docs/kvtransfer.md).
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
         self.engine = engine
         if getattr(engine, "tp", None) is not None:

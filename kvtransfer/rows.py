@@ -147,7 +147,7 @@ def copy_rows(src, dst, rows: RowMap) -> None:
             copy_row_ids(src, dst, rows.src_array, rows.dst_array)  # one pass, GIL released
             return
         if rows.src_slice is not None or rows.dst_slice is not None or len(rows.src_ids) * width <= GATHER_SCATTER_MAX_BYTES:
-            # numpy's row gather/scatter: one C loop, 2-3x faster than a call per run at
+            # numpy's row gather/scatter: one C loop instead of a call per run at
             # hand-off sizes (for two scattered sides it copies twice, through a temporary).
             rows_in = src[rows.src_slice] if rows.src_slice is not None else src[rows.src_array]
             if rows.dst_slice is not None:

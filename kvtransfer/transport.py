@@ -52,8 +52,8 @@ def make_transport(kind: str) -> Transport:
 def default_cpu_transport(same_node: bool) -> str:
     """What the cluster uses between two CPU workers (or GPU workers that share GPUs).
 
-    shm on one node: it copies each byte once, straight into the reserved blocks, and
-    measured well above Gloo over loopback (docs/kvtransfer.md); gloo across nodes.
+    shm on one node: it copies each byte once, straight into the reserved blocks, where Gloo
+    over loopback copies through sockets (docs/kvtransfer.md); gloo across nodes.
     """
     return "shm" if same_node else "gloo"
 

@@ -106,9 +106,9 @@ def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None,
 
 
 def _prefill_scan_on_triton(tensor: torch.Tensor) -> bool:
-    """Our Triton SSD and Gated DeltaNet prefill kernels measured several times slower than the
-    chunked torch references on an H200 (docs/gpu.md), so CUDA runs the references until the
-    field's kernels replace both; SPLITSERVE_FORCE_TRITON=1 still picks ours (the A/B)."""
+    """Our Triton SSD and Gated DeltaNet prefill kernels are slower than the chunked torch
+    references on a GPU (docs/gpu.md), so CUDA runs the references until the field's kernels
+    replace both; SPLITSERVE_FORCE_TRITON=1 still picks ours (the A/B)."""
     return uses_triton(tensor) and os.environ.get("SPLITSERVE_FORCE_TRITON", "0") not in ("", "0")
 
 

@@ -11,8 +11,7 @@ decay per head, that costs less on a CPU than the chunked forms' matrix products
 
 The elementwise epilogues (RMSNorm with the residual add, SwiGLU's product, rotary in place,
 Mamba's gate and skip, softplus, the MoE combine) replace chains of torch ops, each a full pass
-over its tensor in prefill and a dispatch of its own in decode. Measured against the commits
-before them in docs/benchmarks.md ("2026-12-02, later" and "evening").
+over its tensor in prefill and a dispatch of its own in decode.
 
 Same contracts as the `*_ref` functions or torch code they stand for (engine.kernels.ssm_update,
 conv_update, mamba2_update, gdn_scan, paged_attention, ssd_scan,

@@ -143,8 +143,8 @@ extern "C" {
 // Where N and D are multiples of 16 (Mamba's usual d_state is 16), a thread takes 16 channels
 // at a time and sums their 16 dot products in one transposed tree (lane_sums), the same halving
 // order as mamba_step's reduction (the same bits where the compiler vectorises that at 16 lanes;
-// the same state bits, and y to rounding, where it picks 8), with a third of the shuffles: the
-// per-channel reductions were half the kernel's time (162 -> 94 us for 64 x 512 x 16 here).
+// the same state bits, and y to rounding, where it picks 8), with a third of the shuffles: one
+// reduction per channel would dominate the kernel's time.
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                       const float* A, const float* B, const float* C, float* y, int64_t batch,
                       int64_t d_inner, int64_t d_state, int threads) {
@@ -255,8 +255,7 @@ void selective_scan(const float* x, const float* dt, const float* A, const float
 // state [S, H, P, N]; x, y [batch, H, P]; dt [batch, H] (final: bias, softplus, clamp done);
 // A [H]; B, C [batch, G, N]. Where P and N are multiples of 16, a thread takes 16 rows of a head
 // at a time: one exp for them, their dot products summed together by lane_sums (as in
-// ssm_state_update). 64 rows x 8 heads x 64 x 64: 251 -> 102 us with the state in cache, 352 -> 241
-// over four layers' states (which do not fit); the same state bits (y to rounding, as there).
+// ssm_state_update); the same state bits (y to rounding, as there).
 void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                          const float* A, const float* B, const float* C, float* y, int64_t batch,
                          int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
@@ -422,10 +421,9 @@ void gated_delta_scan(float* state, const float* q, const float* k, const float*
 // window 0 = none. One sequence per iteration, reading each token's K row (all KV heads, one
 // contiguous run) once and then each V row once: the cache does not fit in the CPU's caches, and
 // this streams it at memory bandwidth where one (sequence, KV head) per iteration, reading a
-// quarter of each row at a time, ran at half of it. Each row of the next block is prefetched with
-// the same row of this one: 0.45-0.68 ms vs 1.35 ms for 64 sequences of 129-255 tokens whose
-// 12.7 MB of KV were not in cache. The prefetches go to L2, not L1: with the KV streaming from
-// memory (four layers' caches in turn) that took 0.72-0.88 of the time, and the same in cache.
+// quarter of each row at a time, runs at about half of it. Each row of the next block is
+// prefetched with the same row of this one, into L2 rather than L1: the KV streams from memory,
+// and prefetches into L1 would evict the rows being read.
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache,
                             const int64_t* tables, int64_t table_width, const int64_t* lens,
                             float* out, int64_t batch, int64_t heads, int64_t kv_heads,

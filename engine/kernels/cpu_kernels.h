@@ -17,7 +17,7 @@ namespace splitserve {
 constexpr int64_t PANEL_COLUMNS = 16;
 
 // exp(v), inlined into vector loops where the libm vector exp is a call that spills every live
-// vector register (the Mamba scan ran 3x faster with this): Cephes' expf (range reduction by ln 2
+// vector register: Cephes' expf (range reduction by ln 2
 // in two parts, a degree-6 polynomial, the exponent built in the bits), within 1 ulp of exp on
 // [-87, 88] in a sampled sweep. v is clamped to that range: below, 2^-126 instead of a denormal
 // or 0 (a decay to nothing), above, 1.6e38 instead of infinity.

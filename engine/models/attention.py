@@ -163,7 +163,7 @@ class PagedAttention(nn.Module):
         num_blocks = -(-max_len // block_size)
         blocks = batch.decode_block_tables[:, :num_blocks].reshape(-1)
         shape = (q.shape[0], num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        # index_select copies whole block rows; advanced indexing (cache[blocks]) ran 4-5x slower.
+        # index_select copies whole block rows; advanced indexing (cache[blocks]) goes element by element.
         keys = k_cache.index_select(0, blocks).view(shape)[:, :max_len].to(q.dtype)  # [B, L, KVH, D]
         values = v_cache.index_select(0, blocks).view(shape)[:, :max_len].to(q.dtype)
         k_pos = torch.arange(max_len, device=q.device)[None, :]

@@ -1,8 +1,7 @@
 """A decode step's decoder layers as one C++ call (engine/kernels/cpu_decode.cpp).
 
-On the CPU a Jamba or Llama decode step spent about 0.2 ms a layer in Python between its C++
-calls (norms, residual adds, each one-call mixer's and FFN's argument set-up): a sixth of the
-step at 64 sequences. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
+On the CPU the Python between a decode step's C++ calls (norms, residual adds, each one-call
+mixer's and FFN's argument set-up) is a sizeable share of the step. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
 or a Falcon-H1 layer (attention beside Mamba2, multipliers folded), whose norms are RMSNorms
 (Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer, Mamba2Mixer,
 GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's normed attention; or

@@ -269,7 +269,7 @@ class RotaryEmbedding(nn.Module):
         """cos and sin [T, rotary_dim] of these positions. On the CPU, rows of tables computed
         once for positions 0..n-1 (n doubling as positions grow): a position's values do not
         depend on the batch it is in, and a decode step pays two row selections instead of
-        a dozen torch calls, each of which costs 10-30 us on the caches the step has flushed.
+        a dozen torch calls, each slow on the caches the step has flushed.
         Not on GPUs, where a CUDA graph capture must record the computation itself."""
         if positions.device.type != "cpu":
             return self._compute(positions, dtype)

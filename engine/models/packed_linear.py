@@ -1,18 +1,11 @@
 """CPU float32 linears on splitserve's own GEMM (engine/kernels/cpu_gemm.cpp), each weight packed
 once into the kernel's panel layout.
 
-Decode multiplies 1-64 rows (32 for an MoE expert) by weights that stream from memory, where
-neither torch's MKL sgemm nor oneDNN's matmul on a prepacked weight came near the box's GEMM
-rate: on the 2-vCPU Zen 3 (AVX2) box, 64 rows of 256 -> 1024 with the weight out of cache took
-319 us in this kernel against 420 (oneDNN) and 755 (MKL), and the small weights that oneDNN's
-call overhead made slower than MKL ran faster than MKL too (64 rows of Mamba's x_proj, 512 -> 48:
-43 against 58 us; dt_proj, 16 -> 512: 31 against 43). At a single row the two smallest weights
-were even (0.93x and 1.09x, a few microseconds). It keeps up in prefill as well (8192 rows of
-256 -> 2048: 55 against 81 and 89 ms), so it replaced both (docs/benchmarks.md, "session 6").
-On a Zen 4 (AVX-512) box, after the kernel learned to prefetch its panels, oneDNN was about as
-fast at 64 rows and slower at 4-8 ("session 7"). On a Zen 5 box (full-width AVX-512 units) the
-kernel's 8-float vectors reached about half of oneDNN's rate until its tiles took 16-float vectors
-over two panels ("session 15").
+Decode multiplies 1-64 rows (32 for an MoE expert) by weights that stream from memory. There
+torch's MKL sgemm and oneDNN's matmul on a prepacked weight fall short of the memory-bound rate
+(per-call overhead on small weights, no prefetch of the next panel); this kernel streams each
+weight's panels with prefetch, in 16-float tiles over two panels where AVX-512 is there, and
+keeps up with both in prefill too. `bench roofline` measures it against them (docs/benchmarks.md).
 
 The packed copy sits beside the dense weight, which stays the model's parameter (checkpoint
 loading, tensor-parallel slicing and tied embeddings read it): linear weights take twice their

@@ -48,7 +48,7 @@ class ShortConvMixer(nn.Module):
     def fits_one_call(self) -> bool:
         """Both linears packed (so not sharded), every parameter float32 and contiguous: then an
         all-decode step's kernels run as one C++ call (short_conv_decode). Alone it is no faster
-        than the chain (docs/benchmarks.md, session 11); the decode stack's one call needs it."""
+        than the chain; the decode stack's one call needs it."""
         return packed_fit(self, (self.in_proj, self.out_proj), lambda: type(self).forward is ShortConvMixer.forward)
 
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
