@@ -1,4 +1,4 @@
-"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix|elastic` (`bench transfer` lives in kvtransfer.bench)."""
+"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix|elastic` (`bench transfer`: bench.transfer)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def cmd_elastic(args) -> int:
 
     profile = None
     if args.profile:
-        from router.autoscaler import CapacityModel
+        from router.capacity import CapacityModel
 
         profile = CapacityModel.from_file(args.profile).profile
     with _model_dir(args) as model:

@@ -27,7 +27,8 @@ from dataclasses import asdict, replace
 
 from bench.metrics import SLO, compute_metrics
 from bench.workloads import WorkloadConfig, generate_requests
-from router.autoscaler import AutoscaleConfig, Autoscaler, CapacityModel, Signals
+from router.autoscaler import AutoscaleConfig, Autoscaler, Signals
+from router.capacity import CapacityModel
 
 RUNS = ("fixed", "autoscaled (signals)", "autoscaled (signals + capacity model)")
 

@@ -21,35 +21,7 @@ from dataclasses import asdict, dataclass
 from bench.metrics import SLO, compute_metrics
 from bench.planner_sim import simulate
 from bench.workloads import WorkloadConfig, generate_requests
-
-
-@dataclass
-class WorkerProfile:
-    """Seconds. Prefill step: base + per_token*L + per_token2*L^2 per prompt; decode step:
-    base + per_seq*B for B running sequences; hand-off: per request."""
-
-    prefill_base_s: float
-    prefill_per_token_s: float
-    prefill_per_token2_s: float
-    decode_base_s: float
-    decode_per_seq_s: float
-    handoff_s: float = 0.0
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-
-    def __post_init__(self):
-        for name, value in asdict(self).items():
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name}: must be a finite number >= 0, got {value!r}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-
-    def prefill_step_s(self, prompt_lens: list[int]) -> float:
-        return (self.prefill_base_s + self.prefill_per_token_s * sum(prompt_lens)
-                + self.prefill_per_token2_s * sum(n * n for n in prompt_lens))
-
-    def decode_step_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch
+from router.capacity import WorkerProfile
 
 
 @dataclass

@@ -14,38 +14,25 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine, Reservation
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
-from engine.tp.rank_handoffs import RankHandoffs
-from engine.tp.ray_ranks import RayRanks
-from engine.staging import HandoffStaging, staging_device
-from kvtransfer import HandoffTarget, make_transport
-from kvtransfer.engine_endpoint import EngineEndpoint
+from kvtransfer import HandoffTarget
+from worker_base import WorkerBase
 
 
-class DecodeWorker(EngineEndpoint):
+class DecodeWorker(WorkerBase):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
-        # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
-        launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
-        engine = LLMEngine(EngineConfig(model=model, mode="decode", output_kind="delta", **engine_options), launcher)
-        wire = make_transport(transport)
-        where = staging_device(engine, wire.devices)  # None: the wire moves the engine's own rows
-        self.staging = HandoffStaging(engine, where) if where is not None else None
+        super().__init__(name, model, engine_options, transport, "decode", "receiver",
+                         transfer_timeout_s, tp_ranks, output_kind="delta")
         self._reservations: dict[str, Reservation] = {}  # staged hand-offs: where the rows go
         self._slow_reservations = (0, 0.0)  # fault injection: (count, seconds) before reserving
-        super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
-        self.receiver = wire.receiver(name, self.cache_tensors, self.transfer_config)
-        self.ranks = engine.tp.group.size if engine.tp is not None else 1
-        self.rank_receivers = (RankHandoffs(engine, transport, "receiver", name, self.transfer_config)
-                               if self.ranks > 1 else None)
-        self._rank_peers: set[str] = set()  # prefill workers of this TP size: they send rank to rank
+        self.receiver = self.wire.receiver(name, self.cache_tensors, self.transfer_config)
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
         self.thread = EngineThread(self.engine, self._deliver, after_step=self._take_handoffs, name=f"{name}-loop")
@@ -53,14 +40,14 @@ class DecodeWorker(EngineEndpoint):
     # ---- router-facing (Ray actor methods) ----
 
     def facts(self) -> dict:
-        return {**model_facts(self.engine), "num_kv_blocks": self.engine.blocks.num_blocks,
+        return {**self.model_facts(), "num_kv_blocks": self.engine.blocks.num_blocks,
                 "block_size": self.engine.config.block_size}
 
     async def accept(self, peer: str, peer_ranks: int = 1):
         """An offer for prefill worker `peer` (of TP size `peer_ranks`) to connect its sender:
         one per rank (RankOffers) when the sizes are equal, else rank 0's staging receiver's."""
-        if self.rank_receivers is not None and peer_ranks == self.ranks:
-            offers = await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_receivers.accept(peer)))
+        if self.rank_handoffs is not None and peer_ranks == self.ranks:
+            offers = await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_handoffs.accept(peer)))
             self._rank_peers.add(peer)
             return offers
         self._rank_peers.discard(peer)
@@ -83,7 +70,7 @@ class DecodeWorker(EngineEndpoint):
             if by_rank:
                 target = self._target(request_id, reservation.block_ids, reservation.slot, self.ranks)
                 try:
-                    self.rank_receivers.expect(target)
+                    self.rank_handoffs.expect(target)
                 except Exception:
                     engine.cancel_reservation(request_id)
                     raise
@@ -119,7 +106,7 @@ class DecodeWorker(EngineEndpoint):
 
     def keep_reserved(self, request_id: str) -> bool:
         if request_id in self._rank_pending():
-            self.thread.call(lambda engine: self.rank_receivers.keep_waiting(request_id))
+            self.thread.call(lambda engine: self.rank_handoffs.keep_waiting(request_id))
             return True
         return self.receiver.keep_waiting(request_id)
 
@@ -131,7 +118,7 @@ class DecodeWorker(EngineEndpoint):
             # still be written: the receiver reports, and _take_handoffs frees, once they are not);
             # one that has landed, even a moment ago, is the engine's to abort with its reservation.
             if request_id in self._rank_pending():
-                self.rank_receivers.abort(request_id, reason)
+                self.rank_handoffs.abort(request_id, reason)
             elif not self.receiver.abort(request_id, reason):
                 engine.abort(request_id, error)
 
@@ -150,18 +137,18 @@ class DecodeWorker(EngineEndpoint):
     def shutdown(self) -> None:
         self.thread.stop()
         self.receiver.close()
-        if self.rank_receivers is not None:
-            self.rank_receivers.close()
+        if self.rank_handoffs is not None:
+            self.rank_handoffs.close()
 
     def _rank_pending(self) -> frozenset[str]:
-        return self.rank_receivers.pending_ids if self.rank_receivers is not None else frozenset()
+        return self.rank_handoffs.pending_ids if self.rank_handoffs is not None else frozenset()
 
     # ---- engine thread and transport callbacks ----
 
     def _take_handoffs(self, engine: LLMEngine) -> None:
         """After each step, on the engine thread: start decoding what landed, drop what failed.
         The loop keeps stepping while a request waits for its state, so this runs every step then."""
-        by_rank = self.rank_receivers.poll() if self.rank_receivers is not None else []
+        by_rank = self.rank_handoffs.poll() if self.rank_handoffs is not None else []
         outputs = []
         for result in by_rank + self.receiver.poll():
             request = engine.requests.get(result.request_id)
@@ -196,9 +183,3 @@ class DecodeWorker(EngineEndpoint):
             out, self._outbox = self._outbox, []
         return out
 
-
-def model_facts(engine: LLMEngine) -> dict:
-    spec = engine.spec
-    return {"model_type": spec.model_type, "vocab_size": spec.vocab_size,
-            "max_model_len": engine.max_model_len, "layer_kinds": list(spec.layer_kinds),
-            "eos_token_ids": list(engine.eos_token_ids)}

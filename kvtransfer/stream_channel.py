@@ -34,7 +34,8 @@ from kvtransfer.sender import ALL_LAYERS
 log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 2
 # The caller posts a hand-off itself only up to this size: Gloo writes a message whose receive
-# is already posted inside send(), which the caller's engine step pays. Bigger hand-offs are about bandwidth, not latency: the channel thread posts them.
+# is already posted inside send(), which the caller's engine step pays. Bigger hand-offs are
+# about bandwidth, not latency: the channel thread posts them.
 INLINE_MAX_BYTES = 8 << 20
 
 

@@ -15,17 +15,14 @@ import asyncio
 import concurrent.futures
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
 from engine.engine_thread import EngineThread
 from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
-from engine.tp.rank_handoffs import RankHandoffs, RankOffers
-from engine.tp.ray_ranks import RayRanks
-from engine.staging import HandoffStaging, staging_device
-from kvtransfer import HandoffResult, HandoffTarget, make_transport
-from kvtransfer.engine_endpoint import EngineEndpoint
+from engine.tp.rank_handoffs import RankOffers
+from kvtransfer import HandoffResult, HandoffTarget
+from worker_base import WorkerBase
 
 
 @dataclass
@@ -44,22 +41,13 @@ class PrefillOutcome:
     retryable: bool = False  # failed in the plumbing (hand-off), not because of the request
 
 
-class PrefillWorker(EngineEndpoint):
+class PrefillWorker(WorkerBase):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
-        # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
-        launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
-        engine = LLMEngine(EngineConfig(model=model, mode="prefill", **engine_options), launcher)
-        wire = make_transport(transport)
-        where = staging_device(engine, wire.devices)  # None: the wire moves the engine's own rows
-        self.staging = HandoffStaging(engine, where) if where is not None else None
-        super().__init__(name, engine, transfer_timeout_s, self.staging.cache if self.staging else None)
-        self.sender = wire.sender(name, self.cache_tensors, self.transfer_config,
-                                                       on_done=self._handoff_done)
-        self.ranks = engine.tp.group.size if engine.tp is not None else 1
-        self.rank_senders = (RankHandoffs(engine, transport, "sender", name, self.transfer_config)
-                             if self.ranks > 1 else None)
-        self._rank_peers: set[str] = set()  # decode workers of this TP size: sent to rank to rank
+        super().__init__(name, model, engine_options, transport, "prefill", "sender",
+                         transfer_timeout_s, tp_ranks)
+        self.sender = self.wire.sender(name, self.cache_tensors, self.transfer_config,
+                                       on_done=self._handoff_done)
         self._targets: dict[str, HandoffTarget] = {}
         self._peers: set[str] = set()
         self._waiters: dict[str, concurrent.futures.Future] = {}
@@ -81,15 +69,15 @@ class PrefillWorker(EngineEndpoint):
         or one for rank 0's staging rows; whichever it is replaces the other kind."""
         self._peers.add(peer)
         if isinstance(offer, RankOffers):
-            if self.rank_senders is None:
+            if self.rank_handoffs is None:
                 raise ValueError(f"decode worker {peer!r} offers {len(offer.offers)} ranks; this worker has one")
             self.sender.disconnect(peer)
-            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.connect(peer, offer)))
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_handoffs.connect(peer, offer)))
             self._rank_peers.add(peer)
             return
         if peer in self._rank_peers:
             self._rank_peers.discard(peer)
-            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.disconnect(peer)))
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_handoffs.disconnect(peer)))
         self.sender.connect(peer, offer)
 
     async def disconnect(self, peer: str) -> None:
@@ -98,14 +86,14 @@ class PrefillWorker(EngineEndpoint):
         self.sender.disconnect(peer)
         if peer in self._rank_peers:
             self._rank_peers.discard(peer)
-            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_senders.disconnect(peer)))
+            await asyncio.wrap_future(self.thread.call(lambda engine: self.rank_handoffs.disconnect(peer)))
 
     async def disconnected_peers(self) -> list[str]:
         """Decode workers whose channel broke (e.g. a hand-off died mid-stream): reconnect them."""
         by_rank = sorted(self._rank_peers)
 
         def broken_by_rank(engine) -> list[str]:
-            return [p for p in by_rank if not self.rank_senders.connected(p)]
+            return [p for p in by_rank if not self.rank_handoffs.connected(p)]
 
         broken = await asyncio.wrap_future(self.thread.call(broken_by_rank)) if by_rank else []
         return sorted(broken + [p for p in self._peers - self._rank_peers if not self.sender.connected(p)])
@@ -133,9 +121,9 @@ class PrefillWorker(EngineEndpoint):
             self._shipped.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        if self.rank_senders is not None and request_id in self.rank_senders.pending_ids:
+        if self.rank_handoffs is not None and request_id in self.rank_handoffs.pending_ids:
             await asyncio.wrap_future(self.thread.call(
-                lambda engine: self.rank_senders.abort(request_id, "aborted by the router")))
+                lambda engine: self.rank_handoffs.abort(request_id, "aborted by the router")))
             return
         if request_id in self.sender.pending():
             # The transport may still read its rows: _handoff_done frees them once it lets go.
@@ -165,15 +153,15 @@ class PrefillWorker(EngineEndpoint):
     def shutdown(self) -> None:
         self.thread.stop()
         self.sender.close()
-        if self.rank_senders is not None:
-            self.rank_senders.close()
+        if self.rank_handoffs is not None:
+            self.rank_handoffs.close()
 
     # ---- engine thread and transport callbacks ----
 
     def _ship(self, engine: LLMEngine) -> None:
         self._crash_point(engine.requests)
-        if self.rank_senders is not None:
-            for result in self.rank_senders.poll():  # every rank let go of the request's rows
+        if self.rank_handoffs is not None:
+            for result in self.rank_handoffs.poll():  # every rank let go of the request's rows
                 self._handoff_done(result)
         ready, self._deferred = self._deferred + engine.take_handoffs(), []
         for handoff in ready:
@@ -217,7 +205,7 @@ class PrefillWorker(EngineEndpoint):
                                  f"shard(s); this worker sends {sends} (its channels changed since the reservation)")
             self._shipped[rid] = handoff
             slot = handoff.slot if self.cache_tensors.num_slots else None
-            self.rank_senders.send(target, handoff.num_tokens, handoff.block_ids, slot, handoff.first_token)
+            self.rank_handoffs.send(target, handoff.num_tokens, handoff.block_ids, slot, handoff.first_token)
             self.handoffs["by_rank"] += 1
         except Exception as e:
             self._ship_failed(engine, rid, e)

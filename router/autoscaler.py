@@ -8,7 +8,8 @@ shrinks after `down_intervals` idle ones, and is left alone for `cooldown_interv
 change; shrinking also needs the load to fit the smaller pool with room to spare. Every
 decision is logged and counted (splitserve_autoscaler_decisions_total{kind, direction, reason}).
 
-Given the planner's performance model of one worker (`CapacityModel`, from `bench plan --out`),
+Given the planner's performance model of one worker (router.capacity.CapacityModel, from
+`bench plan --out`),
 it also sizes its steps: how many prefill workers the prompt tokens arriving per second need,
 how many decode workers the running sequences need at the largest batch whose step time meets
 the TPOT SLO. A kind below that grows to it in one step (reason "capacity" when no SLO is
@@ -18,12 +19,11 @@ The policy below has no Ray in it; router/scaling.py runs it against the real po
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from router.capacity import CapacityModel
 
 log = logging.getLogger(__name__)
 KINDS = ("prefill", "decode")
@@ -65,59 +65,6 @@ class AutoscaleConfig:
                 raise ValueError(f"--autoscale: {part!r} is not KIND=MIN:MAX with KIND prefill or decode")
             bounds[kind] = (int(low), int(high))
         return cls(**bounds, **options)
-
-
-@dataclass
-class CapacityModel:
-    """What one worker can do, from the planner's fitted profile (bench.planner.WorkerProfile:
-    `prefill_step_s(prompt_lens)`, `decode_step_s(batch)`, `max_num_batched_tokens`,
-    `max_num_seqs`). Prefill workers are sized to run at `prefill_utilization` at most (a
-    queue at higher load makes TTFT grow without bound); decode workers to batches whose step
-    time is within `tpot_headroom` of the TPOT SLO."""
-
-    profile: object
-    prefill_utilization: float = 0.7
-    tpot_headroom: float = 0.8
-
-    def __post_init__(self):
-        if not 0 < self.prefill_utilization <= 1 or not 0 < self.tpot_headroom <= 1:
-            raise ValueError("capacity model: prefill_utilization and tpot_headroom must be in (0, 1]")
-
-    @classmethod
-    def from_file(cls, path: str | Path, **options) -> CapacityModel:
-        """A `bench plan --out` report (its "profile") or a bare profile JSON."""
-        from bench.planner import WorkerProfile
-
-        try:
-            data = json.loads(Path(path).read_text())
-            return cls(WorkerProfile(**data.get("profile", data)), **options)
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"capacity profile {path}: {e}") from e
-
-    def prefill_tokens_per_s(self, mean_prompt_len: float) -> float:
-        """Prompt tokens one worker computes per second, steps packed with prompts of this length."""
-        budget = self.profile.max_num_batched_tokens
-        length = max(1, min(budget, round(mean_prompt_len)))
-        per_step = max(1, budget // length)
-        return per_step * length / self.profile.prefill_step_s([length] * per_step)
-
-    def prefill_workers(self, prompt_tokens_per_s: float, mean_prompt_len: float) -> int:
-        if prompt_tokens_per_s <= 0:
-            return 1
-        capacity = self.prefill_tokens_per_s(mean_prompt_len) * self.prefill_utilization
-        return max(1, math.ceil(prompt_tokens_per_s / capacity))
-
-    def decode_batch(self, slo_tpot_s: float) -> int:
-        """The largest batch whose step meets the TPOT SLO with headroom (at least 1)."""
-        limit = slo_tpot_s * self.tpot_headroom
-        best = 1
-        for batch in range(1, self.profile.max_num_seqs + 1):
-            if self.profile.decode_step_s(batch) <= limit:
-                best = batch
-        return best
-
-    def decode_workers(self, running: int, slo_tpot_s: float) -> int:
-        return max(1, math.ceil(running / self.decode_batch(slo_tpot_s)))
 
 
 @dataclass

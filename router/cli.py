@@ -119,7 +119,8 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
                           transfer_timeout_s=args.transfer_timeout, prefill_block_size=args.prefill_block_size,
                           decode_block_size=args.decode_block_size, **engine_options)
     if args.autoscale:
-        from router.autoscaler import AutoscaleConfig, CapacityModel
+        from router.autoscaler import AutoscaleConfig
+        from router.capacity import CapacityModel
 
         capacity = CapacityModel.from_file(args.autoscale_profile) if args.autoscale_profile else None
         launch_options["autoscale"] = AutoscaleConfig.parse(args.autoscale, slo_ttft_s=args.slo_ttft_ms / 1000,
@@ -148,7 +149,7 @@ def _cmd_bench(args, rest: list[str]) -> int:
         print("\n".join(lines), file=sys.stdout if asked else sys.stderr)
         return 0 if asked else 2
     if args.what == "transfer":
-        from kvtransfer.bench import main as bench_transfer
+        from bench.transfer import main as bench_transfer
 
         return bench_transfer(rest)
     from bench.cli import main as bench_main

@@ -89,14 +89,14 @@ def test_serve_flags_build_the_autoscaler_config():
 
 
 def _profile():
-    from bench.planner import WorkerProfile
+    from router.capacity import WorkerProfile
 
     # prefill step 10 ms + 0.1 ms/token; decode step 10 ms + 1 ms/sequence
     return WorkerProfile(0.01, 1e-4, 0.0, 0.01, 0.001, max_num_batched_tokens=2048, max_num_seqs=64)
 
 
 def test_the_capacity_model_sizes_each_pool_from_the_profile():
-    from router.autoscaler import CapacityModel
+    from router.capacity import CapacityModel
 
     model = CapacityModel(_profile(), prefill_utilization=0.7, tpot_headroom=0.8)
     per_worker = 2048 / (0.01 + 2048 * 1e-4)  # four 512-token prompts per 2048-token step
@@ -113,7 +113,7 @@ def test_the_capacity_model_sizes_each_pool_from_the_profile():
 
 
 def test_with_a_capacity_model_steps_are_sized_and_shrinks_need_its_consent():
-    from router.autoscaler import CapacityModel
+    from router.capacity import CapacityModel
 
     config = dict(CONFIG, slo_tpot_s=0.05, capacity=CapacityModel(_profile()))
     scaler = Autoscaler(AutoscaleConfig(decode=(1, 8), **config))
@@ -140,7 +140,7 @@ def test_the_capacity_profile_comes_from_a_plan_report(tmp_path):
     import json
     from dataclasses import asdict
 
-    from router.autoscaler import CapacityModel
+    from router.capacity import CapacityModel
     from router.cli import build_parser, serve_options
 
     report = tmp_path / "plan.json"

@@ -11,7 +11,8 @@ import statistics
 import pytest
 
 from bench.metrics import SLO, RequestRecord, compute_metrics, jsonable, percentile
-from bench.planner import PlanConfig, WorkerProfile, fit_profile, lstsq, predict, recommend
+from bench.planner import PlanConfig, fit_profile, lstsq, predict, recommend
+from router.capacity import WorkerProfile
 from bench.planner_sim import simulate
 from bench.workloads import BenchRequest, WorkloadConfig, arrival_offsets, generate_requests
 from tests.test_api_support import backend, server  # noqa: F401  (the live server fixtures)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.planner import WorkerProfile
+from router.capacity import WorkerProfile
 from bench.planner_sim import ClusterSim, simulate
 from bench.workloads import BenchRequest
 

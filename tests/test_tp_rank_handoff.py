@@ -73,8 +73,7 @@ class Pair:
     def settled(self) -> None:
         """Every row is free again on both sides, and no rank holds a hand-off."""
         for worker in (self.prefill, self.decode):
-            for by_rank in (getattr(worker, "rank_senders", None), getattr(worker, "rank_receivers", None)):
-                assert by_rank is None or by_rank.pending_ids == frozenset()
+            assert worker.rank_handoffs is None or worker.rank_handoffs.pending_ids == frozenset()
             assert worker.staging is None or not worker.staging.held
             engine = worker.engine
             assert not engine.requests
@@ -115,7 +114,7 @@ def one_rank_fails(pair: Pair, hf, transport: str) -> None:
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 11, 7)]
 
     async def drop_f1_on_rank1(p: Pair) -> None:
-        receivers = p.decode.rank_receivers
+        receivers = p.decode.rank_handoffs
         [(ok, _)] = await asyncio.wrap_future(p.decode.thread.call(
             lambda engine: receivers.tp.ask("xfer", "abort", "f1", "dropped by the test")))
         assert ok

@@ -1,19 +1,19 @@
 """A decode step's decoder layers as one C++ call (engine/kernels/cpu_decode.cpp).
 
 On the CPU the Python between a decode step's C++ calls (norms, residual adds, each one-call
-mixer's and FFN's argument set-up) is a sizeable share of the step. Where every layer is a plain DecoderLayer (a residual multiplier allowed)
-or a Falcon-H1 layer (attention beside Mamba2, multipliers folded), whose norms are RMSNorms
-(Qwen3-Next's once folded), whose mixer runs as one call (MambaMixer, Mamba2Mixer,
-GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's and Qwen3-Next's normed attention; or
-a squared-ReLU MLP in the mixer's place, Nemotron-H's) and whose FFN does too (GatedMLP,
-SparseMoE, routed plus shared experts, the shared one gated or not, or none), the whole stack
-runs as one call of the same kernels in the same order, so the hidden states are the bits of the
-layer-by-layer path. Zamba2's hybrid layers (shared attention, shared MLP, their own linear and
-Mamba2) join in where their attention has no q/k/v adapters and their MLP the exact GELU. Where
-only some layers fit, each run of them is one call and the others take the layer path between
-the runs (SegmentedPlan: Nemotron-H's MoE, Zamba2's hybrid layers otherwise). A prefill in the
-batch, tensor parallelism or a GPU takes the layer path throughout. Each layer part's entry is
-filled in engine.models.layer_plans.
+mixer's and FFN's argument set-up) is a sizeable share of the step. Where every layer is a plain
+DecoderLayer (a residual multiplier allowed) or a Falcon-H1 layer (attention beside Mamba2,
+multipliers folded), whose norms are RMSNorms (Qwen3-Next's once folded), whose mixer runs as
+one call (MambaMixer, Mamba2Mixer, GatedDeltaNetMixer, ShortConvMixer, PagedAttention, LFM2's
+and Qwen3-Next's normed attention; or a squared-ReLU MLP in the mixer's place, Nemotron-H's) and
+whose FFN does too (GatedMLP, SparseMoE, routed plus shared experts, the shared one gated or
+not, or none), the whole stack runs as one call of the same kernels in the same order, so the
+hidden states are the bits of the layer-by-layer path. Zamba2's hybrid layers (shared attention,
+shared MLP, their own linear and Mamba2) join in where their attention has no q/k/v adapters and
+their MLP the exact GELU. Where only some layers fit, each run of them is one call and the
+others take the layer path between the runs (SegmentedPlan: Nemotron-H's MoE, Zamba2's hybrid
+layers otherwise). A prefill in the batch, tensor parallelism or a GPU takes the layer path
+throughout. Each layer part's entry is filled in engine.models.layer_plans.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
 (which is when they are final) and rebuilt when the caches it points at change.

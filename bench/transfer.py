@@ -308,8 +308,8 @@ def _pipeline_check(pair: _Pair, transfer_s: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--latency" in argv:  # small hand-offs under busy engine loops: kvtransfer/bench_latency.py
-        from kvtransfer.bench_latency import main as latency_main
+    if "--latency" in argv:  # small hand-offs under busy engine loops: bench/transfer_latency.py
+        from bench.transfer_latency import main as latency_main
 
         return latency_main([a for a in argv if a != "--latency"])
     parser = argparse.ArgumentParser(prog="splitserve bench transfer", description=__doc__.splitlines()[0],

@@ -1,6 +1,6 @@
 """Per-step cost of ModelRunner.build_batch (scheduler output -> ForwardBatch tensors), CPU.
 
-    python scripts/bench_build_batch.py [--repeat 200]
+    python -m bench.build_batch [--repeat 200]
 
 Cases: 64 decode rows with 1024-token contexts, and 8 fresh 1024-token prefill rows, block
 size 16. Builds tensors on CPU only (no model runs). To time another checkout of the engine,

@@ -1,5 +1,8 @@
-"""What both worker actors share: an engine, its cache seen as hand-off rows, this node's
-transfer settings. The engine is passed in (duck-typed), so kvtransfer imports no engine code."""
+"""What both worker actors are built from: an engine (its tensor-parallel ranks placed by Ray),
+the wire to the other kind of worker, the rows that wire moves (the engine's cache, or host
+staging rows for a GPU cache on a host-side wire), rank-to-rank hand-offs for a sharded engine,
+and the fault injection and node facts the router and the drills use. kvtransfer only moves
+bytes; this is where a worker meets it."""
 
 from __future__ import annotations
 
@@ -9,16 +12,26 @@ import socket
 import sys
 import uuid
 
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.staging import HandoffStaging, staging_device
+from engine.tp.rank_handoffs import RankHandoffs
+from engine.tp.ray_ranks import RayRanks
+from kvtransfer import make_transport
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import CacheTensors
-
 
 log = logging.getLogger(__name__)
 WORKER_SWITCH_INTERVAL_S = 0.0005
 
 
-class EngineEndpoint:
-    def __init__(self, name: str, engine, transfer_timeout_s: float, handoff_cache=None):
+class WorkerBase:
+    """One construction path for both workers. `role` is the worker's end of the wire:
+    "sender" (prefill) or "receiver" (decode); the subclass opens that end on `self.wire`."""
+
+    def __init__(self, name: str, model: str, engine_options: dict, transport: str, mode: str,
+                 role: str, transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None,
+                 **engine_config):
         self.name = name
         # Changes when Ray restarts the actor: the router then reconnects it and knows that
         # whatever the previous incarnation held is gone.
@@ -28,14 +41,25 @@ class EngineEndpoint:
         # take the GIL from the busy engine thread: at Python's default switch interval each
         # such wait is long against the hand-off itself (docs/kvtransfer.md).
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
-        self.engine = engine
-        if getattr(engine, "tp", None) is not None:
+        # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
+        launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
+        self.engine = engine = LLMEngine(EngineConfig(model=model, mode=mode, **engine_config,
+                                                      **engine_options), launcher)
+        if engine.tp is not None:
             engine.tp.on_rank_lost = self._rank_lost
+        self.wire = make_transport(transport)
         # What the wire reads and writes: the engine's cache, or staging rows (engine.staging:
         # a GPU cache over a host-side wire, a tensor-parallel worker's un-sharded rows).
-        cache = handoff_cache if handoff_cache is not None else engine.cache
+        where = staging_device(engine, self.wire.devices)  # None: the wire moves the engine's own rows
+        self.staging = HandoffStaging(engine, where) if where is not None else None
+        cache = self.staging.cache if self.staging is not None else engine.cache
         self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors())
         self.transfer_config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=node_ip())
+        self.ranks = engine.tp.group.size if engine.tp is not None else 1
+        # Equal TP sizes on both sides hand off rank to rank (engine.tp.rank_handoffs)
+        self.rank_handoffs = (RankHandoffs(engine, transport, role, name, self.transfer_config)
+                              if self.ranks > 1 else None)
+        self._rank_peers: set[str] = set()  # peers of this TP size: hand-offs go rank to rank
 
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
@@ -70,6 +94,13 @@ class EngineEndpoint:
             log.error("%s: injected crash while serving %s", self.name, request_id)
             os._exit(17)
         self._crash_plan = (request_id, after - 1)
+
+    def model_facts(self) -> dict:
+        """What the router needs to know of the model this worker serves."""
+        spec = self.engine.spec
+        return {"model_type": spec.model_type, "vocab_size": spec.vocab_size,
+                "max_model_len": self.engine.max_model_len, "layer_kinds": list(spec.layer_kinds),
+                "eos_token_ids": list(self.engine.eos_token_ids)}
 
     def node_id(self) -> str:
         import ray

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from kvtransfer.bench import Payload, churned_block_ids
+from bench.transfer import Payload, churned_block_ids
 from kvtransfer.config import TransferConfig
-from kvtransfer.engine_endpoint import WORKER_SWITCH_INTERVAL_S
+from worker_base import WORKER_SWITCH_INTERVAL_S
 from kvtransfer.layout import CacheTensors
 from kvtransfer.messages import HandoffTarget
 from kvtransfer.transport import make_transport

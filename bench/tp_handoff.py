@@ -8,7 +8,7 @@ process, so one clock times the hand-off itself: from the prefill engine handing
 prompt to its worker (take_handoffs) to the decode engine accepting it (accept_handoff), gather,
 wire, landing and scatter included.
 
-    python scripts/bench_tp_handoff.py [--transport gloo|shm] [--prompt-len 512] [--rounds 10]
+    python -m bench.tp_handoff [--transport gloo|shm] [--prompt-len 512] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from decode_worker.worker import DecodeWorker  # noqa: E402
-from engine import SamplingParams, demo_model_path  # noqa: E402
-from prefill_worker.worker import PrefillWorker  # noqa: E402
+from decode_worker.worker import DecodeWorker
+from engine import SamplingParams, demo_model_path
+from prefill_worker.worker import PrefillWorker
 
 PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
