@@ -5,8 +5,22 @@ from __future__ import annotations
 from engine.sampling_params import InvalidRequest, SamplingParams, describe, is_unicode
 
 
+class PromptIds(list):
+    """Token ids already checked, at the front door, against a vocabulary of `vocab_size`
+    (and a context). The router and the workers take them as they are, checking only their
+    bounds, in C, against their own vocabulary: what a wrong router could break."""
+
+    def __init__(self, ids, vocab_size: int):
+        super().__init__(ids)
+        self.vocab_size = vocab_size
+
+
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     """Token ids of a text or token-id prompt; InvalidRequest("prompt", ...) if unusable."""
+    if isinstance(prompt, PromptIds) and prompt and prompt.vocab_size <= vocab_size:
+        if min(prompt) < 0 or max(prompt) >= vocab_size:
+            raise InvalidRequest("prompt", f"token ids must be in [0, {vocab_size}) (the vocabulary)")
+        return prompt
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidRequest("prompt", "this model has no tokenizer.json; send token ids")
@@ -42,11 +56,12 @@ def check_max_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int
 
 def fitting_prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, max_tokens: int
                        ) -> list[int]:
-    """prompt_token_ids, checked to leave room in the context for max_tokens new tokens."""
+    """prompt_token_ids, checked to leave room in the context for max_tokens new tokens: the
+    front door's check, whose result (PromptIds) nothing after it checks again in full."""
     ids = prompt_token_ids(prompt, tokenizer, vocab_size)
     check_prompt_length(len(ids), max_model_len)
     check_max_tokens(len(ids), max_tokens, max_model_len)
-    return ids
+    return PromptIds(ids, vocab_size)
 
 
 def as_batch(prompts, params: SamplingParams | list[SamplingParams] | None):

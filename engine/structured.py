@@ -19,7 +19,7 @@ import json
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 import llguidance.numpy  # not llguidance.torch: it runs torch.compile at import (~6 s a process)
@@ -41,6 +41,9 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    # The validated llguidance grammar, filled on construction: it travels with the spec, so a
+    # worker builds its matcher from it without validating the spec again.
+    grammar: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -49,7 +52,8 @@ class StructuredOutput:
             raise InvalidRequest(FIELD, f"spec must be a string, got {type(self.spec).__name__}")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequest(FIELD, f"{self.kind} is {len(self.spec)} chars, max {MAX_SPEC_CHARS}")
-        grammar_text(self.kind, self.spec)  # bad schema / regex / grammar: refused here, before any queue
+        # bad schema / regex / grammar: refused here, before any queue
+        object.__setattr__(self, "grammar", grammar_text(self.kind, self.spec))
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> StructuredOutput:
@@ -146,7 +150,7 @@ class GrammarCompiler:
         if self.tokenizer is None:
             raise InvalidRequest(FIELD, "this model has no tokenizer.json; structured outputs need one")
         key, ll = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        grammar = grammar_text(spec.kind, spec.spec)
+        grammar = spec.grammar or grammar_text(spec.kind, spec.spec)
         with _lock:
             template = _compiled.get((key, grammar))
             if template is not None:
