@@ -12,6 +12,7 @@ from engine import prompt_logprobs
 from engine.cache import ModelCache
 from engine.cpu_malloc import keep_freed_memory
 from engine.cuda_graphs import StaticDecode
+from engine.decode_stack import DecodeStack
 from engine.models import ForwardBatch, HybridLM
 from engine.phase import Phase
 from engine.prompt_logprobs import PromptLogprobPlan
@@ -150,6 +151,8 @@ class ModelRunner:
                  max_model_len: int | None = None, tp=None):
         self.model = model
         model.pack_for_cpu()  # weights are final here (loaded, sharded); a no-op off the CPU
+        # a CPU decode step's layers as one C++ call where they fit (built after the packing)
+        self.decode_stack = DecodeStack(model) if torch.device(device).type == "cpu" else None
         if torch.device(device).type == "cpu":
             keep_freed_memory()  # engine.cpu_malloc: no page faults for each step's big activations
         self.tp = tp  # engine.tp.ranks.TPLeader: the other ranks repeat every forward and cache copy
@@ -233,7 +236,8 @@ class ModelRunner:
                 host = self.host_batch(seqs)
                 self.tp.send("forward", host)
                 batch = self.device_batch(host)
-            logits = self.model(batch, self.cache.layers)
+            plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
+            logits = self.model(batch, self.cache.layers, plan)
             if batch.prompt_logprobs is not None:
                 prompt_logprobs.record(batch.prompt_logprobs, batch.prompt_logprobs_result)
         for seq in seqs:

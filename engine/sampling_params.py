@@ -5,22 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequest
+from engine.structured import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 1024
-
-
-class InvalidRequest(ValueError):
-    """Bad input from a caller. `field` names the offending parameter."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):  # raised in a Ray worker, it must unpickle in the router as itself
-        return type(self), (self.field, self.message)
 
 
 def describe(value, limit: int = 80) -> str:
@@ -148,8 +139,6 @@ class SamplingParams:
                 raise InvalidRequest("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], "
                                      f"got {describe(self.prompt_logprobs)}")
         if self.structured_output is not None:
-            from engine.structured import StructuredOutput
-
             if not isinstance(self.structured_output, StructuredOutput):
                 raise InvalidRequest("structured_output", "must be an engine.structured.StructuredOutput")
 

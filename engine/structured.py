@@ -25,7 +25,7 @@ import llguidance
 import llguidance.numpy  # not llguidance.torch: it runs torch.compile at import (~6 s a process)
 import torch
 
-from engine.sampling_params import InvalidRequest
+from engine.errors import InvalidRequest
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.hybrid import HybridLM
+from engine.decode_stack import DecodeStack
 
 
 def compare_each_one_call_with_the_chain(monkeypatch, layer_class, record, check: str = "_decodes_in_one_call",
@@ -14,10 +14,10 @@ def compare_each_one_call_with_the_chain(monkeypatch, layer_class, record, check
     its output and the caches it leaves are the bits of forward's chain of kernels (run with
     the check off, on the real caches, whose result the model goes on with). Returns a list
     that gets record(*args) per comparison, so a test can tell that the path ran. The whole
-    stack's one call (engine.models.decode_layers) is off, so decode steps reach the layers;
+    stack's one call (engine.decode_stack) is off, so decode steps reach the layers;
     compare_decoder_layers_with_the_layer_path checks it against them."""
     chain, compared = layer_class.forward, []
-    monkeypatch.setattr(HybridLM, "_decode_layers_plan", lambda *args: None)
+    monkeypatch.setattr(DecodeStack, "plan", lambda *args: None)
 
     def both(self, *args):
         if not getattr(self, check)(*args):
@@ -43,12 +43,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
-    """Make every decode step the model runs through the plan of engine.models.decode_layers
+    """Make every decode step the model runs through the plan of engine.decode_stack
     (runs of layers as one call each, the layer path between them) also run layer by layer from
     the same caches, and assert that the hidden states and every cache tensor left behind are the
     same bits; the model goes on with the layer path's. Returns a list that gets the batch size
     of each comparison."""
-    plan_of, compared = HybridLM._decode_layers_plan, []
+    plan_of, compared = DecodeStack.plan, []
 
     class Both:
         def __init__(self, model, caches, plan):
@@ -69,9 +69,9 @@ def compare_decoder_layers_with_the_layer_path(monkeypatch) -> list:
             compared.append(h.shape[0])
             return one_by_one
 
-    def both(model, batch, caches, h):
-        plan = plan_of(model, batch, caches, h)
-        return None if plan is None else Both(model, caches, plan)
+    def both(stack, batch, caches):
+        plan = plan_of(stack, batch, caches)
+        return None if plan is None else Both(stack.model, caches, plan)
 
-    monkeypatch.setattr(HybridLM, "_decode_layers_plan", both)
+    monkeypatch.setattr(DecodeStack, "plan", both)
     return compared

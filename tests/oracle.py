@@ -164,7 +164,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         n_mamba_heads=5, mamba_ngroups=1, mamba_d_state=8, chunk_size=6, tie_word_embeddings=False)),
     # Zamba2 as its 2.7B and 7B checkpoints are (no attention adapters, the exact GELU), plus MLP
     # biases they lack, so the one-call MLP's biases meet the judge too; GQA 4:2, rope, 2 SSM
-    # groups, tied. Its hybrid layers decode inside engine.models.decode_layers' one call.
+    # groups, tied. Its hybrid layers decode inside engine.decode_stack's one call.
     "zamba2_plain_gqa": ("zamba2", dict(hidden_size=32, intermediate_size=48, num_hidden_layers=5,
                                         layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"],
                                         num_attention_heads=4, num_key_value_heads=2, num_mem_blocks=1,

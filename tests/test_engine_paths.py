@@ -206,7 +206,7 @@ def test_zamba2_shared_mlp_in_one_call_is_the_chain(name, fits, model_factory, m
                                        ("zamba2", True), ("zamba2_untied_linear_rope", True),
                                        ("zamba2_plain_gqa", True)])
 def test_decoder_layers_in_one_call_are_the_layer_path_bit_for_bit(name, fits, model_factory, monkeypatch):
-    """A decode step's whole layer stack as one C++ call (engine/models/decode_layers.py): at every
+    """A decode step's whole layer stack as one C++ call (engine/decode_stack.py): at every
     decode step, from the same caches, the hidden states and every cache tensor it leaves are the
     bits of the layer-by-layer path (Mamba and Mamba2 with and without FFNs, projection biases, dt
     limits, MoE top-2 and top-1, MLPs, routed and shared experts, a residual multiplier,
@@ -240,7 +240,8 @@ def test_zamba2_hybrid_layers_join_the_one_call_where_their_parts_fit(name, hybr
     has no q/k/v adapters and their MLP the exact GELU (as in Zamba2 2.7B and 7B): the whole stack is
     then one call; with attention adapters or tanh's GELU each hybrid layer takes the layer path."""
     from engine.kernels import cpu
-    from engine.models.decode_layers import ZAMBA2_HYBRID, build_plan
+    from engine.decode_stack import build_plan
+    from engine.kernels.decode_plan import ZAMBA2_HYBRID
     from engine.models.families_zamba2 import HybridLayer
 
     if not cpu.available():

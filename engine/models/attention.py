@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, native, paged_attention_decode, uses_cpu_kernel, uses_triton
+from engine.kernels.decode_plan import ATTENTION, NORMED_ATTENTION, LayerPlan, Needs, all_cpu, pointer
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RMSNorm, RotaryEmbedding
@@ -64,6 +65,41 @@ class PagedAttention(nn.Module):
 
     def fits_one_call(self) -> bool:
         return self.qkv_fused is not None and getattr(self.o_proj, "packed_weight", None) is not None
+
+    # ---- the one-call decode plan (engine.kernels.decode_plan)
+
+    decode_kind = ATTENTION
+
+    def plans_decode(self) -> bool:
+        """Whether this class's decode is the plan's (a subclass that changes it says when it is)."""
+        return type(self) is PagedAttention
+
+    def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
+        """This attention as a layer's mixer in a decode step's one-call plan."""
+        if not (self.plans_decode() and all_cpu(kv) and self.fits_one_call()):
+            return None
+        entry.mixer = self.decode_kind
+        return self.fill_decode_plan(entry, kv, rotary)
+
+    def plan_beside(self, entry: LayerPlan, kv, rotary: list) -> Needs | None:
+        """This attention beside a layer's mixer, on the same input (Falcon-H1's)."""
+        if type(self) is not PagedAttention or not (all_cpu(kv) and self.fits_one_call()):
+            return None
+        return self.fill_decode_plan(entry, kv, rotary)
+
+    def fill_decode_plan(self, entry: LayerPlan, kv, rotary: list) -> Needs:
+        """The attention fields (not the mixer kind); its rotary embedding, if any, joins
+        `rotary` (the entry takes its tables each step)."""
+        if self.rotary is not None:
+            rotary.append(self.rotary)
+        k_cache, v_cache = kv
+        packed, bias, _ = self.qkv_fused
+        entry.heads, entry.kv_heads, entry.head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        entry.block_size, entry.window, entry.scale = k_cache.shape[1], int(self.sliding_window or 0), float(self.scale)
+        entry.qkv_panels, entry.qkv_bias = packed.panels.data_ptr(), pointer(bias)
+        entry.o_panels, entry.o_bias = self.o_proj.packed_weight.panels.data_ptr(), pointer(self.o_proj.bias)
+        entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        return Needs(floats=self._one_call_kernel()[2])
 
     def _decode_in_one_call(self, x: torch.Tensor, batch: ForwardBatch, kv_cache) -> torch.Tensor:
         k_cache, v_cache = kv_cache
@@ -222,6 +258,16 @@ class NormedAttention(PagedAttention):
         return (super().fits_one_call() and not self.q_norm.offset and not self.k_norm.offset
                 and self.q_norm.eps == self.k_norm.eps
                 and self.q_norm.weight.dtype == self.k_norm.weight.dtype == torch.float32)
+
+    decode_kind = NORMED_ATTENTION
+
+    def plans_decode(self) -> bool:
+        return type(self).forward is NormedAttention.forward
+
+    def fill_decode_plan(self, entry: LayerPlan, kv, rotary: list) -> Needs:
+        entry.qk_norm_eps, entry.gated = self.q_norm.eps, int(self.gated)
+        entry.q_norm, entry.k_norm = self.q_norm.weight.data_ptr(), self.k_norm.weight.data_ptr()
+        return super().fill_decode_plan(entry, kv, rotary)
 
     def _one_call_kernel(self) -> tuple[str, tuple, int]:
         extra = (self.q_norm.weight, self.k_norm.weight, float(self.q_norm.eps), int(self.gated))

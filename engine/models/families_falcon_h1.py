@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels.decode_plan import plan_layer
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import ConfigReader
@@ -141,6 +142,14 @@ class FalconH1Layer(nn.Module):
         attn = _times(self.self_attn(_times(normed, self.attn_in), batch, caches.kv[index]), self.attn_out)
         h, normed = self.pre_ff_layernorm.add_and_norm(ssm + attn, h)  # h + (ssm + attn), normed in one pass
         return h + self.feed_forward(normed)
+
+    def plan_decode(self, caches: LayerCaches, index: int):
+        """Attention beside Mamba2 on one input, in a decode step's one-call plan once the
+        multipliers are folded into the weights (engine.kernels.decode_plan.plan_layer)."""
+        if not self.attn_in == self.attn_out == self.ssm_out == 1.0:
+            return None
+        return plan_layer((self.input_layernorm, self.mamba, self.self_attn, self.pre_ff_layernorm,
+                           self.feed_forward, 1.0), caches, index)
 
     def fold_scales(self) -> None:
         """attention's input scale into q/k/v (not their biases), the output scales into the

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engine.kernels import cpu, uses_cpu_kernel
+from engine.kernels.decode_plan import LayerPlan, Needs, plan_shared_mlp
 from engine.models.attention import NormedAttention
 from engine.models.checkpoint import ConfigReader
 from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_level_name
@@ -43,6 +44,10 @@ class OffsetRMSNorm(RMSNorm):
         with torch.no_grad():
             self.weight.add_(self.offset)
         self.offset = 0.0
+
+    def fits_decode_plan(self) -> bool:
+        """Once the offset is folded into a float32 weight, a plain RMSNorm to the decode plan."""
+        return not self.offset and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.offset:
@@ -83,6 +88,15 @@ class SharedExpertMoE(nn.Module):
         if uses_cpu_kernel(routed) and uses_cpu_kernel(gate) and uses_cpu_kernel(shared):
             return cpu.sigmoid_gated_add_cpu(routed, gate, shared)  # the routed output is this call's own
         return routed + torch.sigmoid(gate) * shared
+
+    def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
+        """Routed experts plus the gated shared expert in a decode step's one-call plan."""
+        gate = getattr(self.shared_gate, "packed_weight", None)
+        if gate is None or self.shared_gate.bias is not None:
+            return None
+        if not (self.routed.plans_as_moe() and self.shared.plans_as_mlp()):
+            return None
+        return plan_shared_mlp(entry, self.shared, gate.panels, self.routed.plan_ffn(entry, hidden))
 
 
 def _layer_types(cfg: ConfigReader, layers_n: int) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.decode_plan import NO_FFN, ZAMBA2_HYBRID, LayerPlan, Needs, all_cpu, norm_fits, pointer
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import CheckpointError, ConfigReader
@@ -146,6 +147,36 @@ class HybridLayer(nn.Module):
         return LayerCacheSpec("attention+mamba2", kv=self.attention.kv_spec(),
                               state_kind=self.mamba.state_kind, state=tuple(self.mamba.state_spec()))
 
+    def plan_decode(self, caches: LayerCaches, index: int):
+        """This layer in a decode step's one-call plan (engine.kernels.decode_plan), where its
+        shared attention (no q/k/v adapters), its shared MLP (the exact GELU), its linear and
+        its Mamba2 mixer each run as one call; None otherwise."""
+        block, attention, mixer = self._block[0], self.attention, self.mamba
+        adapter, state, kv = block.gate_up_adapters[str(self.use)], caches.state[index], caches.kv[index]
+        norms = (block.input_norm, block.pre_ff_norm, self.mamba_norm)
+        if not (attention.fits_one_call() and mixer.fits_one_call() and block.mlp_fits_one_call(adapter)
+                and getattr(self.linear, "packed_weight", None) is not None and all_cpu(kv) and all_cpu(state)
+                and all(norm_fits(norm) for norm in norms)):
+            return None
+        entry, keep, rotary = LayerPlan(), [], []
+        mamba_needs = mixer.fill_decode_plan(entry, state, keep)
+        attention_needs = attention.fill_decode_plan(entry, kv, rotary)
+        entry.mixer, entry.ffn = ZAMBA2_HYBRID, NO_FFN
+        (entry.block_norm, entry.block_eps), (entry.pre_ff_norm, entry.pre_ff_eps), \
+            (entry.mamba_norm, entry.mamba_norm_eps) = ((norm.weight.data_ptr(), norm.eps) for norm in norms)
+        inter, rank = block.down_proj.in_features, adapter[0].out_features
+        entry.mlp_inter, entry.lora_rank = inter, rank
+        entry.up_panels = block.gate_up_proj.packed_weight.panels.data_ptr()
+        entry.up_bias = pointer(block.gate_up_proj.bias)
+        entry.lora_down_panels = adapter[0].packed_weight.panels.data_ptr()
+        entry.lora_up_panels = adapter[1].packed_weight.panels.data_ptr()
+        entry.down_panels = block.down_proj.packed_weight.panels.data_ptr()
+        entry.down_bias = pointer(block.down_proj.bias)
+        entry.linear_panels = self.linear.packed_weight.panels.data_ptr()
+        # cpu_decode.cpp zamba2_hybrid: [h | embeddings] and its norm, three rows of hidden, then the parts' own
+        own = max(attention_needs.floats, 5 * inter + rank, mamba_needs.floats)
+        return entry, keep, rotary, Needs(floats=7 * self.linear.in_features + own)
+
     def forward(self, h: torch.Tensor, embeddings: torch.Tensor, batch: ForwardBatch,
                 caches: LayerCaches, index: int) -> torch.Tensor:
         block = self._block[0]
@@ -163,7 +194,7 @@ class Zamba2LM(HybridLM):
         # map (zamba2_names) sees only our parameter names, and this is what it needs.
         self.shared = nn.ModuleDict(shared)
 
-    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, caches: LayerCaches, plan=None) -> torch.Tensor:
         h = embeddings = self.embed_tokens(batch)
 
         def run_layer(index: int, x: torch.Tensor) -> torch.Tensor:
@@ -172,8 +203,7 @@ class Zamba2LM(HybridLM):
                 return layer(x, embeddings, batch, caches, index)
             return layer(x, batch, caches, index)
 
-        plan = self._decode_layers_plan(batch, caches, h)  # runs of layers as one call each
-        if plan is not None:
+        if plan is not None:  # runs of layers as one call each (engine.decode_stack)
             h = plan.run(h, batch, run_layer, embeddings)
         else:
             for index in range(len(self.layers)):

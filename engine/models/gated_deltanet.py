@@ -20,6 +20,7 @@ from torch import nn
 
 from engine.kernels import chunk_gated_delta_rule, cpu, gated_delta_step, native, uses_cpu_kernel
 from engine.models.batch import ForwardBatch
+from engine.kernels.decode_plan import GATED_DELTANET, LayerPlan, Needs, all_cpu
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
 from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
@@ -143,6 +144,24 @@ class GatedDeltaNetMixer(nn.Module):
                                         g[idx], beta[idx])
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
+
+    def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
+        """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
+        if type(self) is not GatedDeltaNetMixer or not (all_cpu(state) and self.fits_one_call()):
+            return None
+        conv_state, recurrent_state = state
+        A, norm_weight = self.decay(), self.norm.per_channel(self.num_v_heads)  # the weights are final
+        keep += [A, norm_weight]
+        entry.mixer = GATED_DELTANET
+        entry.key_heads, entry.value_heads = self.num_k_heads, self.num_v_heads
+        entry.key_dim, entry.value_dim, entry.d_conv = self.k_head_dim, self.v_head_dim, self.conv_kernel
+        entry.in_panels = self.in_proj_qkvz.packed_weight.panels.data_ptr()
+        entry.x_panels = self.in_proj_ba.packed_weight.panels.data_ptr()
+        entry.conv_state, entry.ssm_state = conv_state.data_ptr(), recurrent_state.data_ptr()
+        entry.conv_weight, entry.A, entry.dt_bias = self.conv_weight.data_ptr(), A.data_ptr(), self.dt_bias.data_ptr()
+        entry.gate_norm, entry.gate_norm_eps = norm_weight.data_ptr(), self.norm.eps
+        entry.out_panels = self.out_proj.packed_weight.panels.data_ptr()
+        return Needs(floats=self.one_call_scratch())
 
     def fits_one_call(self) -> bool:
         """SiLU, the projections in Qwen3-Next's layout (split_projections as is), the norm as

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.kernels import uses_cpu_kernel
+from engine.kernels.decode_plan import plan_layer
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.packed_linear import linear, pack, pack_linears
 
@@ -96,6 +96,11 @@ class FFNMixer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache) -> torch.Tensor:
         return self.ffn(x)
 
+    def plan_decode(self, entry, state, kv, keep: list, rotary: list):
+        """The FFN's own plan as a mixer (engine.kernels.decode_plan), where it has one."""
+        plan = getattr(self.ffn, "plan_as_mixer", None)
+        return None if plan is None else plan(entry)
+
 
 def mixer_cache_spec(kind: str, mixer: nn.Module) -> LayerCacheSpec:
     kv = mixer.kv_spec() if hasattr(mixer, "kv_spec") else None
@@ -126,6 +131,14 @@ class DecoderLayer(nn.Module):
 
     def cache_spec(self) -> LayerCacheSpec:
         return mixer_cache_spec(self.kind, self.mixer)
+
+    def plan_decode(self, caches: LayerCaches, index: int):
+        """This layer's entry in a decode step's one-call plan, composed from what its norms,
+        mixer and FFN offer (engine.kernels.decode_plan.plan_layer), or None."""
+        if type(self).forward is not DecoderLayer.forward:
+            return None
+        return plan_layer((self.input_norm, self.mixer, None, self.ffn_norm, self.ffn, self.residual_scale),
+                          caches, index)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, index: int):
         cache = caches.kv[index] if self.uses_kv else caches.state[index]
@@ -164,16 +177,16 @@ class HybridLM(nn.Module):
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.packed_lm_head = None
-        self._decode_plan = (None, None)
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed(batch.input_ids)
         return h if self.embedding_scale == 1.0 else h * self.embedding_scale
 
-    def forward(self, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]."""
+    def forward(self, batch: ForwardBatch, caches: LayerCaches, plan=None) -> torch.Tensor:
+        """Logits (float32) of each sequence's last scheduled token: [num_seqs, vocab]. `plan`:
+        the model runner's one-call decode stack for this step (engine.decode_stack), or None
+        for the layer path."""
         h = self.embed_tokens(batch)
-        plan = self._decode_layers_plan(batch, caches, h)
         if plan is not None:
             h = plan.run(h, batch, lambda index, x: self.layers[index](x, batch, caches, index))
         else:
@@ -202,20 +215,6 @@ class HybridLM(nn.Module):
             h = layer(h, batch, caches, index)
         return h
 
-    def _decode_layers_plan(self, batch: ForwardBatch, caches: LayerCaches, h: torch.Tensor):
-        """engine.models.decode_layers' plan where this step can run runs of layers as one call
-        each: every row a decode on the CPU kernels (decode_tokens a slice), not sharded, some
-        layer fits (the others take the layer path between the runs)."""
-        if not (isinstance(batch.decode_tokens, slice) and uses_cpu_kernel(h)
-                and getattr(self, "tp_group", None) is None and not h.requires_grad):
-            return None
-        key = tuple(t.data_ptr() for t in caches.tensors())
-        if self._decode_plan[0] != key:
-            from engine.models.decode_layers import build_plan  # it imports the layer modules, which import this one
-
-            self._decode_plan = (key, build_plan(self.layers, caches))
-        return self._decode_plan[1]
-
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a
         tensor-parallel model gathers its vocab shards here: engine.tp)."""
@@ -236,5 +235,4 @@ class HybridLM(nn.Module):
         """Packed weights for the linears and the LM head (engine.models.packed_linear);
         once the weights are final. Returns how many weights were packed."""
         self.packed_lm_head = pack(self._vocab_weight())
-        self._decode_plan = (None, None)  # (the cache pointers it was built for, the plan): after packing
         return pack_linears(self) + (self.packed_lm_head is not None)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, native, uses_cpu_kernel
+from engine.kernels.decode_plan import MOE, SWIGLU_MLP, LayerPlan, Needs, plan_shared_mlp
 from engine.models.expert_dispatch import dispatch_experts
 from engine.models.packed_linear import (fused_linear, linear, pack_fused, pack_per_expert, panel_pointers,
                                          silu_experts)
@@ -48,6 +49,10 @@ class RMSNorm(nn.Module):
             return x, cpu.rms_norm_cpu(x, self.weight, self.eps, add=residual)
         h = residual + x
         return h, self(h)
+
+    def fits_decode_plan(self) -> bool:
+        """Runs as the one-call decode plan's RMSNorm (this forward, a float32 contiguous weight)."""
+        return type(self) is RMSNorm and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
 
     def _runs_kernel(self, x: torch.Tensor) -> bool:
         return self.weight.dtype == torch.float32 and (
@@ -139,6 +144,19 @@ class GatedMLP(nn.Module):
         """Whether forward runs as defined here (a subclass that changes it says when it does)."""
         return type(self).forward is GatedMLP.forward
 
+    def plans_as_mlp(self) -> bool:
+        """Runs as the one-call decode plan's SwiGLU MLP (a subclass whose forward is this one's
+        counts: Falcon-H1's, its multipliers folded)."""
+        return self.packs_fused() and self.fits_one_call()
+
+    def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
+        """This MLP as a layer's FFN in a decode step's one-call plan (engine.kernels.decode_plan)."""
+        if not self.plans_as_mlp():
+            return None
+        inter = self.down_proj.in_features
+        entry.ffn, entry.inter, entry.expert_panels = SWIGLU_MLP, inter, self.one_call_pointers().data_ptr()
+        return Needs(floats=3 * inter, fixed_ints=1)
+
 
 class SummedFFN(nn.Module):
     """Several FFNs over the same input, outputs added (routed experts + a shared expert)."""
@@ -152,6 +170,16 @@ class SummedFFN(nn.Module):
         for part in self.parts[1:]:
             out = out + part(x)
         return out
+
+    def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
+        """One part as it plans itself, or routed experts plus a shared MLP (Granite 4.0-H's)."""
+        parts = list(self.parts)
+        if len(parts) == 1:
+            return parts[0].plan_ffn(entry, hidden) if hasattr(parts[0], "plan_ffn") else None
+        routed, shared = parts if len(parts) == 2 else (None, None)
+        if not (getattr(routed, "plans_as_moe", lambda: False)() and getattr(shared, "plans_as_mlp", lambda: False)()):
+            return None
+        return plan_shared_mlp(entry, shared, None, routed.plan_ffn(entry, hidden))
 
 
 class SparseMoE(nn.Module):
@@ -196,6 +224,20 @@ class SparseMoE(nn.Module):
         kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
                 and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert)
+
+    def plans_as_moe(self) -> bool:
+        return type(self) is SparseMoE and self.fits_one_call()
+
+    def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
+        """These experts as a layer's FFN in a decode step's one-call plan (engine.kernels.decode_plan)."""
+        if not self.plans_as_moe():
+            return None
+        inter, k = self.down.shape[2], self.top_k
+        entry.ffn, entry.experts, entry.top_k, entry.normalize, entry.inter = (
+            MOE, self.num_experts, k, int(self.normalize_top_k), inter)
+        entry.router_panels, entry.expert_panels = self.router.packed_weight.panels.data_ptr(), self.panel_pointers.data_ptr()
+        # moe_layer's scratch: router logits, then per pick its weight, routed row, expert output, experts' work
+        return Needs(floats=self.num_experts + k * (1 + 2 * hidden + 3 * inter), ints=3 * k, fixed_ints=self.num_experts)
 
     def _in_one_call(self, x: torch.Tensor) -> torch.Tensor:
         rows, hidden = x.shape

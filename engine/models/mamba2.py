@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan
 from engine.kernels.mamba2_update import process_dt
+from engine.kernels.decode_plan import MAMBA2, LayerPlan, Needs, all_cpu, pointer
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
@@ -111,6 +112,32 @@ class Mamba2Mixer(nn.Module):
         """A [heads] and D one per channel, float32, as every path computes them (so the one-call
         decode gives the chain's bits)."""
         return -torch.exp(self.A_log.float()), self.D.float().repeat_interleave(self.head_dim)
+
+    def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
+        """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan);
+        Falcon-H1's too, once its multipliers are folded."""
+        if not (all_cpu(state) and self.fits_one_call()):
+            return None
+        return self.fill_decode_plan(entry, state, keep)
+
+    def fill_decode_plan(self, entry: LayerPlan, state, keep: list) -> Needs:
+        conv_state, ssm_state = state
+        A, D = self.decay_and_skip()  # the weights are final
+        keep += [A, D]
+        norm = self.norm
+        entry.mixer = MAMBA2
+        entry.ssm_heads, entry.ssm_head_dim, entry.groups = self.num_heads, self.head_dim, self.n_groups
+        entry.d_state, entry.d_conv = self.d_state, self.d_conv
+        entry.in_panels, entry.in_bias = self.in_proj.packed_weight.panels.data_ptr(), pointer(self.in_proj.bias)
+        entry.conv_state, entry.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
+        entry.conv_weight, entry.conv_bias = self.conv_weight.data_ptr(), pointer(self.conv_bias)
+        entry.dt_bias, entry.A, entry.D = self.dt_bias.data_ptr(), A.data_ptr(), D.data_ptr()
+        entry.dt_lo, entry.dt_hi = cpu.dt_bounds(self.dt_limit)
+        if norm is not None:
+            entry.gate_norm, entry.gate_norm_group, entry.gate_norm_eps = norm.weight.data_ptr(), norm.group_size, norm.eps
+            entry.gate_norm_first = int(norm.norm_before_gate)
+        entry.out_panels, entry.out_bias = self.out_proj.packed_weight.panels.data_ptr(), pointer(self.out_proj.bias)
+        return Needs(floats=self.one_call_scratch())
 
     def fits_one_call(self) -> bool:
         """SiLU, the projection split as is (splits_plainly), no norm or a GatedRMSNorm (not a

@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.decode_plan import RELU2_MLP, LayerPlan, Needs, pointer
 from engine.models.checkpoint import ConfigReader
 from engine.models.expert_dispatch import dispatch_experts
-from engine.models.layers import activation
+from engine.models.layers import ACTIVATIONS, activation
 from engine.models.packed_linear import linear, pack_per_expert
 
 
@@ -27,6 +28,19 @@ class NemotronMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+    def plan_as_mixer(self, entry: LayerPlan) -> Needs | None:
+        """This squared-ReLU MLP in a mixer's place (Nemotron-H's) in a decode step's one-call plan."""
+        fits = (type(self) is NemotronMLP and self.act is ACTIVATIONS["relu2"]
+                and all(getattr(m, "packed_weight", None) is not None for m in (self.up_proj, self.down_proj))
+                and all(p.dtype == torch.float32 and p.is_contiguous() for p in self.parameters()))
+        if not fits:
+            return None
+        up, down = self.up_proj, self.down_proj
+        entry.mixer, entry.mlp_inter = RELU2_MLP, up.out_features
+        entry.up_panels, entry.up_bias = up.packed_weight.panels.data_ptr(), pointer(up.bias)
+        entry.down_panels, entry.down_bias = down.packed_weight.panels.data_ptr(), pointer(down.bias)
+        return Needs(floats=up.out_features)
 
 
 class NemotronMoE(nn.Module):

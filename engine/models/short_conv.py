@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.kernels import cpu, native
 from engine.models.batch import ForwardBatch
+from engine.kernels.decode_plan import SHORT_CONV, LayerPlan, Needs, all_cpu, pointer
 from engine.models.hybrid import StateTensorSpec
 from engine.models.ssm import decodes_in_one_call, packed_fit, varlen_causal_conv
 
@@ -44,6 +45,17 @@ class ShortConvMixer(nn.Module):
         b, c, x = self.in_proj(hidden).chunk(3, dim=-1)  # in this order in the checkpoint
         y = varlen_causal_conv(b * x, batch, conv_state, self.conv_weight, self.conv_bias)
         return self.out_proj(c * y)
+
+    def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
+        """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
+        if type(self) is not ShortConvMixer or not (all_cpu(state) and self.fits_one_call()):
+            return None
+        (conv_state,) = state
+        entry.mixer, entry.d_conv, entry.conv_state = SHORT_CONV, self.kernel, conv_state.data_ptr()
+        entry.in_panels, entry.in_bias = self.in_proj.packed_weight.panels.data_ptr(), pointer(self.in_proj.bias)
+        entry.conv_weight, entry.conv_bias = self.conv_weight.data_ptr(), pointer(self.conv_bias)
+        entry.out_panels, entry.out_bias = self.out_proj.packed_weight.panels.data_ptr(), pointer(self.out_proj.bias)
+        return Needs(floats=self.one_call_scratch())
 
     def fits_one_call(self) -> bool:
         """Both linears packed (so not sharded), every parameter float32 and contiguous: then an

@@ -20,6 +20,7 @@ from torch import nn
 from engine.kernels import (causal_conv1d_update, cpu, native, selective_scan_varlen, selective_state_update,
                             uses_cpu_kernel, uses_triton)
 from engine.models.batch import ForwardBatch
+from engine.kernels.decode_plan import MAMBA, LayerPlan, Needs, all_cpu, pointer
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
 from engine.phase import Phase
@@ -135,6 +136,28 @@ class MambaMixer(nn.Module):
 
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
         return decodes_in_one_call(self, hidden, batch, state)
+
+    def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
+        """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
+        if type(self) is not MambaMixer or not (all_cpu(state) and self.fits_one_call()):
+            return None
+        conv_state, ssm_state = state
+        A = -torch.exp(self.A_log.float())  # as forward computes it each call; the weights are final
+        keep.append(A)
+        entry.mixer = MAMBA
+        entry.d_inner, entry.d_state, entry.dt_rank, entry.d_conv = self.d_inner, self.d_state, self.dt_rank, self.d_conv
+        entry.in_panels, entry.in_bias = self.in_proj.packed_weight.panels.data_ptr(), pointer(self.in_proj.bias)
+        entry.conv_state, entry.ssm_state = conv_state.data_ptr(), ssm_state.data_ptr()
+        entry.conv_weight, entry.conv_bias = self.conv_weight.data_ptr(), pointer(self.conv_bias)
+        entry.x_panels = self.x_proj.packed_weight.panels.data_ptr()
+        if self.dt_norm is not None:
+            entry.dt_norm, entry.b_norm, entry.c_norm = (n.weight.data_ptr() for n in (self.dt_norm, self.b_norm,
+                                                                                       self.c_norm))
+            entry.bcdt_eps = self.dt_norm.eps
+        entry.dt_panels, entry.dt_bias = self.dt_proj.packed_weight.panels.data_ptr(), pointer(self.dt_proj.bias)
+        entry.A, entry.D = A.data_ptr(), self.D.data_ptr()
+        entry.out_panels, entry.out_bias = self.out_proj.packed_weight.panels.data_ptr(), pointer(self.out_proj.bias)
+        return Needs(floats=self.one_call_scratch())
 
     def fits_one_call(self) -> bool:
         """SiLU, the four linears packed, every parameter float32 and contiguous."""
