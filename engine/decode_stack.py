@@ -65,11 +65,12 @@ class DecodeLayersPlan:
             self._scratch = (rows, torch.empty(rows * (HIDDEN_BUFFERS * hidden + self._needs.floats)),
                              torch.empty(rows * self._needs.ints + self._needs.fixed_ints, dtype=torch.long))
         out = torch.empty(rows, hidden)
-        native.call("decoder_layers", ctypes.addressof(self.plans), len(self.plans), h, rows, hidden,
-                    cpu.ids(batch.decode_slots) if self.uses_slots else None,
-                    cpu.ids(batch.kv_write_index) if self.uses_kv else None, tables,
-                    0 if tables is None else tables.shape[1],
-                    cpu.ids(batch.decode_context_lens) if self.uses_kv else None, self._scratch[1], self._scratch[2], out)
+        native.call("decoder_layers", plan=ctypes.addressof(self.plans), layers=len(self.plans), h=h, rows=rows,
+                    hidden=hidden, slots=cpu.ids(batch.decode_slots) if self.uses_slots else None,
+                    write_index=cpu.ids(batch.kv_write_index) if self.uses_kv else None, tables=tables,
+                    table_width=0 if tables is None else tables.shape[1],
+                    lens=cpu.ids(batch.decode_context_lens) if self.uses_kv else None, scratch=self._scratch[1],
+                    ids=self._scratch[2], out=out)
         return out
 
 

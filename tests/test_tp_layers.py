@@ -31,8 +31,8 @@ from engine.models.nemotron_moe import NemotronMLP, NemotronMoE
 from engine.models.short_conv import ShortConvMixer
 from engine.models.ssm import MambaMixer
 from engine.phase import Phase
-from engine.tp import (DistGroup, SingleRank, layer_routes, layer_shards, model_shards, run_in_threads, shard_model,
-                       shard_module)
+from engine.tp import DistGroup, SingleRank, layer_routes, layer_shards, model_shards, run_in_threads
+from engine.tp.shard import shard_model, shard_module
 
 # Float32, shards summed in another order: round-off of ~1e-7..1e-6 of the largest terms (seen
 # up to 1.2e-6 through whole tiny models), so the tolerance scales with the tensor's magnitude.

@@ -78,8 +78,9 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
     direct = D is None and z is None and _writable(out, x.shape)
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
-        native.call("ssm_state_update", _pool(ssm_state, "ssm_state"), ids(slots), _f32(x), _f32(dt),
-                    _f32(A), _f32(B), _f32(C), y, *x.shape, ssm_state.shape[2])
+        native.call("ssm_state_update", state=_pool(ssm_state, "ssm_state"), slots=ids(slots), x=_f32(x),
+                    dt=_f32(dt), A=_f32(A), B=_f32(B), C=_f32(C), y=y, batch=x.shape[0], d_inner=x.shape[1],
+                    d_state=ssm_state.shape[2])
     if direct:
         return out
     if D is not None:
@@ -99,9 +100,10 @@ def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
     rows = x if rows_with_stride(x) else _f32(x)  # a column block of a projection is read in place
     if x.shape[0]:
-        native.call("conv_update", _pool(conv_state, "conv_state"), ids(slots), rows, rows.stride(0), _f32(weight),
-                    _f32(bias) if bias is not None else None, y, x.shape[0], x.shape[1], weight.shape[1],
-                    int(activation == "silu"))
+        native.call("conv_update", state=_pool(conv_state, "conv_state"), slots=ids(slots), x=rows,
+                    x_stride=rows.stride(0), weight=_f32(weight), bias=_f32(bias) if bias is not None else None,
+                    y=y, batch=x.shape[0], channels=x.shape[1], width=weight.shape[1],
+                    silu=int(activation == "silu"))
     if direct:
         return out
     if out is None:
@@ -117,8 +119,8 @@ def selective_scan_cpu(x, dt, A, B, C, h0, out=None):
     y = torch.empty(length, d_inner, dtype=torch.float32) if out is None else _pool(out, "out")
     h = h0.detach().float().clone().contiguous()
     if length:
-        native.call("selective_scan", _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C), h, y,
-                    length, d_inner, A.shape[1])
+        native.call("selective_scan", x=_f32(x), dt=_f32(dt), A=_f32(A), B=_f32(B), C=_f32(C), h=h, y=y,
+                    length=length, d_inner=d_inner, d_state=A.shape[1])
     return y, h
 
 
@@ -129,8 +131,10 @@ def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
     dt = mamba2_dt_cpu(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.empty(x.shape, dtype=torch.float32)
     if x.shape[0]:
-        native.call("mamba2_state_update", _pool(ssm_state, "ssm_state"), ids(slots), _f32(x), _f32(dt),
-                    _f32(A), _f32(B), _f32(C), y, *x.shape, B.shape[1], B.shape[2])
+        batch, heads, head_dim = x.shape
+        native.call("mamba2_state_update", state=_pool(ssm_state, "ssm_state"), slots=ids(slots), x=_f32(x),
+                    dt=_f32(dt), A=_f32(A), B=_f32(B), C=_f32(C), y=y, batch=batch, heads=heads,
+                    head_dim=head_dim, groups=B.shape[1], d_state=B.shape[2])
     if D is not None:
         y = y + x.float() * D.float()[None, :, None]
     if out is None:
@@ -145,8 +149,9 @@ def mamba2_dt_cpu(dt: torch.Tensor, dt_bias=None, dt_softplus: bool = False, dt_
     rows = dt if rows_with_stride(dt) else _f32(dt)
     out = torch.empty(dt.shape, dtype=torch.float32)
     if dt.shape[0]:
-        native.call("mamba2_dt", rows, rows.stride(0), None if dt_bias is None else _f32(dt_bias), int(dt_softplus),
-                    *dt_bounds(dt_limit), out, *dt.shape)
+        lo, hi = dt_bounds(dt_limit)
+        native.call("mamba2_dt", dt=rows, dt_stride=rows.stride(0), bias=None if dt_bias is None else _f32(dt_bias),
+                    softplus=int(dt_softplus), lo=lo, hi=hi, out=out, rows=dt.shape[0], heads=dt.shape[1])
     return out
 
 
@@ -170,8 +175,9 @@ def ssd_scan_cpu(x, dt, A, B, C, h0):
     y = torch.empty(length, heads, head_dim, dtype=torch.float32)
     h = h0.detach().float().clone().contiguous()
     if length:
-        native.call("ssd_scan", x, x.stride(0), _f32(dt), _f32(A), B, C, B.stride(0), h, y,
-                    length, heads, head_dim, B.shape[1], B.shape[2])
+        native.call("ssd_scan", x=x, x_stride=x.stride(0), dt=_f32(dt), A=_f32(A), B=B, C=C,
+                    bc_stride=B.stride(0), state=h, y=y, length=length, heads=heads, head_dim=head_dim,
+                    groups=B.shape[1], d_state=B.shape[2])
     return y, h
 
 
@@ -184,7 +190,8 @@ def prepare_qk_cpu(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[
     rows, k_heads, k_dim = q.shape
     q_out, k_out = torch.empty(rows, num_v_heads, k_dim), torch.empty(rows, num_v_heads, k_dim)
     if rows:
-        native.call("gdn_prepare_qk", q, k, q.stride(0), rows, k_heads, num_v_heads, k_dim, q_out, k_out)
+        native.call("gdn_prepare_qk", q=q, k=k, stride=q.stride(0), rows=rows, k_heads=k_heads,
+                    v_heads=num_v_heads, k_dim=k_dim, q_out=q_out, k_out=k_out)
     return q_out, k_out
 
 
@@ -196,7 +203,8 @@ def gdn_gates_cpu(b: torch.Tensor, a: torch.Tensor, A: torch.Tensor, dt_bias: to
                          f"{tuple(a.shape)}, {tuple(A.shape)}, {tuple(dt_bias.shape)}")
     beta, g = torch.empty(b.shape), torch.empty(b.shape)
     if b.numel():
-        native.call("gdn_gates", _f32(b), _f32(a), _f32(A), _f32(dt_bias), beta, g, *b.shape)
+        native.call("gdn_gates", b=_f32(b), a=_f32(a), A=_f32(A), dt_bias=_f32(dt_bias), beta=beta, g=g,
+                    rows=b.shape[0], heads=b.shape[1])
     return beta, g
 
 
@@ -206,8 +214,9 @@ def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
     q, k = prepare_qk_cpu(q, k, v.shape[1])
     o = torch.empty(v.shape, dtype=torch.float32)
     if v.shape[0]:
-        native.call("gated_delta_step", _pool(state, "state"), ids(slots), _f32(q), _f32(k), _f32(v), _f32(g),
-                    _f32(beta), o, v.shape[0], v.shape[1], q.shape[2], v.shape[2])
+        native.call("gated_delta_step", state=_pool(state, "state"), slots=ids(slots), q=_f32(q), k=_f32(k),
+                    v=_f32(v), g=_f32(g), beta=_f32(beta), o=o, batch=v.shape[0], heads=v.shape[1],
+                    k_dim=q.shape[2], v_dim=v.shape[2])
     return o
 
 
@@ -220,8 +229,8 @@ def gated_delta_rule_cpu(q, k, v, g, beta, h0):
     o = torch.empty(length, heads, v_dim, dtype=torch.float32)
     S = h0.detach().float().clone().contiguous()
     if length:
-        native.call("gated_delta_scan", S, _f32(q), _f32(k), _f32(v), _f32(g), _f32(beta), o,
-                    length, heads, q.shape[2], v_dim)
+        native.call("gated_delta_scan", state=S, q=_f32(q), k=_f32(k), v=_f32(v), g=_f32(g), beta=_f32(beta),
+                    o=o, length=length, heads=heads, k_dim=q.shape[2], v_dim=v_dim)
     return o, S
 
 
@@ -231,9 +240,11 @@ def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, 
     result = torch.empty(q.shape, dtype=torch.float32)
     if q.shape[0]:
         tables = ids(block_tables)
-        native.call("paged_attention_decode", _f32(q), _pool(k_cache, "k_cache"), _pool(v_cache, "v_cache"),
-                    tables, tables.shape[1], ids(context_lens), result, q.shape[0], q.shape[1], k_cache.shape[2],
-                    q.shape[2], k_cache.shape[1], float(scale), int(sliding_window or 0))
+        native.call("paged_attention_decode", q=_f32(q), k_cache=_pool(k_cache, "k_cache"),
+                    v_cache=_pool(v_cache, "v_cache"), tables=tables, table_width=tables.shape[1],
+                    lens=ids(context_lens), out=result, batch=q.shape[0], heads=q.shape[1],
+                    kv_heads=k_cache.shape[2], head_dim=q.shape[2], block_size=k_cache.shape[1],
+                    scale=float(scale), window=int(sliding_window or 0))
     if out is None:
         return result.to(q.dtype)
     out.copy_(result)
@@ -250,7 +261,8 @@ def group_rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, group: int, eps: f
                          f"weight {tuple(weight.shape)} one per column")
     out = torch.empty(x.shape, dtype=torch.float32)
     if x.numel():
-        native.call("group_rms_norm", x, weight.detach().contiguous(), out, rows, cols, group, float(eps))
+        native.call("group_rms_norm", x=x, weight=weight.detach().contiguous(), out=out, rows=rows, cols=cols,
+                    group=group, eps=float(eps))
     return out
 
 
@@ -270,8 +282,10 @@ def skip_norm_gate_cpu(y: torch.Tensor, x: torch.Tensor | None, D: torch.Tensor 
                          f"with unit column stride, a weight per column, groups of {group} columns")
     out = torch.empty(y.shape, dtype=torch.float32)
     if y.numel():
-        native.call("skip_norm_gate", y, x, 0 if x is None else x.stride(0), None if D is None else _f32(D), z,
-                    z.stride(0), weight.detach().contiguous(), group, float(eps), out, rows, cols)
+        native.call("skip_norm_gate", y=y, x=x, x_stride=0 if x is None else x.stride(0),
+                    D=None if D is None else _f32(D), z=z, z_stride=z.stride(0),
+                    weight=weight.detach().contiguous(), group=group, eps=float(eps), out=out, rows=rows,
+                    cols=cols)
     return out
 
 
@@ -292,7 +306,8 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float, add: torch.T
     row_stride = x.stride(0) if x.dim() == 2 else cols
     out = torch.empty(x.shape, dtype=torch.float32)
     if rows:
-        native.call("rms_norm", x, add, _f32(weight), out, rows, cols, row_stride, float(eps))
+        native.call("rms_norm", x=x, add=add, weight=_f32(weight), out=out, rows=rows, cols=cols,
+                    x_stride=row_stride, eps=float(eps))
     return out
 
 
@@ -308,7 +323,9 @@ def rms_norm_3_cpu(x: torch.Tensor, weights, eps: float) -> tuple[torch.Tensor, 
     rows = x.shape[0]
     outs = [torch.empty(rows, n, dtype=torch.float32) for n in widths]
     if rows:
-        native.call("rms_norm_3", x, x.stride(0), *weights, *widths, *outs, rows, float(eps))
+        (w0, w1, w2), (n0, n1, n2), (o0, o1, o2) = weights, widths, outs
+        native.call("rms_norm_3", x=x, x_stride=x.stride(0), w0=w0, w1=w1, w2=w2, n0=n0, n1=n1, n2=n2,
+                    o0=o0, o1=o1, o2=o2, rows=rows, eps=float(eps))
     return tuple(outs)
 
 
@@ -327,7 +344,7 @@ def silu_mul_cpu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
                          f"{tuple(up.shape)}/{up.stride()} need one shape, unit column stride, one row stride")
     out = torch.empty(rows, cols, dtype=torch.float32)
     if out.numel():
-        native.call("silu_mul", gate, up, out, rows, cols, gate.stride(0))
+        native.call("silu_mul", gate=gate, up=up, out=out, rows=rows, cols=cols, in_stride=gate.stride(0))
     return out
 
 
@@ -342,7 +359,8 @@ def rotary_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if not rows_of_heads(x) or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError(f"rotary: x {tuple(x.shape)} with strides {x.stride()} needs each token's heads contiguous")
     if x.numel():
-        native.call("rotary", x, x.stride(0), cos, sin, tokens, heads, head_dim, cos.shape[1])
+        native.call("rotary", x=x, x_stride=x.stride(0), cos=cos, sin=sin, tokens=tokens, heads=heads,
+                    head_dim=head_dim, rotary_dim=cos.shape[1])
     return x
 
 
@@ -361,7 +379,8 @@ def sigmoid_gate_cpu(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous() or x.shape != (tokens, heads * head_dim) or gate.stride(2) != 1:
         raise ValueError(f"head_gate: x {tuple(x.shape)} contiguous, gate {tuple(gate.shape)} with unit column stride")
     if x.numel():
-        native.call("head_gate", x, gate, gate.stride(0), gate.stride(1), tokens, heads, head_dim)
+        native.call("head_gate", x=x, gate=gate, gate_row_stride=gate.stride(0),
+                    gate_head_stride=gate.stride(1), rows=tokens, heads=heads, head_dim=head_dim)
     return x
 
 
@@ -375,7 +394,7 @@ def sigmoid_gated_add_cpu(out: torch.Tensor, gate: torch.Tensor, x: torch.Tensor
         raise ValueError(f"sigmoid_gated_add: out and x {tuple(out.shape)}, gate [rows, 1], contiguous; "
                          f"got x {tuple(x.shape)}, gate {tuple(gate.shape)}")
     if out.numel():
-        native.call("sigmoid_gated_add", out, gate, x, rows, cols)
+        native.call("sigmoid_gated_add", out=out, gate=gate, x=x, rows=rows, cols=cols)
     return out
 
 
@@ -387,7 +406,8 @@ def gated_skip_cpu(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor, z: torch.T
     if not y.is_contiguous() or x.shape != y.shape or z.shape != y.shape or x.stride(1) != 1 or z.stride(1) != 1:
         raise ValueError(f"gated_skip: y {tuple(y.shape)} contiguous, x and z of its shape with unit column stride")
     if y.numel():
-        native.call("gated_skip", y, x, x.stride(0), _f32(D), z, z.stride(0), y, rows, cols)
+        native.call("gated_skip", y=y, x=x, x_stride=x.stride(0), D=_f32(D), z=z, z_stride=z.stride(0), out=y,
+                    rows=rows, cols=cols)
     return y
 
 
@@ -397,7 +417,8 @@ def bias_softplus_cpu(dt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     if not dt.is_contiguous() or dt.dim() != 2 or (bias is not None and bias.shape != dt.shape[1:]):
         raise ValueError(f"bias_softplus: dt {tuple(dt.shape)} contiguous 2-D, bias one per column")
     if dt.numel():
-        native.call("bias_softplus", dt, None if bias is None else _f32(bias), *dt.shape)
+        native.call("bias_softplus", dt=dt, bias=None if bias is None else _f32(bias), rows=dt.shape[0],
+                    cols=dt.shape[1])
     return dt
 
 
@@ -414,8 +435,9 @@ def causal_conv_prefill_cpu(x: torch.Tensor, state: torch.Tensor, weight: torch.
         raise ValueError(f"causal_conv_prefill: x {tuple(x.shape)}, state {tuple(state.shape)}, "
                          f"out {tuple(out.shape)} do not fit weight {tuple(weight.shape)}")
     if length:
-        native.call("causal_conv_prefill", x, x.stride(0), _pool(state, "conv state"), _f32(weight),
-                    _f32(bias) if bias is not None else None, out, length, channels, width, int(fresh), int(silu))
+        native.call("causal_conv_prefill", x=x, x_stride=x.stride(0), state=_pool(state, "conv state"),
+                    weight=_f32(weight), bias=_f32(bias) if bias is not None else None, out=out, length=length,
+                    channels=channels, width=width, fresh=int(fresh), silu=int(silu))
     return out
 
 
@@ -436,8 +458,9 @@ def prefill_attention_cpu(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         padded = -(-context // 32) * 32
         kt = torch.zeros(kv_heads, head_dim, padded, dtype=torch.float32)
         kt[:, :, :context] = keys.permute(1, 2, 0)
-        native.call("prefill_attention", q, q.stride(0), kt, padded, values, values.stride(0), out, n, context,
-                    heads, kv_heads, head_dim, float(scale), int(sliding_window or 0))
+        native.call("prefill_attention", q=q, q_stride=q.stride(0), kt=kt, padded=padded, v=values,
+                    v_stride=values.stride(0), out=out, n=n, context=context, heads=heads, kv_heads=kv_heads,
+                    head_dim=head_dim, scale=float(scale), window=int(sliding_window or 0))
     return out
 
 
@@ -449,7 +472,8 @@ def moe_group_cpu(experts: torch.Tensor, num_experts: int) -> tuple[list[int], t
     picks = tokens * top_k
     counts = torch.empty(num_experts, dtype=torch.long)
     token_of_row, position = torch.empty(picks, dtype=torch.long), torch.empty(picks, dtype=torch.long)
-    native.call("moe_group", ids(experts), counts, token_of_row, position, picks, top_k, num_experts)
+    native.call("moe_group", experts=ids(experts), counts=counts, token_of_row=token_of_row, position=position,
+                picks=picks, top_k=top_k, num_experts=num_experts)
     per_expert = counts.tolist()
     if sum(per_expert) != picks:
         raise ValueError(f"moe_group: expert ids outside [0, {num_experts}) in {experts.tolist()}")
@@ -464,7 +488,8 @@ def moe_route_cpu(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[to
     if not 0 < top_k <= experts:
         raise ValueError(f"moe_route: top_k {top_k} of {experts} experts")
     ids, weights = torch.empty(tokens, top_k, dtype=torch.long), torch.empty(tokens, top_k)
-    native.call("moe_route", _f32(logits), tokens, experts, top_k, int(normalize), ids, weights)
+    native.call("moe_route", logits=_f32(logits), tokens=tokens, experts=experts, top_k=top_k,
+                normalize=int(normalize), ids=ids, weights=weights)
     return ids, weights
 
 
@@ -478,7 +503,8 @@ def moe_combine_cpu(picks: torch.Tensor, position: torch.Tensor, weights: torch.
                          f"do not fit weights {tuple(weights.shape)}")
     out = torch.empty(tokens, hidden, dtype=torch.float32)
     if out.numel():
-        native.call("moe_combine", _f32(picks), ids(position), _f32(weights), out, tokens, top_k, hidden)
+        native.call("moe_combine", picks=_f32(picks), position=ids(position), weights=_f32(weights), out=out,
+                    tokens=tokens, top_k=top_k, hidden=hidden)
     return out
 
 
@@ -490,5 +516,5 @@ def row_argmax_cpu(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("row_argmax: no columns to take the argmax of")
     out = torch.empty(rows, dtype=torch.long)
     if rows:
-        native.call("row_argmax", x.contiguous(), out, rows, cols)
+        native.call("row_argmax", x=x.contiguous(), out=out, rows=rows, cols=cols)
     return out

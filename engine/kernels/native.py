@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -36,50 +37,46 @@ HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17"]
 LINK_FLAGS = ["-shared", "-fopenmp"]
 P, I64, INT, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-SIGNATURES = {
-    "ssm_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, INT],
-    "conv_update": [P, P, P, I64, P, P, P, I64, I64, I64, I64, INT],
-    "selective_scan": [P, P, P, P, P, P, P, I64, I64, I64, INT],
-    "mamba2_state_update": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, I64, INT],
-    "ssd_scan": [P, I64, P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, INT],
-    "gated_delta_step": [P, P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
-    "gated_delta_scan": [P, P, P, P, P, P, P, I64, I64, I64, I64, INT],
-    "paged_attention_decode": [P, P, P, P, I64, P, P, I64, I64, I64, I64, I64, F32, I64, INT],
-    "rms_norm": [P, P, P, P, I64, I64, I64, F32, INT],
-    "rms_norm_3": [P, I64, P, P, P, I64, I64, I64, P, P, P, I64, F32, INT],
-    "silu_mul": [P, P, P, I64, I64, I64, INT],
-    "rotary": [P, I64, P, P, I64, I64, I64, I64, INT],
-    "gated_skip": [P, P, I64, P, P, I64, P, I64, I64, INT],
-    "bias_softplus": [P, P, I64, I64, INT],
-    "mamba2_dt": [P, I64, P, I64, F32, F32, P, I64, I64, INT],
-    "causal_conv_prefill": [P, I64, P, P, P, P, I64, I64, I64, I64, I64, INT],
-    "moe_combine": [P, P, P, P, I64, I64, I64, INT],
-    "moe_group": [P, P, P, P, I64, I64, I64, INT],
-    "prefill_attention": [P, I64, P, I64, P, I64, P, I64, I64, I64, I64, I64, F32, I64, INT],
-    "packed_linear": [P, I64, P, P, P, I64, I64, I64, I64, INT],
-    "row_argmax": [P, P, I64, I64, INT],
-    "moe_silu_experts": [P, P, P, P, P, I64, I64, I64, INT],
-    "mamba_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, P, P, F32, P, P, P, P, P, P, P, P,
-                     INT],
-    "mamba2_decode": [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, F32, F32, P, P, P, I64, I64, F32, P,
-                      P, P, P, INT],
-    "skip_norm_gate": [P, P, I64, P, P, I64, P, I64, F32, P, I64, I64, INT],
-    "group_rms_norm": [P, P, P, I64, I64, I64, F32, INT],
-    "moe_route": [P, I64, I64, I64, I64, P, P, INT],
-    "moe_layer": [P, I64, I64, P, I64, I64, I64, P, I64, P, P, P, INT],
-    "adapter_gelu_mlp": [P, I64, I64, P, P, P, I64, P, I64, P, P, P, P, INT],
-    "attention_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P, P, P, P,
-                         INT],
-    "decoder_layers": [P, I64, P, I64, I64, P, P, P, I64, P, P, P, P, INT],
-    "short_conv_decode": [P, I64, I64, I64, P, P, P, P, P, P, P, P, P, P, INT],
-    "head_gate": [P, P, I64, I64, I64, I64, I64, INT],
-    "sigmoid_gated_add": [P, P, P, I64, I64, INT],
-    "normed_attention_decode": [P, I64, I64, I64, I64, I64, I64, P, P, P, P, I64, P, P, P, P, I64, P, I64, F32, I64, P,
-                                P, P, P, F32, I64, P, P, INT],
-    "gdn_gates": [P, P, P, P, P, P, I64, I64, INT],
-    "gdn_prepare_qk": [P, P, I64, I64, I64, I64, I64, P, P, INT],
-    "gdn_decode": [P, I64, I64, I64, I64, I64, I64, I64, P, P, P, P, P, P, P, P, P, F32, P, P, P, INT],
-}
+_CTYPES = {"int64_t": I64, "int": INT, "float": F32}
+
+
+def _parameters(text: str, where: str) -> list[tuple[str | None, type]]:
+    """(name, ctypes type) of each parameter of a C declaration's parameter list."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.replace("\n", " ").split(","))):
+        if "*" in part:
+            name = part.rsplit("*", 1)[1].split()
+            out.append((name[-1] if name else None, P))
+            continue
+        words = part.split()
+        if words[0] not in _CTYPES:
+            raise RuntimeError(f"{where}: parameter {part!r} is of a type the binding does not know")
+        out.append((words[1] if len(words) > 1 else None, _CTYPES[words[0]]))
+    return out
+
+
+def read_signatures(sources=None) -> dict[str, list[tuple[str | None, type]]]:
+    """Every exported entry's parameters, read from the C++ itself (the functions defined in an
+    `extern "C" { ... }` block or declared `extern "C"`): one contract, no mirrored lists. Each
+    entry's last parameter is the thread count, which `call` passes."""
+    signatures = {}
+    for source in sources or SOURCES:
+        text = source.read_text()
+        blocks = re.findall(r'^extern "C" \{\n(.*?)^\}  // extern "C"', text, re.S | re.M)
+        defined = [m for block in blocks for m in re.finditer(r"^void (\w+)\(([^)]*)\)", block, re.M)]
+        defined += re.finditer(r'^extern "C" void (\w+)\(([^)]*)\)', text, re.M)
+        for match in defined:
+            name = match.group(1)
+            params = _parameters(match.group(2), f"{source.name}: {name}")
+            if not params or params[-1][1] is not INT:
+                raise RuntimeError(f"{source.name}: {name} must end with its int thread count")
+            if any(param is None for param, _ in params[:-1]):
+                raise RuntimeError(f"{source.name}: {name} has an unnamed parameter")
+            signatures[name] = params
+    return signatures
+
+
+SIGNATURES = read_signatures()
 
 
 def cache_dir() -> Path:
@@ -147,8 +144,8 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as error:
         log.warning("CPU decode kernels unavailable, falling back to torch ops: %s", error)
         return None
-    for name, argtypes in SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
+    for name, params in SIGNATURES.items():
+        getattr(lib, name).argtypes = [kind for _, kind in params]
         getattr(lib, name).restype = None
     lib.decoder_layer_plan_bytes.argtypes, lib.decoder_layer_plan_bytes.restype = [], I64
     return lib
@@ -158,7 +155,16 @@ def available() -> bool:
     return library() is not None
 
 
-def call(name: str, *args) -> None:
-    """Run kernel `name`; tensors pass as pointers (the caller keeps them alive and contiguous),
-    and the thread count is torch's, so the loop reuses torch's OpenMP team."""
-    getattr(library(), name)(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args], torch.get_num_threads())
+def call(name: str, **args) -> None:
+    """Run kernel `name`, its arguments named as its C++ parameters (all of them but the thread
+    count, each exactly once: the contract is checked at every call); tensors pass as pointers
+    (the caller keeps them alive and contiguous), and the thread count is torch's, so the loop
+    reuses torch's OpenMP team."""
+    params = SIGNATURES[name][:-1]
+    if len(args) != len(params) or any(param not in args for param, _ in params):
+        expected = [param for param, _ in params]
+        raise TypeError(f"kernel {name}: missing {sorted(set(expected) - set(args))}, "
+                        f"unexpected {sorted(set(args) - set(expected))}")
+    values = [args[param] for param, _ in params]
+    getattr(library(), name)(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values],
+                             torch.get_num_threads())

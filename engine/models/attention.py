@@ -13,6 +13,9 @@ from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, native, paged_attention_decode, uses_cpu_kernel, uses_triton
 from engine.kernels.decode_plan import ATTENTION, NORMED_ATTENTION, LayerPlan, Needs, all_cpu, pointer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, span
+from engine.tp.plan import attention_layout, scaled
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RMSNorm, RotaryEmbedding
@@ -70,13 +73,36 @@ class PagedAttention(nn.Module):
 
     decode_kind = ATTENTION
 
-    def plans_decode(self) -> bool:
-        """Whether this class's decode is the plan's (a subclass that changes it says when it is)."""
+    def runs_as_its_kind(self) -> bool:
+        """Whether this module's forward is the one its kind defines: a subclass that changes it
+        is neither planned into the one-call decode nor sharded as this kind."""
         return type(self) is PagedAttention
+
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Query heads split; KV heads split or replicated (engine.tp.plan); o_proj row-parallel."""
+        if not self.runs_as_its_kind():
+            return None
+        lay = attention_layout(self.num_heads, self.num_kv_heads, group.size, group.rank)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            check_linear(getattr(self, name), f"attention {name}", row_sliceable=True)
+        check_linear(self.o_proj, "attention o_proj")
+        q_unit = self.q_proj.out_features // self.num_heads  # gated: query then gate, per head
+        q_rows = span(scaled(lay.q_heads, q_unit))
+        kv_rows = span(scaled(lay.kv_heads, self.head_dim))
+        cols = span(scaled(lay.q_heads, self.head_dim))
+
+        def apply():
+            keep_rows(self.q_proj, q_rows)
+            keep_rows(self.k_proj, kv_rows)
+            keep_rows(self.v_proj, kv_rows)
+            self.o_proj = RowParallelLinear.of(self.o_proj, cols, group, True, "attention o_proj")
+            self.num_heads = lay.q_heads[1] - lay.q_heads[0]
+            self.num_kv_heads = lay.kv_heads[1] - lay.kv_heads[0]
+        return apply
 
     def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
         """This attention as a layer's mixer in a decode step's one-call plan."""
-        if not (self.plans_decode() and all_cpu(kv) and self.fits_one_call()):
+        if not (self.runs_as_its_kind() and all_cpu(kv) and self.fits_one_call()):
             return None
         entry.mixer = self.decode_kind
         return self.fill_decode_plan(entry, kv, rotary)
@@ -109,17 +135,19 @@ class PagedAttention(nn.Module):
         kernel, extra, scratch = self._one_call_kernel()
         o_proj = self.o_proj.packed_weight
         out = torch.empty(rows, o_proj.out_features)
-        native.call(kernel, x, rows, x.shape[1], o_proj.out_features, self.num_heads, self.num_kv_heads, self.head_dim,
-                    packed.panels, bias,
-                    cos, sin, 0 if cos is None else cos.shape[1], k_cache, v_cache, cpu.ids(batch.kv_write_index),
-                    tables, tables.shape[1], cpu.ids(batch.decode_context_lens), k_cache.shape[1],
-                    float(self.scale), int(self.sliding_window or 0), o_proj.panels, self.o_proj.bias, *extra,
-                    torch.empty(rows * scratch), out)
+        native.call(kernel, h=x, rows=rows, hidden=x.shape[1], out_width=o_proj.out_features, heads=self.num_heads,
+                    kv_heads=self.num_kv_heads, head_dim=self.head_dim, qkv_panels=packed.panels, qkv_bias=bias,
+                    cos=cos, sin=sin, rotary_dim=0 if cos is None else cos.shape[1], k_cache=k_cache,
+                    v_cache=v_cache, write_index=cpu.ids(batch.kv_write_index), tables=tables,
+                    table_width=tables.shape[1], lens=cpu.ids(batch.decode_context_lens),
+                    block_size=k_cache.shape[1], scale=float(self.scale), window=int(self.sliding_window or 0),
+                    o_panels=o_proj.panels, o_bias=self.o_proj.bias, scratch=torch.empty(rows * scratch), out=out,
+                    **extra)
         return out
 
-    def _one_call_kernel(self) -> tuple[str, tuple, int]:
-        """The C++ layer a one-call decode runs, its arguments after o_proj's, its scratch floats per row."""
-        return "attention_decode", (), (3 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+    def _one_call_kernel(self) -> tuple[str, dict, int]:
+        """The C++ layer a one-call decode runs, its own arguments, its scratch floats per row."""
+        return "attention_decode", {}, (3 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
     def _one_call_tables(self, batch: ForwardBatch):
         """What a one-call decode reads besides the weights: the rotary tables (None without
@@ -261,7 +289,7 @@ class NormedAttention(PagedAttention):
 
     decode_kind = NORMED_ATTENTION
 
-    def plans_decode(self) -> bool:
+    def runs_as_its_kind(self) -> bool:
         return type(self).forward is NormedAttention.forward
 
     def fill_decode_plan(self, entry: LayerPlan, kv, rotary: list) -> Needs:
@@ -269,6 +297,7 @@ class NormedAttention(PagedAttention):
         entry.q_norm, entry.k_norm = self.q_norm.weight.data_ptr(), self.k_norm.weight.data_ptr()
         return super().fill_decode_plan(entry, kv, rotary)
 
-    def _one_call_kernel(self) -> tuple[str, tuple, int]:
-        extra = (self.q_norm.weight, self.k_norm.weight, float(self.q_norm.eps), int(self.gated))
+    def _one_call_kernel(self) -> tuple[str, dict, int]:
+        extra = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=float(self.q_norm.eps),
+                     gated=int(self.gated))
         return "normed_attention_decode", extra, (4 * self.num_heads + 3 * self.num_kv_heads) * self.head_dim

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from engine.kernels.decode_plan import plan_layer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, all_of, reduced_ffn_plan
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import ConfigReader
@@ -43,6 +45,8 @@ def _times(t: torch.Tensor, scale: float) -> torch.Tensor:
 
 class ScaledLinear(nn.Linear):
     """nn.Linear whose output is multiplied by a constant; parameter names stay weight/bias."""
+
+    tp_row_sliceable = True  # F.linear times a constant: keeping some rows keeps its meaning
 
     def __init__(self, in_features: int, out_features: int, bias: bool, scale: float):
         super().__init__(in_features, out_features, bias=bias)
@@ -83,6 +87,9 @@ class FalconH1Mixer(Mamba2Mixer):
             _scale_rows(self.in_proj, scale, slice(start, end))
         self.in_scale, self.part_scales = 1.0, (1.0,) * 5
 
+    def tp_plan(self, group: TPGroup) -> Apply:
+        return self.tp_plan_of_mamba2(group)  # the scales are folded into in_proj at load
+
     def splits_plainly(self) -> bool:
         """Once the scales are folded into in_proj (at load), forward is Mamba2's."""
         return self.in_scale == 1.0 and all(s == 1.0 for s in self.part_scales)
@@ -117,6 +124,9 @@ class FalconH1MLP(GatedMLP):
     def packs_fused(self) -> bool:
         return self.gate_scale == 1.0 and self.down_scale == 1.0
 
+    def tp_partial_plan(self, group: TPGroup) -> Apply:
+        return self.tp_partial_plan_of_mlp(group)  # the scales multiply whole rows and columns
+
 
 class FalconH1Layer(nn.Module):
     """h + ssm_out * mamba(n) + attn_out * attention(attn_in * n) with n = norm(h), then the MLP.
@@ -142,6 +152,14 @@ class FalconH1Layer(nn.Module):
         attn = _times(self.self_attn(_times(normed, self.attn_in), batch, caches.kv[index]), self.attn_out)
         h, normed = self.pre_ff_layernorm.add_and_norm(ssm + attn, h)  # h + (ssm + attn), normed in one pass
         return h + self.feed_forward(normed)
+
+    def tp_layer_plan(self, group: TPGroup, memo: dict) -> Apply | None:
+        if type(self) is not FalconH1Layer:
+            return None
+        mixer, attention = self.mamba.tp_plan(group), self.self_attn.tp_plan(group)
+        if mixer is None or attention is None:
+            return None
+        return all_of([mixer, attention, reduced_ffn_plan(self, "feed_forward", group)])
 
     def plan_decode(self, caches: LayerCaches, index: int):
         """Attention beside Mamba2 on one input, in a decode step's one-call plan once the

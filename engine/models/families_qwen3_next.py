@@ -15,6 +15,8 @@ from torch import nn
 
 from engine.kernels import cpu, uses_cpu_kernel
 from engine.kernels.decode_plan import LayerPlan, Needs, plan_shared_mlp
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, all_of, partial_ffn_plan
 from engine.models.attention import NormedAttention
 from engine.models.checkpoint import ConfigReader
 from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_level_name
@@ -88,6 +90,13 @@ class SharedExpertMoE(nn.Module):
         if uses_cpu_kernel(routed) and uses_cpu_kernel(gate) and uses_cpu_kernel(shared):
             return cpu.sigmoid_gated_add_cpu(routed, gate, shared)  # the routed output is this call's own
         return routed + torch.sigmoid(gate) * shared
+
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        """routed + sigmoid(gate(x)) * shared is linear in both: each as its own kind (the gate
+        replicated)."""
+        if type(self) is not SharedExpertMoE:
+            return None
+        return all_of([partial_ffn_plan(self.routed, group), partial_ffn_plan(self.shared, group)])
 
     def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
         """Routed experts plus the gated shared expert in a decode step's one-call plan."""

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.decode_plan import NO_FFN, ZAMBA2_HYBRID, LayerPlan, Needs, all_cpu, norm_fits, pointer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows
+from engine.tp.plan import attention_layout, even_split, scaled
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import CheckpointError, ConfigReader
@@ -66,6 +69,36 @@ class SharedBlock(nn.Module):
             return adapter_gelu_mlp(x, self.gate_up_proj, adapter[0], adapter[1], self.down_proj)
         gate, up = (self.gate_up_proj(x) + adapter(x)).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
+
+    def tp_plan(self, heads: int, kv_heads: int, head_dim: int, group: TPGroup) -> Apply:
+        """Attention heads split as in any attention, the MLP's intermediate channels split; a
+        LoRA adapter adds to a projection's output, so its second linear keeps the same rows."""
+        lay = attention_layout(heads, kv_heads, group.size, group.rank)
+        q_rows = list(range(*scaled(lay.q_heads, head_dim)))
+        kv_rows = list(range(*scaled(lay.kv_heads, head_dim)))
+        inter = self.down_proj.in_features
+        ffn_rows = list(range(*even_split(inter, group.size, group.rank, "shared block MLP intermediate size")))
+        gate_up_rows = ffn_rows + [inter + r for r in ffn_rows]  # gate_up stacks [gate; up]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"):
+            check_linear(getattr(self, name), f"shared block {name}")
+        adapters = {"q_adapters": q_rows, "k_adapters": kv_rows, "v_adapters": kv_rows,
+                    "gate_up_adapters": gate_up_rows}
+        for name in adapters:
+            for lora in getattr(self, name, {}).values():
+                check_linear(lora[1], f"shared block {name}")
+
+        def apply():
+            keep_rows(self.q_proj, q_rows)
+            keep_rows(self.k_proj, kv_rows)
+            keep_rows(self.v_proj, kv_rows)
+            for name, rows in adapters.items():
+                for lora in getattr(self, name, {}).values():
+                    keep_rows(lora[1], rows)
+            self.o_proj = RowParallelLinear.of(self.o_proj, range(*scaled(lay.q_heads, head_dim)), group,
+                                               True, "shared block o_proj")
+            keep_rows(self.gate_up_proj, gate_up_rows)
+            self.down_proj = RowParallelLinear.of(self.down_proj, ffn_rows, group, True, "shared block down_proj")
+        return apply
 
     def mlp_fits_one_call(self, adapter: nn.Sequential) -> bool:
         """The exact GELU and every linear packed (with the use's adapter)."""
@@ -146,6 +179,30 @@ class HybridLayer(nn.Module):
     def cache_spec(self) -> LayerCacheSpec:
         return LayerCacheSpec("attention+mamba2", kv=self.attention.kv_spec(),
                               state_kind=self.mamba.state_kind, state=tuple(self.mamba.state_spec()))
+
+    def tp_layer_plan(self, group: TPGroup, memo: dict) -> Apply | None:
+        """Its shared block (sharded once, by the first layer that uses it: `memo`), this use's
+        attention view of it, and its own Mamba2 mixer."""
+        block, attn = self._block[0], self.attention
+        if type(self) is not HybridLayer or type(block) is not SharedBlock or type(attn) is not SharedAttention:
+            return None
+        lay = attention_layout(attn.num_heads, attn.num_kv_heads, group.size, group.rank)
+        if id(block) in memo:  # sharded by the layer that used it first
+            block_apply = lambda: None  # noqa: E731
+        else:
+            block_apply = memo[id(block)] = block.tp_plan(attn.num_heads, attn.num_kv_heads, attn.head_dim, group)
+        mamba_apply = self.mamba.tp_plan(group)
+        if mamba_apply is None:
+            return None
+
+        def apply():
+            block_apply()
+            # q/k/v views hold the block's linears, sliced in place; o_proj is a new module.
+            attn.o_proj = _Plus(block.o_proj, None)
+            attn.num_heads = lay.q_heads[1] - lay.q_heads[0]
+            attn.num_kv_heads = lay.kv_heads[1] - lay.kv_heads[0]
+            mamba_apply()
+        return apply
 
     def plan_decode(self, caches: LayerCaches, index: int):
         """This layer in a decode step's one-call plan (engine.kernels.decode_plan), where its

@@ -21,6 +21,9 @@ from torch import nn
 from engine.kernels import chunk_gated_delta_rule, cpu, gated_delta_step, native, uses_cpu_kernel
 from engine.models.batch import ForwardBatch
 from engine.kernels.decode_plan import GATED_DELTANET, LayerPlan, Needs, all_cpu
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, set_param, span
+from engine.tp.plan import deltanet_layout, expand, scaled
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
 from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
@@ -145,6 +148,42 @@ class GatedDeltaNetMixer(nn.Module):
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Value heads split, key heads split or replicated (engine.tp.plan); out_proj row-parallel."""
+        if type(self) is not GatedDeltaNetMixer:
+            return None
+        lay = deltanet_layout(self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim,
+                              group.size, group.rank)
+        for name in ("in_proj_qkvz", "in_proj_ba", "out_proj"):
+            check_linear(getattr(self, name), f"Gated DeltaNet {name}")
+        dk, dv, r = self.k_head_dim, self.v_head_dim, self.num_v_heads // self.num_k_heads
+        qkvz, ba = [], []
+        # Both projections are grouped by key head (split_projections): per key head q, k, the
+        # v's of its r value heads, their z's; and its r b's, then its r a's.
+        for kh in range(*lay.k_heads):
+            base = kh * (2 * dk + 2 * r * dv)
+            mine = [v - kh * r for v in range(*lay.v_heads) if v // r == kh]
+            qkvz += list(range(base, base + 2 * dk))
+            qkvz += [base + 2 * dk + j * dv + i for j in mine for i in range(dv)]
+            qkvz += [base + 2 * dk + r * dv + j * dv + i for j in mine for i in range(dv)]
+            ba += [kh * 2 * r + j for j in mine] + [kh * 2 * r + r + j for j in mine]
+        conv = expand(lay.conv)
+        v_heads = span(lay.v_heads)
+        out_cols = span(scaled(lay.v_heads, dv))
+
+        def apply():
+            keep_rows(self.in_proj_qkvz, qkvz)
+            keep_rows(self.in_proj_ba, ba)
+            set_param(self, "conv_weight", self.conv_weight, 0, conv)
+            set_param(self, "dt_bias", self.dt_bias, 0, v_heads)
+            set_param(self, "A_log", self.A_log, 0, v_heads)
+            self.out_proj = RowParallelLinear.of(self.out_proj, out_cols, group, True, "Gated DeltaNet out_proj")
+            self.num_k_heads = lay.k_heads[1] - lay.k_heads[0]
+            self.num_v_heads = len(v_heads)
+            self.key_dim, self.value_dim = self.num_k_heads * dk, self.num_v_heads * dv
+            self.conv_dim = len(conv)
+        return apply
+
     def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
         """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
         if type(self) is not GatedDeltaNetMixer or not (all_cpu(state) and self.fits_one_call()):
@@ -180,11 +219,15 @@ class GatedDeltaNetMixer(nn.Module):
         rows, size = hidden.shape
         heads, k_dim = self.num_v_heads, self.k_head_dim
         out = torch.empty(rows, size)
-        native.call("gdn_decode", hidden, rows, size, self.num_k_heads, heads, k_dim, self.v_head_dim,
-                    self.conv_kernel, self.in_proj_qkvz.packed_weight.panels, self.in_proj_ba.packed_weight.panels,
-                    conv_state, recurrent_state, cpu.ids(batch.decode_slots), self.conv_weight, self.decay(),
-                    self.dt_bias, self.norm.per_channel(heads), float(self.norm.eps),
-                    self.out_proj.packed_weight.panels, torch.empty(rows * self.one_call_scratch()), out)
+        native.call("gdn_decode", h=hidden, rows=rows, hidden=size, k_heads=self.num_k_heads, v_heads=heads,
+                    k_dim=k_dim, v_dim=self.v_head_dim, d_conv=self.conv_kernel,
+                    qkvz_panels=self.in_proj_qkvz.packed_weight.panels,
+                    ba_panels=self.in_proj_ba.packed_weight.panels, conv_state=conv_state,
+                    recurrent_state=recurrent_state, slots=cpu.ids(batch.decode_slots),
+                    conv_weight=self.conv_weight, A=self.decay(), dt_bias=self.dt_bias,
+                    norm_weight=self.norm.per_channel(heads), norm_eps=float(self.norm.eps),
+                    out_panels=self.out_proj.packed_weight.panels,
+                    scratch=torch.empty(rows * self.one_call_scratch()), out=out)
         return out
 
     def one_call_scratch(self) -> int:

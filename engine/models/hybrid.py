@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from engine.kernels.decode_plan import plan_layer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, all_of, reduced_ffn_plan
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.packed_linear import linear, pack, pack_linears
 
@@ -131,6 +133,22 @@ class DecoderLayer(nn.Module):
 
     def cache_spec(self) -> LayerCacheSpec:
         return mixer_cache_spec(self.kind, self.mixer)
+
+    def tp_layer_plan(self, group: TPGroup, memo: dict) -> Apply | None:
+        """The mixer as its kind shards (an FFN in a mixer's place: partial sums, all-reduced),
+        then the FFN, all-reduced once; None where the mixer's kind does not shard."""
+        if type(self) is not DecoderLayer:
+            return None
+        if isinstance(self.mixer, FFNMixer):
+            mixer = reduced_ffn_plan(self.mixer, "ffn", group)
+        else:
+            plan = getattr(self.mixer, "tp_plan", None)
+            mixer = plan(group) if plan is not None else None
+            if mixer is None:
+                raise ValueError(f"tensor parallelism: layer kind {self.kind!r} (mixer "
+                                 f"{type(self.mixer).__name__}) is not supported at TP size {group.size}")
+        ffn = reduced_ffn_plan(self, "ffn", group) if self.ffn is not None else (lambda: None)
+        return all_of([mixer, ffn])
 
     def plan_decode(self, caches: LayerCaches, index: int):
         """This layer's entry in a decode step's one-call plan, composed from what its norms,

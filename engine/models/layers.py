@@ -11,6 +11,10 @@ from torch import nn
 from engine.kernels import cpu, cpu_kernels_ready, native, uses_cpu_kernel
 from engine.kernels.decode_plan import MOE, SWIGLU_MLP, LayerPlan, Needs, plan_shared_mlp
 from engine.models.expert_dispatch import dispatch_experts
+from engine.tp.group import TPGroup
+from engine.tp.parallel import (Apply, ShardedGatedRMSNorm, all_of, check_linear, keep_rows, partial_ffn_plan,
+                                RowParallelLinear, set_param, span, take)
+from engine.tp.plan import even_split
 from engine.models.packed_linear import (fused_linear, linear, pack_fused, pack_per_expert, panel_pointers,
                                          silu_experts)
 
@@ -95,6 +99,18 @@ class GatedRMSNorm(nn.Module):
         groups = y.view(*y.shape[:-1], -1, self.group_size)
         return (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(y.shape)
 
+    def tp_slice(self, channels: tuple[int, int], group: TPGroup) -> nn.Module:
+        """The norm for channels [c0, c1) of one tensor-parallel rank: the same norm on the slice
+        when they are whole groups (no communication), else a ShardedGatedRMSNorm."""
+        if type(self) is not GatedRMSNorm:
+            raise ValueError(f"tensor parallelism: Mamba2 norm is a {type(self).__name__}, not a GatedRMSNorm")
+        c0, c1 = channels
+        if c0 % self.group_size == 0 and (c1 - c0) % self.group_size == 0:
+            out = GatedRMSNorm(c1 - c0, self.group_size, self.eps, self.norm_before_gate)
+            out.weight = take(self.weight, 0, range(c0, c1))
+            return out
+        return ShardedGatedRMSNorm(self, channels, group)
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
@@ -144,6 +160,22 @@ class GatedMLP(nn.Module):
         """Whether forward runs as defined here (a subclass that changes it says when it does)."""
         return type(self).forward is GatedMLP.forward
 
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        """Intermediate channels split: gate and up keep their rows, down is row-parallel."""
+        return self.tp_partial_plan_of_mlp(group) if type(self) is GatedMLP else None
+
+    def tp_partial_plan_of_mlp(self, group: TPGroup) -> Apply:
+        rows = span(even_split(self.gate_proj.out_features, group.size, group.rank, "MLP intermediate size"))
+        check_linear(self.gate_proj, "MLP gate_proj")
+        check_linear(self.up_proj, "MLP up_proj")
+        check_linear(self.down_proj, "MLP down_proj")
+
+        def apply():
+            keep_rows(self.gate_proj, rows)
+            keep_rows(self.up_proj, rows)
+            self.down_proj = RowParallelLinear.of(self.down_proj, rows, group, False, "MLP down_proj")
+        return apply
+
     def plans_as_mlp(self) -> bool:
         """Runs as the one-call decode plan's SwiGLU MLP (a subclass whose forward is this one's
         counts: Falcon-H1's, its multipliers folded)."""
@@ -170,6 +202,9 @@ class SummedFFN(nn.Module):
         for part in self.parts[1:]:
             out = out + part(x)
         return out
+
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        return all_of([partial_ffn_plan(part, group) for part in self.parts]) if type(self) is SummedFFN else None
 
     def plan_ffn(self, entry: LayerPlan, hidden: int) -> Needs | None:
         """One part as it plans itself, or routed experts plus a shared MLP (Granite 4.0-H's)."""
@@ -225,6 +260,19 @@ class SparseMoE(nn.Module):
         return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
                 and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert)
 
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        """Each expert's intermediate channels split (gate_up stacks [gate; up] per expert: the
+        same rows of each half)."""
+        if type(self) is not SparseMoE:
+            return None
+        inter = self.down.shape[2]
+        rows = span(even_split(inter, group.size, group.rank, "MoE expert intermediate size"))
+
+        def apply():
+            set_param(self, "gate_up", self.gate_up, 1, rows + [inter + r for r in rows])
+            set_param(self, "down", self.down, 2, rows)
+        return apply
+
     def plans_as_moe(self) -> bool:
         return type(self) is SparseMoE and self.fits_one_call()
 
@@ -243,10 +291,12 @@ class SparseMoE(nn.Module):
         rows, hidden = x.shape
         picks, inter = rows * self.top_k, self.down.shape[2]
         out = torch.empty(rows, hidden)
-        native.call("moe_layer", x, rows, hidden, self.router.packed_weight.panels, self.num_experts, self.top_k,
-                    int(self.normalize_top_k), self.panel_pointers, inter,
-                    torch.empty(3 * picks + self.num_experts, dtype=torch.long),
-                    torch.empty(rows * self.num_experts + picks * (1 + 2 * hidden + 3 * inter)), out)
+        native.call("moe_layer", x=x, rows=rows, hidden=hidden, router_panels=self.router.packed_weight.panels,
+                    experts=self.num_experts, top_k=self.top_k, normalize=int(self.normalize_top_k),
+                    expert_panels=self.panel_pointers, inter=inter,
+                    ids=torch.empty(3 * picks + self.num_experts, dtype=torch.long),
+                    scratch=torch.empty(rows * self.num_experts + picks * (1 + 2 * hidden + 3 * inter)),
+                    out=out)
         return out
 
     def pack_weights(self) -> int:

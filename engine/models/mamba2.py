@@ -20,6 +20,9 @@ from torch import nn
 from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan
 from engine.kernels.mamba2_update import process_dt
 from engine.kernels.decode_plan import MAMBA2, LayerPlan, Needs, all_cpu, pointer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, set_param, span
+from engine.tp.plan import expand, mamba2_layout, scaled
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
@@ -113,6 +116,40 @@ class Mamba2Mixer(nn.Module):
         decode gives the chain's bits)."""
         return -torch.exp(self.A_log.float()), self.D.float().repeat_interleave(self.head_dim)
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        return self.tp_plan_of_mamba2(group) if type(self) is Mamba2Mixer else None
+
+    def tp_plan_of_mamba2(self, group: TPGroup) -> Apply:
+        """Heads split, B/C groups split or replicated (engine.tp.plan); conv channels, dt,
+        dt_bias, A_log and D follow; the gated norm all-reduces when its groups span ranks."""
+        lay = mamba2_layout(self.num_heads, self.head_dim, self.n_groups, self.d_state, group.size, group.rank)
+        check_linear(self.in_proj, "Mamba2 in_proj")
+        check_linear(self.out_proj, "Mamba2 out_proj")
+        if self.norm is not None and type(self.norm) is not GatedRMSNorm:
+            raise ValueError(f"tensor parallelism: Mamba2 norm is a {type(self.norm).__name__}, not a GatedRMSNorm")
+        ssm = scaled(lay.heads, self.head_dim)
+        conv = expand(lay.conv)
+        # in_proj rows: z (d_ssm), then the conv input xBC (conv_dim), then dt (one per head).
+        rows = (span(ssm) + [self.d_ssm + c for c in conv]
+                + [self.d_ssm + self.conv_dim + h for h in range(*lay.heads)])
+        heads = span(lay.heads)
+
+        def apply():
+            keep_rows(self.in_proj, rows)
+            set_param(self, "conv_weight", self.conv_weight, 0, conv)
+            if self.conv_bias is not None:
+                set_param(self, "conv_bias", self.conv_bias, 0, conv)
+            for name in ("dt_bias", "A_log", "D"):
+                set_param(self, name, getattr(self, name), 0, heads)
+            if self.norm is not None:
+                self.norm = self.norm.tp_slice(ssm, group)
+            self.out_proj = RowParallelLinear.of(self.out_proj, span(ssm), group, True, "Mamba2 out_proj")
+            self.num_heads = len(heads)
+            self.n_groups = lay.groups[1] - lay.groups[0]
+            self.d_ssm = ssm[1] - ssm[0]
+            self.conv_dim = len(conv)
+        return apply
+
     def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
         """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan);
         Falcon-H1's too, once its multipliers are folded."""
@@ -154,13 +191,18 @@ class Mamba2Mixer(nn.Module):
         A, D = self.decay_and_skip()
         norm = self.norm
         out = torch.empty(rows, size)
-        native.call("mamba2_decode", hidden, rows, size, self.num_heads, self.head_dim, self.n_groups, self.d_state,
-                    self.d_conv, self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
-                    cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias, self.dt_bias,
-                    *cpu.dt_bounds(self.dt_limit), A, D, None if norm is None else norm.weight,
-                    0 if norm is None else norm.group_size, int(norm is not None and norm.norm_before_gate),
-                    0.0 if norm is None else float(norm.eps), self.out_proj.packed_weight.panels, self.out_proj.bias,
-                    torch.empty(rows * self.one_call_scratch()), out)
+        dt_lo, dt_hi = cpu.dt_bounds(self.dt_limit)
+        native.call("mamba2_decode", h=hidden, rows=rows, hidden=size, heads=self.num_heads, head_dim=self.head_dim,
+                    groups=self.n_groups, d_state=self.d_state, d_conv=self.d_conv,
+                    in_panels=self.in_proj.packed_weight.panels, in_bias=self.in_proj.bias, conv_state=conv_state,
+                    ssm_state=ssm_state, slots=cpu.ids(batch.decode_slots), conv_weight=self.conv_weight,
+                    conv_bias=self.conv_bias, dt_bias=self.dt_bias, dt_lo=dt_lo, dt_hi=dt_hi, A=A, D=D,
+                    norm_weight=None if norm is None else norm.weight,
+                    norm_group=0 if norm is None else norm.group_size,
+                    norm_first=int(norm is not None and norm.norm_before_gate),
+                    norm_eps=0.0 if norm is None else float(norm.eps),
+                    out_panels=self.out_proj.packed_weight.panels, out_bias=self.out_proj.bias,
+                    scratch=torch.empty(rows * self.one_call_scratch()), out=out)
         return out
 
     def one_call_scratch(self) -> int:

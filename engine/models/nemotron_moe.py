@@ -14,6 +14,9 @@ from torch import nn
 
 from engine.kernels.decode_plan import RELU2_MLP, LayerPlan, Needs, pointer
 from engine.models.checkpoint import ConfigReader
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, partial_ffn_plan, set_param, span
+from engine.tp.plan import even_split
 from engine.models.expert_dispatch import dispatch_experts
 from engine.models.layers import ACTIVATIONS, activation
 from engine.models.packed_linear import linear, pack_per_expert
@@ -28,6 +31,19 @@ class NemotronMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
+
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        """Intermediate channels split: up keeps its rows, down is row-parallel."""
+        if type(self) is not NemotronMLP:
+            return None
+        rows = span(even_split(self.up_proj.out_features, group.size, group.rank, "MLP intermediate size"))
+        check_linear(self.up_proj, "MLP up_proj")
+        check_linear(self.down_proj, "MLP down_proj")
+
+        def apply():
+            keep_rows(self.up_proj, rows)
+            self.down_proj = RowParallelLinear.of(self.down_proj, rows, group, False, "MLP down_proj")
+        return apply
 
     def plan_as_mixer(self, entry: LayerPlan) -> Needs | None:
         """This squared-ReLU MLP in a mixer's place (Nemotron-H's) in a decode step's one-call plan."""
@@ -109,6 +125,25 @@ class NemotronMoE(nn.Module):
         if self.normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return experts, weights * self.scaling
+
+    def tp_partial_plan(self, group: TPGroup) -> Apply | None:
+        """Each expert's intermediate channels split; the shared expert as its own kind; the
+        latent projection back (fc2_latent) row-parallel, its bias on rank 0 only."""
+        if type(self) is not NemotronMoE:
+            return None
+        rows = span(even_split(self.up.shape[1], group.size, group.rank, "MoE expert intermediate size"))
+        shared = partial_ffn_plan(self.shared, group)
+        if self.fc2_latent is not None:
+            check_linear(self.fc2_latent, "MoE fc2_latent")
+
+        def apply():
+            set_param(self, "up", self.up, 1, rows)
+            set_param(self, "down", self.down, 2, rows)
+            if self.fc2_latent is not None:  # linear in the routed partial sums
+                self.fc2_latent = RowParallelLinear.of(self.fc2_latent, range(self.fc2_latent.in_features),
+                                                       group, False, "MoE fc2_latent")
+            shared()
+        return apply
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)

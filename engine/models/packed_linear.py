@@ -76,8 +76,8 @@ def silu_experts(routed: torch.Tensor, counts: list[int], pointers: torch.Tensor
     if sum(counts) != rows or len(counts) != pointers.shape[0]:
         raise ValueError(f"silu_experts: {rows} rows, counts {counts}, {pointers.shape[0]} experts")
     out = torch.empty((rows, hidden))
-    native.call("moe_silu_experts", routed, torch.tensor(counts, dtype=torch.int64), pointers,
-                torch.empty(rows * 3 * inter), out, len(counts), hidden, inter)
+    native.call("moe_silu_experts", x=routed, counts=torch.tensor(counts, dtype=torch.int64), panels=pointers,
+                scratch=torch.empty(rows * 3 * inter), out=out, experts=len(counts), hidden=hidden, inter=inter)
     return out
 
 
@@ -92,9 +92,10 @@ def adapter_gelu_mlp(x: torch.Tensor, gate_up: nn.Linear, lora_down: nn.Linear, 
         raise ValueError(f"adapter_gelu_mlp: x {tuple(x.shape)} does not fit gate_up {gate_up}, "
                          f"adapter ({lora_down}, {lora_up}), down {down}")
     out = torch.empty((rows, down.out_features))
-    native.call("adapter_gelu_mlp", x, rows, hidden, gate_up.packed_weight.panels, gate_up.bias,
-                lora_down.packed_weight.panels, rank, lora_up.packed_weight.panels, inter,
-                down.packed_weight.panels, down.bias, torch.empty(rows * (5 * inter + rank)), out)
+    native.call("adapter_gelu_mlp", x=x, rows=rows, hidden=hidden, gate_up_panels=gate_up.packed_weight.panels,
+                gate_up_bias=gate_up.bias, lora_down_panels=lora_down.packed_weight.panels, rank=rank,
+                lora_up_panels=lora_up.packed_weight.panels, inter=inter, down_panels=down.packed_weight.panels,
+                down_bias=down.bias, scratch=torch.empty(rows * (5 * inter + rank)), out=out)
     return out
 
 
@@ -109,8 +110,9 @@ def _packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | N
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty((rows.shape[0], packed.out_features))
-    native.call("packed_linear", rows, rows.stride(0), packed.panels, None if bias is None else bias.contiguous(),
-                out, packed.out_features, rows.shape[0], packed.out_features, packed.in_features)
+    native.call("packed_linear", x=rows, ldx=rows.stride(0), panels=packed.panels,
+                bias=None if bias is None else bias.contiguous(), out=out, ldo=packed.out_features,
+                rows=rows.shape[0], out_features=packed.out_features, in_features=packed.in_features)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], packed.out_features)
 
 

@@ -17,6 +17,9 @@ from torch import nn
 from engine.kernels import cpu, native
 from engine.models.batch import ForwardBatch
 from engine.kernels.decode_plan import SHORT_CONV, LayerPlan, Needs, all_cpu, pointer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, set_param, span
+from engine.tp.plan import even_split
 from engine.models.hybrid import StateTensorSpec
 from engine.models.ssm import decodes_in_one_call, packed_fit, varlen_causal_conv
 
@@ -46,6 +49,24 @@ class ShortConvMixer(nn.Module):
         y = varlen_causal_conv(b * x, batch, conv_state, self.conv_weight, self.conv_bias)
         return self.out_proj(c * y)
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Channels split: each of the B, C and x gates, the conv and its state; out_proj row-parallel."""
+        if type(self) is not ShortConvMixer:
+            return None
+        h = self.hidden
+        ch = span(even_split(h, group.size, group.rank, "short conv channels"))
+        check_linear(self.in_proj, "short conv in_proj")
+        check_linear(self.out_proj, "short conv out_proj")
+
+        def apply():
+            keep_rows(self.in_proj, ch + [h + c for c in ch] + [2 * h + c for c in ch])
+            set_param(self, "conv_weight", self.conv_weight, 0, ch)
+            if self.conv_bias is not None:
+                set_param(self, "conv_bias", self.conv_bias, 0, ch)
+            self.out_proj = RowParallelLinear.of(self.out_proj, ch, group, True, "short conv out_proj")
+            self.hidden = len(ch)
+        return apply
+
     def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
         """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
         if type(self) is not ShortConvMixer or not (all_cpu(state) and self.fits_one_call()):
@@ -74,8 +95,9 @@ class ShortConvMixer(nn.Module):
         (conv_state,) = state
         rows = hidden.shape[0]
         out = torch.empty(rows, self.hidden)
-        native.call("short_conv_decode", hidden, rows, self.hidden, self.kernel, self.in_proj.packed_weight.panels,
-                    self.in_proj.bias, conv_state, cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias,
-                    self.out_proj.packed_weight.panels, self.out_proj.bias,
-                    torch.empty(rows * self.one_call_scratch()), out)
+        native.call("short_conv_decode", h=hidden, rows=rows, hidden=self.hidden, kernel=self.kernel,
+                    in_panels=self.in_proj.packed_weight.panels, in_bias=self.in_proj.bias,
+                    conv_state=conv_state, slots=cpu.ids(batch.decode_slots), conv_weight=self.conv_weight,
+                    conv_bias=self.conv_bias, out_panels=self.out_proj.packed_weight.panels,
+                    out_bias=self.out_proj.bias, scratch=torch.empty(rows * self.one_call_scratch()), out=out)
         return out

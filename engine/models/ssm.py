@@ -21,6 +21,9 @@ from engine.kernels import (causal_conv1d_update, cpu, native, selective_scan_va
                             uses_cpu_kernel, uses_triton)
 from engine.models.batch import ForwardBatch
 from engine.kernels.decode_plan import MAMBA, LayerPlan, Needs, all_cpu, pointer
+from engine.tp.group import TPGroup
+from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, set_param, span
+from engine.tp.plan import even_split
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
 from engine.phase import Phase
@@ -137,6 +140,29 @@ class MambaMixer(nn.Module):
     def _decodes_in_one_call(self, hidden: torch.Tensor, batch: ForwardBatch, state) -> bool:
         return decodes_in_one_call(self, hidden, batch, state)
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Channels split; x_proj row-parallel (dt, B, C all-reduced before use), dt_proj
+        column-parallel, out_proj row-parallel."""
+        if type(self) is not MambaMixer:
+            return None
+        d = self.d_inner
+        ch = span(even_split(d, group.size, group.rank, "Mamba d_inner channels"))
+        for name in ("in_proj", "dt_proj", "x_proj", "out_proj"):
+            check_linear(getattr(self, name), f"Mamba {name}")
+
+        def apply():
+            keep_rows(self.in_proj, ch + [d + c for c in ch])  # x then gate
+            set_param(self, "conv_weight", self.conv_weight, 0, ch)
+            if self.conv_bias is not None:
+                set_param(self, "conv_bias", self.conv_bias, 0, ch)
+            self.x_proj = RowParallelLinear.of(self.x_proj, ch, group, True, "Mamba x_proj")
+            keep_rows(self.dt_proj, ch)
+            set_param(self, "A_log", self.A_log, 0, ch)
+            set_param(self, "D", self.D, 0, ch)
+            self.out_proj = RowParallelLinear.of(self.out_proj, ch, group, True, "Mamba out_proj")
+            self.d_inner = len(ch)
+        return apply
+
     def plan_decode(self, entry: LayerPlan, state, kv, keep: list, rotary: list) -> Needs | None:
         """This mixer's fields of a decode step's one-call plan (engine.kernels.decode_plan)."""
         if type(self) is not MambaMixer or not (all_cpu(state) and self.fits_one_call()):
@@ -170,13 +196,16 @@ class MambaMixer(nn.Module):
         norm_modules = (self.dt_norm, self.b_norm, self.c_norm)
         norms = [None] * 3 if self.dt_norm is None else [m.weight for m in norm_modules]
         out = torch.empty(rows, hidden.shape[1])
-        native.call("mamba_decode", hidden, rows, hidden.shape[1], di, n, r, self.d_conv,
-                    self.in_proj.packed_weight.panels, self.in_proj.bias, conv_state, ssm_state,
-                    cpu.ids(batch.decode_slots), self.conv_weight, self.conv_bias, self.x_proj.packed_weight.panels,
-                    *norms, float(self.dt_norm.eps if self.dt_norm is not None else 0.0),
-                    self.dt_proj.packed_weight.panels, self.dt_proj.bias, -torch.exp(self.A_log.float()), self.D,
-                    self.out_proj.packed_weight.panels, self.out_proj.bias,
-                    torch.empty(rows * self.one_call_scratch()), out)
+        dt_norm, b_norm, c_norm = norms
+        native.call("mamba_decode", h=hidden, rows=rows, hidden=hidden.shape[1], d_inner=di, d_state=n, dt_rank=r,
+                    d_conv=self.d_conv, in_panels=self.in_proj.packed_weight.panels, in_bias=self.in_proj.bias,
+                    conv_state=conv_state, ssm_state=ssm_state, slots=cpu.ids(batch.decode_slots),
+                    conv_weight=self.conv_weight, conv_bias=self.conv_bias,
+                    x_panels=self.x_proj.packed_weight.panels, dt_norm=dt_norm, b_norm=b_norm, c_norm=c_norm,
+                    norm_eps=float(self.dt_norm.eps if self.dt_norm is not None else 0.0),
+                    dt_panels=self.dt_proj.packed_weight.panels, dt_bias=self.dt_proj.bias,
+                    A=-torch.exp(self.A_log.float()), D=self.D, out_panels=self.out_proj.packed_weight.panels,
+                    out_bias=self.out_proj.bias, scratch=torch.empty(rows * self.one_call_scratch()), out=out)
         return out
 
     def one_call_scratch(self) -> int:

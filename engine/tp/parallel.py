@@ -1,18 +1,67 @@
 """Tensor-parallel building blocks: row-parallel linears, reductions, a vocab-parallel
-embedding, a gated RMS norm whose groups may span ranks, and in-place slicing helpers.
+embedding, a gated RMS norm whose groups may span ranks, in-place slicing helpers, and the
+plan protocol each layer kind implements in its own module.
 
 Column-parallel linears need no module of their own: a linear keeps the rows (output features)
 of its shard, in place (`keep_rows`), and its forward is unchanged.
+
+A kind shards itself: a mixer's `tp_plan(group)`, an FFN's `tp_partial_plan(group)` (its output
+then this rank's partial sum, all-reduced once around the whole FFN by Reduced) and a layer's
+`tp_layer_plan(group, memo)` validate first and return an `apply()` that mutates, or None where
+the module is not of the kind they know (a subclass that changed its forward in ways its base's
+sharding would get silently wrong). engine.tp.shard validates a whole model before it applies.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import GatedRMSNorm
 from engine.tp.group import TPGroup
+
+Apply = Callable[[], None]
+
+
+def check_linear(linear, what: str, row_sliceable: bool = False) -> None:
+    """A plain nn.Linear (or, where only its rows are kept, one that says its forward is F.linear
+    times per-row work: `tp_row_sliceable`, Falcon-H1's ScaledLinear)."""
+    if type(linear) is nn.Linear or (row_sliceable and getattr(type(linear), "tp_row_sliceable", False)):
+        return
+    allowed = "nn.Linear or a row-sliceable linear" if row_sliceable else "nn.Linear"
+    raise ValueError(f"tensor parallelism: {what} is a {type(linear).__name__}, not {allowed}")
+
+
+def span(bounds) -> list[int]:
+    return list(range(*bounds))
+
+
+def all_of(applies: list[Apply]) -> Apply:
+    def apply():
+        for a in applies:
+            a()
+    return apply
+
+
+def partial_ffn_plan(ffn: nn.Module, group: TPGroup) -> Apply:
+    """Make an FFN return this rank's partial sum (the caller all-reduces it once)."""
+    plan = getattr(ffn, "tp_partial_plan", None)
+    apply = plan(group) if plan is not None else None
+    if apply is None:
+        raise ValueError(f"tensor parallelism: FFN kind {type(ffn).__name__} is not supported at TP size {group.size}")
+    return apply
+
+
+def reduced_ffn_plan(owner: nn.Module, name: str, group: TPGroup) -> Apply:
+    """Shard owner.<name> (an FFN) into partial sums and wrap it in one all-reduce."""
+    inner = partial_ffn_plan(getattr(owner, name), group)
+
+    def apply():
+        inner()
+        setattr(owner, name, Reduced(getattr(owner, name), group))
+    return apply
 
 
 def index(positions, device) -> torch.Tensor:
@@ -32,7 +81,7 @@ def set_param(module: nn.Module, name: str, t: torch.Tensor, dim: int, positions
 
 def keep_rows(linear: nn.Linear, rows) -> None:
     """Column parallelism in place: keep output features `rows` of a linear (and its bias). The
-    caller has checked the linear's forward is F.linear plus per-row work (engine.tp.layers)."""
+    caller has checked the linear's forward is F.linear plus per-row work (check_linear)."""
     rows = list(rows)
     with torch.no_grad():
         set_param(linear, "weight", linear.weight, 0, rows)
@@ -111,7 +160,7 @@ class ShardedGatedRMSNorm(nn.Module):
     span ranks: each rank sums its channels' squares per (global) group, the sums are
     all-reduced, and each channel is normalised by its group's mean square."""
 
-    def __init__(self, norm: GatedRMSNorm, channels: tuple[int, int], group: TPGroup):
+    def __init__(self, norm: nn.Module, channels: tuple[int, int], group: TPGroup):
         super().__init__()
         c0, c1 = channels
         self.weight = take(norm.weight, 0, range(c0, c1))
@@ -140,16 +189,3 @@ class ShardedGatedRMSNorm(nn.Module):
         sums = y.new_zeros(y.shape[0], self.num_groups).index_add_(1, self.group_of, y.pow(2))
         sums = self.group.all_reduce(sums)
         return y * torch.rsqrt(sums / self.group_size + self.eps).index_select(1, self.group_of)
-
-
-def sliced_gated_norm(norm: GatedRMSNorm, channels: tuple[int, int], group: TPGroup) -> nn.Module:
-    """The norm for channels [c0, c1): the same GatedRMSNorm on the slice when they are whole
-    groups (no communication), else a ShardedGatedRMSNorm."""
-    if type(norm) is not GatedRMSNorm:
-        raise ValueError(f"tensor parallelism: Mamba2 norm is a {type(norm).__name__}, not a GatedRMSNorm")
-    c0, c1 = channels
-    if c0 % norm.group_size == 0 and (c1 - c0) % norm.group_size == 0:
-        out = GatedRMSNorm(c1 - c0, norm.group_size, norm.eps, norm.norm_before_gate)
-        out.weight = take(norm.weight, 0, range(c0, c1))
-        return out
-    return ShardedGatedRMSNorm(norm, channels, group)

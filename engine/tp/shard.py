@@ -1,7 +1,8 @@
 """shard_model: a fully loaded HybridLM -> this rank's tensor-parallel shard of it, in place.
 
-Each rank loads the whole checkpoint, then keeps its shard (engine.tp.layers for the mixers
-and FFNs, engine.tp.plan for which heads and channels). The residual stream, norms, routers and
+Each rank loads the whole checkpoint, then keeps its shard: each layer kind shards itself
+(its `tp_layer_plan`, `tp_plan` or `tp_partial_plan`, in its own module; the protocol is
+engine.tp.parallel's), engine.tp.plan says which heads and channels. The residual stream, norms, routers and
 everything else outside the sharded matmuls stay replicated: every collective gives every rank
 the same bits, so the replicated parts agree without further communication.
 
@@ -16,13 +17,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from engine.models.families_falcon_h1 import FalconH1Layer
-from engine.models.families_zamba2 import HybridLayer, SharedAttention, SharedBlock, _Plus
-from engine.models.hybrid import DecoderLayer, FFNMixer, HybridLM, ModelSpec
+from engine.models.hybrid import HybridLM, ModelSpec
 from engine.tp.group import TPGroup
-from engine.tp.layers import MIXERS, Apply, check_linear, plan_attention, plan_mamba2, plan_partial_ffn
-from engine.tp.parallel import Reduced, RowParallelLinear, VocabParallelEmbedding, keep_rows, vocab_shard
-from engine.tp.plan import attention_layout, even_split, model_shards, scaled
+from engine.tp.parallel import Apply, Reduced, VocabParallelEmbedding, check_linear, partial_ffn_plan, vocab_shard
+from engine.tp.plan import model_shards
 
 
 class TensorParallelLM:
@@ -76,108 +74,23 @@ def shard_model(model: HybridLM, group: TPGroup) -> HybridLM:
 def shard_module(module: nn.Module, group: TPGroup) -> nn.Module:
     """Shard one layer, mixer or FFN in place; returns the module to run in its place (an FFN
     comes back wrapped in the all-reduce of its partial sums)."""
-    if type(module) in MIXERS:
-        apply, out = MIXERS[type(module)](module, group), module
-    elif type(module) in (DecoderLayer, FalconH1Layer, HybridLayer):
+    if hasattr(module, "tp_layer_plan"):
         apply, out = _plan_layer(module, group, {}), module
+    elif hasattr(module, "tp_plan") and (apply := module.tp_plan(group)) is not None:
+        out = module
     else:
-        apply, out = plan_partial_ffn(module, group), Reduced(module, group)
+        apply, out = partial_ffn_plan(module, group), Reduced(module, group)
     with torch.no_grad():
         apply()
     return out
 
 
 def _plan_layer(layer: nn.Module, group: TPGroup, memo: dict) -> Apply:
-    size = group.size
-    if type(layer) is DecoderLayer:
-        mixer = layer.mixer
-        if type(mixer) is FFNMixer:
-            mixer_apply = _reduced(mixer, "ffn", group)
-        elif type(mixer) in MIXERS:
-            mixer_apply = MIXERS[type(mixer)](mixer, group)
-        else:
-            raise ValueError(f"tensor parallelism: layer kind {layer.kind!r} (mixer "
-                             f"{type(mixer).__name__}) is not supported at TP size {size}")
-        ffn_apply = _reduced(layer, "ffn", group) if layer.ffn is not None else (lambda: None)
-        return _seq(mixer_apply, ffn_apply)
-    if type(layer) is FalconH1Layer:
-        return _seq(plan_mamba2(layer.mamba, group), plan_attention(layer.self_attn, group),
-                    _reduced(layer, "feed_forward", group))
-    if type(layer) is HybridLayer:
-        return _plan_zamba2_hybrid(layer, group, memo)
-    raise ValueError(f"tensor parallelism: layer kind {getattr(layer, 'kind', '?')!r} "
-                     f"({type(layer).__name__}) is not supported at TP size {size}")
-
-
-def _reduced(owner: nn.Module, name: str, group: TPGroup) -> Apply:
-    """Shard owner.<name> (an FFN) into partial sums and wrap it in one all-reduce."""
-    inner = plan_partial_ffn(getattr(owner, name), group)
-
-    def apply():
-        inner()
-        setattr(owner, name, Reduced(getattr(owner, name), group))
-    return apply
-
-
-def _seq(*applies: Apply) -> Apply:
-    def apply():
-        for a in applies:
-            a()
-    return apply
-
-
-def _plan_zamba2_hybrid(layer: HybridLayer, group: TPGroup, memo: dict) -> Apply:
-    """Zamba2's hybrid layer: its shared block (sharded once, whichever layers use it), this
-    use's attention view of it, and its own Mamba2 mixer."""
-    block, attn = layer._block[0], layer.attention
-    if type(block) is not SharedBlock or type(attn) is not SharedAttention:
-        raise ValueError(f"tensor parallelism: zamba2 layer parts {type(block).__name__}/"
-                         f"{type(attn).__name__} are not supported at TP size {group.size}")
-    lay = attention_layout(attn.num_heads, attn.num_kv_heads, group.size, group.rank)
-    if id(block) in memo:  # sharded by the layer that used it first
-        block_apply = lambda: None  # noqa: E731
-    else:
-        block_apply = memo[id(block)] = _plan_shared_block(block, attn, group)
-    mamba_apply = plan_mamba2(layer.mamba, group)
-
-    def apply():
-        block_apply()
-        # q/k/v views hold the block's linears, sliced in place; o_proj is a new module.
-        attn.o_proj = _Plus(block.o_proj, None)
-        attn.num_heads = lay.q_heads[1] - lay.q_heads[0]
-        attn.num_kv_heads = lay.kv_heads[1] - lay.kv_heads[0]
-        mamba_apply()
-    return apply
-
-
-def _plan_shared_block(block: SharedBlock, attn: SharedAttention, group: TPGroup) -> Apply:
-    lay = attention_layout(attn.num_heads, attn.num_kv_heads, group.size, group.rank)
-    head_dim = attn.head_dim
-    q_rows = list(range(*scaled(lay.q_heads, head_dim)))
-    kv_rows = list(range(*scaled(lay.kv_heads, head_dim)))
-    inter = block.down_proj.in_features
-    ffn_rows = list(range(*even_split(inter, group.size, group.rank, "shared block MLP intermediate size")))
-    gate_up_rows = ffn_rows + [inter + r for r in ffn_rows]  # gate_up stacks [gate; up]
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"):
-        check_linear(getattr(block, name), f"shared block {name}")
-    # LoRA adapters add to a projection's output: their second linear keeps the same rows.
-    adapters = {"q_adapters": q_rows, "k_adapters": kv_rows, "v_adapters": kv_rows,
-                "gate_up_adapters": gate_up_rows}
-    for name in adapters:
-        for lora in getattr(block, name, {}).values():
-            check_linear(lora[1], f"shared block {name}")
-
-    def apply():
-        keep_rows(block.q_proj, q_rows)
-        keep_rows(block.k_proj, kv_rows)
-        keep_rows(block.v_proj, kv_rows)
-        for name, rows in adapters.items():
-            for lora in getattr(block, name, {}).values():
-                keep_rows(lora[1], rows)
-        block.o_proj = RowParallelLinear.of(block.o_proj, range(*scaled(lay.q_heads, head_dim)), group,
-                                            True, "shared block o_proj")
-        keep_rows(block.gate_up_proj, gate_up_rows)
-        block.down_proj = RowParallelLinear.of(block.down_proj, ffn_rows, group, True, "shared block down_proj")
+    plan = getattr(layer, "tp_layer_plan", None)
+    apply = plan(group, memo) if plan is not None else None
+    if apply is None:
+        raise ValueError(f"tensor parallelism: layer kind {getattr(layer, 'kind', '?')!r} "
+                         f"({type(layer).__name__}) is not supported at TP size {group.size}")
     return apply
 
 
