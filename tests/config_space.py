@@ -135,37 +135,34 @@ def _layer_pattern(draw, layers: int, kinds: tuple[str, str]) -> list[str]:
 
 
 @st.composite
-def bamba(draw):
+def _attention_beside_mamba2(draw):
+    """Bamba's and Granite 4.0-H's shared shape: attention heads, a hidden size, layers, and a
+    Mamba2 mixer whose heads divide its width (2 x hidden) and whose groups divide its heads."""
     heads, kv_heads = draw(_attention_heads())
-    layers = draw(st.integers(1, 4))
-    ssd = draw(_ssd("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size",
-                    "mamba_d_conv"))
     hidden = heads * draw(st.sampled_from([4, 8]))
+    ssd = draw(_ssd("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size", "mamba_d_conv"))
     ssd["mamba_n_heads"] = draw(st.sampled_from([d for d in _divisors(2 * hidden) if d <= 8]))
     ssd["mamba_n_groups"] = draw(st.sampled_from(_divisors(ssd["mamba_n_heads"])))
-    attn = [i for i in range(layers) if draw(booleans)]
-    return dict(ssd, hidden_size=hidden, intermediate_size=draw(st.sampled_from([16, 40])),
-                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                attn_layer_indices=attn, mamba_d_head="auto",
-                mamba_expand=2, mamba_conv_bias=draw(booleans), mamba_proj_bias=draw(booleans),
+    return dict(ssd, hidden_size=hidden, num_hidden_layers=draw(st.integers(1, 4)), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, mamba_expand=2, mamba_d_head="auto")
+
+
+@st.composite
+def bamba(draw):
+    config = draw(_attention_beside_mamba2())
+    layers = config["num_hidden_layers"]
+    return dict(config, intermediate_size=draw(st.sampled_from([16, 40])),
+                attn_layer_indices=[i for i in range(layers) if draw(booleans)],
+                mamba_conv_bias=draw(booleans), mamba_proj_bias=draw(booleans),
                 tie_word_embeddings=draw(booleans), partial_rotary_factor=draw(st.sampled_from([0.5, 1.0])))
 
 
 @st.composite
 def granitemoehybrid(draw):
-    heads, kv_heads = draw(_attention_heads())
-    layers = draw(st.integers(1, 4))
-    ssd = draw(_ssd("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_chunk_size",
-                    "mamba_d_conv"))
+    config = draw(_attention_beside_mamba2())
     experts = draw(st.sampled_from([0, 2, 4]))
-    hidden = heads * draw(st.sampled_from([4, 8]))
-    ssd["mamba_n_heads"] = draw(st.sampled_from([d for d in _divisors(2 * hidden) if d <= 8]))
-    ssd["mamba_n_groups"] = draw(st.sampled_from(_divisors(ssd["mamba_n_heads"])))
-    return dict(ssd, hidden_size=hidden,
-                intermediate_size=draw(st.sampled_from([16, 24])), num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads,
-                layer_types=_layer_pattern(draw, layers, ("mamba", "attention")),
-                mamba_expand=2, mamba_d_head="auto",
+    return dict(config, intermediate_size=draw(st.sampled_from([16, 24])),
+                layer_types=_layer_pattern(draw, config["num_hidden_layers"], ("mamba", "attention")),
                 num_local_experts=experts, num_experts_per_tok=draw(st.integers(1, max(1, experts))),
                 shared_intermediate_size=draw(st.sampled_from([8, 24])),
                 position_embedding_type=draw(st.sampled_from([None, "rope"])),
