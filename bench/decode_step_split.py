@@ -1,7 +1,7 @@
 """How much of a decode step is the engine around the model: whole engine steps against the
 forward + greedy argmax alone, alternating in one process.
 
-    python scripts/decode_step_split.py [--tiny jamba] [--rounds 4]
+    python -m bench.decode_step_split [--tiny jamba] [--rounds 4]
 
 Each round runs the bench roofline's decode workload (64 x (128 + 128), greedy, delta outputs)
 through LLMEngine.step, then the same number of forwards of one batch captured at the middle
