@@ -6,7 +6,6 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
-from engine.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -139,6 +138,9 @@ class SamplingParams:
                 raise InvalidRequest("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], "
                                      f"got {describe(self.prompt_logprobs)}")
         if self.structured_output is not None:
+            # here, not at the top: the scheduler imports this module and must not import torch
+            from engine.structured import StructuredOutput
+
             if not isinstance(self.structured_output, StructuredOutput):
                 raise InvalidRequest("structured_output", "must be an engine.structured.StructuredOutput")
 
