@@ -280,9 +280,26 @@ def lfm2(draw):
     return config if head_dim is None else dict(config, head_dim=head_dim)
 
 
+@st.composite
+def lfm2_moe(draw):
+    heads, kv_heads = draw(_attention_heads())
+    layers = draw(st.integers(1, 4))
+    experts = draw(st.integers(1, 6))
+    return dict(hidden_size=heads * draw(st.sampled_from([4, 8])), num_hidden_layers=layers,
+                intermediate_size=draw(st.sampled_from([16, 40])), moe_intermediate_size=draw(st.sampled_from([8, 24])),
+                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                layer_types=_layer_pattern(draw, layers, ("conv", "full_attention")),
+                conv_L_cache=draw(st.integers(2, 4)), conv_bias=draw(booleans),
+                num_dense_layers=draw(st.integers(0, layers)), num_experts=experts,
+                num_experts_per_tok=draw(st.integers(1, experts + 1)), use_expert_bias=draw(booleans),
+                norm_topk_prob=draw(booleans), routed_scaling_factor=draw(multipliers),
+                tie_word_embeddings=draw(booleans),
+                rope_parameters=dict(rope_type="default", rope_theta=draw(st.sampled_from([100.0, 10000.0]))))
+
+
 SPACES = {
     "jamba": jamba, "mamba": mamba, "llama": llama, "mistral": mistral, "qwen2": qwen2,
     "mamba2": mamba2, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
     "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
-    "qwen3_next": qwen3_next, "lfm2": lfm2,
+    "qwen3_next": qwen3_next, "lfm2": lfm2, "lfm2_moe": lfm2_moe,
 }

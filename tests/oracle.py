@@ -221,12 +221,28 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         num_key_value_heads=1, head_dim=20, conv_L_cache=4, full_attn_idxs=[2],
         block_ffn_dim_multiplier=0.75, block_multiple_of=12, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     # --- lfm2 configs (keep this marker line) ---
+    # LFM2-MoE: conv, attention, conv, conv; one dense layer then sigmoid-routed experts (6, top-2,
+    # expert bias, normalised, scaled by 1.5), GQA 4:2, tied.
+    "lfm2_moe": ("lfm2_moe", dict(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+        layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1, num_experts=6,
+        num_experts_per_tok=2, routed_scaling_factor=1.5)),
+    # LFM2-MoE: attention first (MHA), no expert bias, top-1 unnormalised, two dense layers, conv
+    # biases, L_cache 2, untied.
+    "lfm2_moe_top1_untied": ("lfm2_moe", dict(
+        hidden_size=48, intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, conv_L_cache=2, conv_bias=True,
+        layer_types=["full_attention", "conv", "conv", "full_attention"], num_dense_layers=2,
+        num_experts=4, num_experts_per_tok=1, use_expert_bias=False, norm_topk_prob=False,
+        tie_word_embeddings=False)),
+    # --- lfm2_moe configs (keep this marker line) ---
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 # Families whose layers keep recurrent state beyond Jamba's and Mamba's: one config each runs
 # every engine path, the hand-off and the cluster tests.
-RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next")
+RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe")
 
 
 def hf_classes(model_type: str):
@@ -247,6 +263,7 @@ def hf_classes(model_type: str):
         "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
+        "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM),
     }[model_type]
 
 
@@ -268,6 +285,9 @@ def tiny_hf_model(model_type: str, kwargs: dict, seed: int):
                 param.add_(torch.randn_like(param) * 0.2)
             elif param_name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith(".expert_bias"):  # LFM2-MoE's routing offset: zero at init
+                buffer.add_(torch.randn_like(buffer) * 0.5)
     return model
 
 

@@ -155,6 +155,8 @@ def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     ("zamba2", {"layers_block_type": None}, r"'layers_block_type'"),
     ("zamba2", {"use_shared_mlp_adapter": False}, r"'use_shared_mlp_adapter' = False"),
     ("qwen3_next", {"num_experts_per_tok": 9}, r"'num_experts_per_tok' = 9: exceeds num_experts="),
+    ("lfm2_moe", {"num_dense_layers": 9}, r"'num_dense_layers' = 9: must be in \[0, num_hidden_layers=4\]"),
+    ("lfm2_moe", {"num_experts_per_tok": 7}, r"'num_experts_per_tok' = 7: exceeds num_experts=6"),
 ])
 def test_unsupported_mamba2_family_variants_are_refused_by_name(model_factory, tmp_path, name, changes, pattern):
     """Never served wrongly: a variant we do not implement is refused at load, naming the field."""

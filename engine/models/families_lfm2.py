@@ -71,7 +71,9 @@ def _rotary(cfg: ConfigReader, head_dim: int, max_position: int):
     return rotary_of(ConfigReader(config, cfg.path), head_dim, max_position)
 
 
-def build_lfm2(cfg: ConfigReader) -> HybridLM:
+def build_lfm2(cfg: ConfigReader, ffn_of_layer=None) -> HybridLM:
+    """`ffn_of_layer(index, hidden)`: each layer's FFN where a variant changes it (LFM2-MoE's
+    experts); LFM2's own SwiGLU otherwise."""
     hidden = cfg.positive_int("hidden_size")
     layers_n = cfg.positive_int("num_hidden_layers")
     heads = cfg.positive_int("num_attention_heads")
@@ -82,18 +84,20 @@ def build_lfm2(cfg: ConfigReader) -> HybridLM:
     eps = cfg.get("norm_eps", float, 1e-5)
     kernel = cfg.positive_int("conv_L_cache", 3)
     conv_bias = cfg.get("conv_bias", bool, False)
-    ffn_size = _ffn_size(cfg)
+    if ffn_of_layer is None:
+        ffn_size = _ffn_size(cfg)
+        ffn_of_layer = lambda index, width: GatedMLP(width, ffn_size, "silu")  # noqa: E731 - hidden_act is not read
     types = _layer_types(cfg, layers_n)
     max_position = cfg.positive_int("max_position_embeddings", 128000)
     rotary = _rotary(cfg, head_dim, max_position) if "full_attention" in types else None
     layers = []
-    for kind in (LAYER_KINDS[t] for t in types):
+    for index, kind in enumerate(LAYER_KINDS[t] for t in types):
         mixer = (Lfm2Attention(hidden, heads, kv_heads, head_dim, eps, rotary) if kind == "attention"
                  else ShortConvMixer(hidden, kernel, conv_bias))
         layers.append(DecoderLayer(kind, RMSNorm(hidden, eps), mixer, RMSNorm(hidden, eps),
-                                   GatedMLP(hidden, ffn_size, "silu")))  # hidden_act is not read
-    spec = ModelSpec("lfm2", cfg.positive_int("vocab_size"), hidden, max_position, _eos_ids(cfg),
-                     cfg.get("bos_token_id", int, None))
+                                   ffn_of_layer(index, hidden)))
+    spec = ModelSpec(cfg.config["model_type"], cfg.positive_int("vocab_size"), hidden, max_position,
+                     _eos_ids(cfg), cfg.get("bos_token_id", int, None))
     # tie_embedding (older configs) wins over tie_word_embeddings, as in transformers.
     tie = cfg.get("tie_embedding", bool, None)
     tie = cfg.get("tie_word_embeddings", bool, True) if tie is None else tie

@@ -241,15 +241,20 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._runs_in_one_call(x):
             return self._in_one_call(x)
-        logits = self.router(x)
-        if uses_cpu_kernel(logits):
-            experts, weights = cpu.moe_route_cpu(logits, self.top_k, self.normalize_top_k)
-        else:
-            weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
-            if self.normalize_top_k:
-                weights = weights / weights.sum(-1, keepdim=True)
+        experts, weights = self.route(self.router(x))
         return dispatch_experts(x, experts, weights.to(x.dtype), self.num_experts, self._expert,
                                 (self.gate_up, self.down, self._between))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, experts] -> (experts [T, k], weights [T, k]): softmax top-k, the
+        weights renormalised where normalize_top_k. A family that routes otherwise overrides this
+        (and then runs neither the one-call layer nor this class's TP plan, which route this way)."""
+        if uses_cpu_kernel(logits):
+            return cpu.moe_route_cpu(logits, self.top_k, self.normalize_top_k)
+        weights, experts = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return experts, weights
 
     def _runs_in_one_call(self, x: torch.Tensor) -> bool:
         return self.fits_one_call() and uses_cpu_kernel(x) and x.dim() == 2 and not x.requires_grad
@@ -258,13 +263,15 @@ class SparseMoE(nn.Module):
         """Packed SwiGLU experts and router: then, on float32 rows with the kernels on, forward's
         kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         return (self.panel_pointers is not None and getattr(self.router, "packed_weight", None) is not None
-                and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert)
+                and self.router.bias is None and self.act is F.silu and type(self)._expert is SparseMoE._expert
+                and type(self).route is SparseMoE.route)
 
     def tp_partial_plan(self, group: TPGroup) -> Apply | None:
         """Each expert's intermediate channels split (gate_up stacks [gate; up] per expert: the
         same rows of each half)."""
-        if type(self) is not SparseMoE:
-            return None
+        return self.tp_partial_plan_of_experts(group) if type(self) is SparseMoE else None
+
+    def tp_partial_plan_of_experts(self, group: TPGroup) -> Apply:
         inter = self.down.shape[2]
         rows = span(even_split(inter, group.size, group.rank, "MoE expert intermediate size"))
 
