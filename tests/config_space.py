@@ -297,9 +297,28 @@ def lfm2_moe(draw):
                 rope_parameters=dict(rope_type="default", rope_theta=draw(st.sampled_from([100.0, 10000.0]))))
 
 
+@st.composite
+def olmo_hybrid(draw):
+    heads, kv_heads = draw(_attention_heads())
+    layers = draw(st.integers(2, 4))
+    types = _layer_pattern(draw, layers, ("linear_attention", "full_attention"))
+    if len(set(types)) == 1:  # transformers wants both kinds
+        types[draw(st.integers(0, layers - 1))] = "full_attention" if types[0] == "linear_attention" else "linear_attention"
+    key_heads = draw(st.integers(1, 3))
+    rope = draw(st.sampled_from([None, dict(rope_type="default", rope_theta=10000.0)]))
+    return dict(hidden_size=heads * draw(st.sampled_from([4, 8])), intermediate_size=draw(st.sampled_from([16, 40])),
+                num_hidden_layers=layers, layer_types=types,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, attention_bias=draw(booleans),
+                linear_num_key_heads=key_heads, linear_num_value_heads=key_heads * draw(st.integers(1, 2)),
+                linear_key_head_dim=draw(st.sampled_from([4, 8])), linear_value_head_dim=draw(st.sampled_from([4, 6])),
+                linear_conv_kernel_dim=draw(st.integers(2, 4)), linear_allow_neg_eigval=draw(booleans),
+                rope_parameters=rope, tie_word_embeddings=draw(booleans))
+
+
 SPACES = {
     "jamba": jamba, "mamba": mamba, "llama": llama, "mistral": mistral, "qwen2": qwen2,
     "mamba2": mamba2, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
     "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
     "qwen3_next": qwen3_next, "lfm2": lfm2, "lfm2_moe": lfm2_moe,
+    "olmo_hybrid": olmo_hybrid,
 }

@@ -237,12 +237,28 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         num_experts=4, num_experts_per_tok=1, use_expert_bias=False, norm_topk_prob=False,
         tie_word_embeddings=False)),
     # --- lfm2_moe configs (keep this marker line) ---
+    # OLMo Hybrid: linear, linear, full attention (post-norm, rope), linear; 2 key heads serving 4
+    # value heads (dk 8, dv 12), beta in [0, 2], GQA 4:2, untied. Prompts of 200 cross the
+    # engine's 64-token scan chunks.
+    "olmo_hybrid": ("olmo_hybrid", dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        linear_conv_kernel_dim=3, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # OLMo Hybrid: attention first, NoPE (no rope_theta), MHA, equal key and value heads, beta in
+    # [0, 1], conv kernel 4, tied.
+    "olmo_hybrid_nope_tied": ("olmo_hybrid", dict(
+        hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+        layer_types=["full_attention", "linear_attention", "linear_attention"], linear_num_key_heads=3,
+        linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8, linear_allow_neg_eigval=False,
+        rope_parameters=None, tie_word_embeddings=True)),
+    # --- olmo_hybrid configs (keep this marker line) ---
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 # Families whose layers keep recurrent state beyond Jamba's and Mamba's: one config each runs
 # every engine path, the hand-off and the cluster tests.
-RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe")
+RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe", "olmo_hybrid")
 
 
 def hf_classes(model_type: str):
@@ -264,6 +280,7 @@ def hf_classes(model_type: str):
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
         "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM),
+        "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM),
     }[model_type]
 
 

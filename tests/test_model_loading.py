@@ -122,6 +122,30 @@ def test_fused_expert_layout_loads_too(model_factory, tmp_path):
         assert torch.equal(pa, pb), name
 
 
+def test_olmo_hybrid_loads_in_transformers_names_too(model_factory, tmp_path):
+    """transformers writes OLMo Hybrid's own names (attention_layer_norm, feedforward_layer_norm,
+    one conv per q, k and v); a checkpoint in the names transformers loads them into (one conv1d
+    over q | k | v) loads to the same weights."""
+    path, _ = model_factory("olmo_hybrid")
+    dst = tmp_path / "renamed"
+    shutil.copytree(path, dst)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {}
+    for name, tensor in tensors.items():
+        for old, new in (("attention_layer_norm", "input_layernorm"), ("feedforward_layer_norm",
+                                                                       "post_attention_layernorm")):
+            name = name.replace(old, new)
+        renamed[name] = tensor
+    for layer in (0, 1, 3):
+        p = f"model.layers.{layer}.linear_attn"
+        renamed[f"{p}.conv1d.weight"] = torch.cat([renamed.pop(f"{p}.{x}_conv1d.weight") for x in "qkv"])
+    assert set(renamed) != set(tensors)
+    save_file(renamed, dst / "model.safetensors")
+    a, b = load_model(path), load_model(dst)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
 @pytest.mark.parametrize("length,block_elements", [(1, 1 << 17), (37, 1 << 17), (300, 64 * 8 * 16), (64, 7 * 8 * 16), (50, 1)])
 def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     import engine.models.ssm as ssm
@@ -157,6 +181,9 @@ def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     ("qwen3_next", {"num_experts_per_tok": 9}, r"'num_experts_per_tok' = 9: exceeds num_experts="),
     ("lfm2_moe", {"num_dense_layers": 9}, r"'num_dense_layers' = 9: must be in \[0, num_hidden_layers=4\]"),
     ("lfm2_moe", {"num_experts_per_tok": 7}, r"'num_experts_per_tok' = 7: exceeds num_experts=6"),
+    ("olmo_hybrid", {"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
+     r"'layer_types' = \['linear_attention', 'sliding_attention'"),
+    ("olmo_hybrid", {"linear_num_value_heads": 3}, r"'linear_num_value_heads' = 3: is not a multiple of"),
 ])
 def test_unsupported_mamba2_family_variants_are_refused_by_name(model_factory, tmp_path, name, changes, pattern):
     """Never served wrongly: a variant we do not implement is refused at load, naming the field."""

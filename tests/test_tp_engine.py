@@ -148,3 +148,11 @@ def test_a_rank_runs_under_rank_0s_environment_of_the_moment(monkeypatch):
     assert environment_seen_by_a_rank() is None  # the forkserver runs now, without the variable
     monkeypatch.setenv("SPLITSERVE_RANK_PROBE", "set later")
     assert environment_seen_by_a_rank() == "set later"
+
+
+def test_a_family_whose_layers_do_not_shard_is_refused_by_name(model_factory):
+    """OLMo Hybrid's layers have no tensor-parallel plan: TP > 1 is refused at start, naming the
+    layer and its mixer, before any rank starts."""
+    path, _ = model_factory("olmo_hybrid")
+    with pytest.raises(ValueError, match=r"layer 0 \(gated_deltanet\).*mixer OlmoGatedDeltaNet\) is not supported at TP size 2"):
+        LLM(path, tensor_parallel_size=2)

@@ -13,6 +13,7 @@ from engine.models.families_falcon_h1 import FAMILIES as _FALCON_H1_FAMILIES
 from engine.models.families_lfm2 import FAMILIES as _LFM2_FAMILIES
 from engine.models.families_lfm2_moe import FAMILIES as _LFM2_MOE_FAMILIES
 from engine.models.families_mamba2 import FAMILIES as _MAMBA2_FAMILIES
+from engine.models.families_olmo_hybrid import FAMILIES as _OLMO_HYBRID_FAMILIES
 from engine.models.families_qwen3_next import FAMILIES as _QWEN3_NEXT_FAMILIES
 from engine.models.families_zamba2 import FAMILIES as _ZAMBA2_FAMILIES
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
@@ -21,7 +22,8 @@ __all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCacheSpec", "Lay
            "StateTensorSpec", "load_model"]
 
 FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES, **_FALCON_H1_FAMILIES, **_ZAMBA2_FAMILIES,
-            **_QWEN3_NEXT_FAMILIES, **_LFM2_FAMILIES, **_LFM2_MOE_FAMILIES}
+            **_QWEN3_NEXT_FAMILIES, **_LFM2_FAMILIES, **_LFM2_MOE_FAMILIES,
+            **_OLMO_HYBRID_FAMILIES}
 # Tensors some checkpoints carry that a serving forward does not use: cached rotary tables and
 # multi-token-prediction heads (speculative decoding, not served).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -108,6 +108,12 @@ class GatedDeltaNetMixer(nn.Module):
         return (qkv, z.reshape(tokens, self.num_v_heads, self.v_head_dim),
                 b.reshape(tokens, self.num_v_heads), a.reshape(tokens, self.num_v_heads))
 
+    def project(self, hidden: torch.Tensor):
+        """hidden [T, hidden] -> (qkv, z, b, a) as split_projections returns them. A family whose
+        checkpoint projects q, k, v, z, b and a apart overrides this (and then runs the layer
+        path, not the one-call decode, whose kernel projects in this layout)."""
+        return self.split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+
     def gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) and the log decay g = -exp(A_log) softplus(a + dt_bias), float32."""
         if uses_cpu_kernel(b) and uses_cpu_kernel(a):
@@ -124,7 +130,7 @@ class GatedDeltaNetMixer(nn.Module):
             return self._decode_in_one_call(hidden, batch, state)
         conv_state, recurrent_state = state
         tokens = hidden.shape[0]
-        qkv, z, b, a = self.split_projections(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        qkv, z, b, a = self.project(hidden)
         qkv = conv_then_act(self.act, qkv, batch, conv_state, self.conv_weight, None)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(tokens, self.num_k_heads, self.k_head_dim)
@@ -206,6 +212,8 @@ class GatedDeltaNetMixer(nn.Module):
         """SiLU, the projections in Qwen3-Next's layout (split_projections as is), the norm as
         defined here, the three linears packed (so not sharded), every parameter float32 and
         contiguous."""
+        if type(self).project is not GatedDeltaNetMixer.project:
+            return False
         return packed_fit(self, (self.in_proj_qkvz, self.in_proj_ba, self.out_proj), lambda: (
             self.act is F.silu and type(self).split_projections is GatedDeltaNetMixer.split_projections
             and type(self).forward is GatedDeltaNetMixer.forward and type(self.norm) is HeadGatedRMSNorm
