@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ["jamba", "mamba", "llama", "mistral_mqa_window", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
-       "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2"]
+       "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid"]
 MAMBA2_NORM_FAMILIES = {"mamba2", "bamba", "granitemoehybrid"}  # Mamba2's gated norm, by n_groups
 
 

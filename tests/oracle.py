@@ -261,27 +261,21 @@ MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_
 RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe", "olmo_hybrid")
 
 
+_HF_CLASSES = {
+    "jamba": "Jamba", "mamba": "Mamba", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
+    "mamba2": "Mamba2", "bamba": "Bamba", "granitemoehybrid": "GraniteMoeHybrid", "nemotron_h": "NemotronH",
+    "falcon_h1": "FalconH1", "zamba2": "Zamba2", "qwen3_next": "Qwen3Next", "lfm2": "Lfm2",
+    "lfm2_moe": "Lfm2Moe", "olmo_hybrid": "OlmoHybrid",
+}
+
+
 def hf_classes(model_type: str):
-    """transformers' (config class, causal-LM class) for a model_type the zoo covers."""
+    """transformers' (config class, causal-LM class) for a model_type the zoo covers (looked up
+    by name: an older transformers lacks the newer families, and only those fail)."""
     import transformers as tf
 
-    return {
-        "jamba": (tf.JambaConfig, tf.JambaForCausalLM),
-        "mamba": (tf.MambaConfig, tf.MambaForCausalLM),
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM),
-        "bamba": (tf.BambaConfig, tf.BambaForCausalLM),
-        "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM),
-        "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM),
-        "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM),
-        "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM),
-        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
-        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM),
-        "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM),
-        "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM),
-    }[model_type]
+    prefix = _HF_CLASSES[model_type]
+    return getattr(tf, f"{prefix}Config"), getattr(tf, f"{prefix}ForCausalLM")
 
 
 def tiny_hf_model(model_type: str, kwargs: dict, seed: int):
