@@ -1,4 +1,4 @@
-// A decode step's decoder layers in one call (engine.models.decode_layers): for each layer, the
+// A decode step's decoder layers in one call (engine.decode_stack): for each layer, the
 // calls engine.models.hybrid.DecoderLayer makes through its one-call mixer and FFN (cpu_layers.cpp),
 // with the same kernels in the same order on the same values, so the hidden states are the bits
 // of the layer-by-layer path. What that saves is the Python between the calls, a sizeable share
@@ -15,7 +15,7 @@ enum Mixer : int64_t { MAMBA = 1, ATTENTION = 2, MAMBA2 = 3, RELU2_MLP = 4, GATE
                        SHORT_CONV = 7, ZAMBA2_HYBRID = 8 };
 enum Ffn : int64_t { NO_FFN = 0, SWIGLU_MLP = 1, MOE = 2 };
 
-// One layer's weights, caches and sizes; mirrored field for field by engine.models.layer_plans.LayerPlan.
+// One layer's weights, caches and sizes; mirrored field for field by engine.kernels.decode_plan.LayerPlan.
 struct LayerPlan {
   int64_t mixer, ffn;
   const float* input_norm;
