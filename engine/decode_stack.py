@@ -15,7 +15,7 @@ their MLP the exact GELU. Where only some layers fit, each run of them is one ca
 others take the layer path between the runs (SegmentedPlan: Nemotron-H's MoE, Zamba2's hybrid
 layers otherwise). A prefill in the batch, tensor parallelism or a GPU takes the layer path
 throughout. Each layer fills its own entry (its `plan_decode`, in its kind's module; the
-contract is engine.kernels.decode_plan), so this module knows no layer kind.
+contract is engine.kernels.decode_plan), so this module imports no layer class.
 
 A plan holds raw pointers to the weights and caches: it is built once the weights are packed
 (which is when they are final) and rebuilt when the caches it points at change.
