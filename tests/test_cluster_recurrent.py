@@ -54,6 +54,27 @@ def test_family_through_the_cluster_matches_transformers(ray_nodes, model_factor
         cluster.shutdown()
 
 
+@pytest.mark.parametrize("transport", sorted(PLACEMENTS))
+@pytest.mark.parametrize("family", ["lfm2_moe", "olmo_hybrid"])
+def test_newer_families_through_two_prefill_and_two_decode_workers(ray_nodes, model_factory, family, transport):
+    """The families that arrived as modules of their own (LFM2-MoE, OLMo Hybrid) through a
+    2 prefill + 2 decode cluster over each transport: every request handed off, transformers'
+    tokens."""
+    from router.cluster import launch
+
+    path, hf = model_factory(family)
+    cluster = launch(path, prefill=2, decode=2, transport=transport, address=ray_nodes[0].address,
+                     block_size=4, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=13,
+                     transfer_timeout_s=15.0, **PLACEMENTS[transport])
+    try:
+        assert cluster.workers.transport == transport
+        rng = random.Random(family + transport)
+        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 9, 17, 30, 3, 12, 8)]
+        every_one_split_and_judged(cluster, hf, prompts)
+    finally:
+        cluster.shutdown()
+
+
 def every_one_split_and_judged(cluster, hf, prompts) -> None:
     """Each prompt handed off once, without failures; each output transformers' greedy tokens."""
     outs = cluster.generate(prompts, GREEDY)
