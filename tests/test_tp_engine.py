@@ -20,7 +20,7 @@ def prompts(seed: int, n: int = 5):
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid", "llama", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid", "llama", "lfm2_moe", "olmo_hybrid"])
 def test_two_ranks_match_transformers_through_chunks_and_preemption(model_factory, family):
     path, hf = model_factory(family)
     # 8-token chunks cross every prompt; 24 blocks of 4 cannot hold five sequences at once.
@@ -150,9 +150,12 @@ def test_a_rank_runs_under_rank_0s_environment_of_the_moment(monkeypatch):
     assert environment_seen_by_a_rank() == "set later"
 
 
-def test_a_family_whose_layers_do_not_shard_is_refused_by_name(model_factory):
-    """OLMo Hybrid's layers have no tensor-parallel plan: TP > 1 is refused at start, naming the
-    layer and its mixer, before any rank starts."""
-    path, _ = model_factory("olmo_hybrid")
-    with pytest.raises(ValueError, match=r"layer 0 \(gated_deltanet\).*mixer OlmoGatedDeltaNet\) is not supported at TP size 2"):
-        LLM(path, tensor_parallel_size=2)
+def test_olmo_attention_whose_kv_heads_cannot_split_is_refused_by_name(tmp_path):
+    """OLMo Hybrid's key norm spans all KV heads: with one KV head over two ranks (replicated, so
+    counted twice in the shared sum) TP 2 is refused at start, naming the layer and why."""
+    from tests.oracle import CONFIGS, tiny_hf_model
+
+    family, config = CONFIGS["olmo_hybrid"]
+    tiny_hf_model(family, dict(config, num_key_value_heads=1), seed=3).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"layer 2 \(attention\).*k norm spans all 1 KV heads.*TP size 2"):
+        LLM(str(tmp_path), tensor_parallel_size=2)

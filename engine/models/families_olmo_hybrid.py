@@ -10,8 +10,9 @@ The two kinds of layer are built differently:
   h + norm(mlp(h))), its queries and keys RMS-normalised over all heads together before rotary,
   no rotary at all (NoPE) where the config has no rope_theta.
 The recurrent state, its cache and hand-off are the Gated DeltaNet kind's, unchanged. Neither
-layer runs in the CPU one-call decode or shards under tensor parallelism (both are refused by
-name at TP > 1); their layer path is exact.
+layer runs in the CPU one-call decode (their layer path is exact). Under tensor parallelism both
+shard by heads; the attention's q/k norms over all heads then all-reduce their sums of squares,
+so the KV heads must split evenly over the ranks (a replicated KV head would count twice).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from engine.models.families import _eos_ids, rotary_of, top_level_name
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, HybridLM, LayerCacheSpec, ModelSpec, mixer_cache_spec
 from engine.models.layers import GatedMLP, RMSNorm
+from engine.tp.group import TPGroup
+from engine.tp.parallel import (Apply, RowParallelLinear, ShardedRMSNorm, all_of, check_linear, keep_rows,
+                                reduced_ffn_plan, set_param, span)
+from engine.tp.plan import attention_layout, deltanet_layout, expand, scaled
 
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
 O_NORM_EPS = 1e-5  # FLA's FusedRMSNormGated default, which OLMo Hybrid's checkpoints were trained with
@@ -53,6 +58,33 @@ class OlmoGatedDeltaNet(GatedDeltaNetMixer):
         beta, g = super().gates(b, a)
         return (beta if self.beta_scale == 1.0 else beta * self.beta_scale), g
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Value heads split, key heads split or replicated (engine.tp.plan), as the kind's own
+        plan, on OLMo's separate projections; o_proj (out_proj) row-parallel."""
+        if type(self) is not OlmoGatedDeltaNet:
+            return None
+        lay = deltanet_layout(self.num_k_heads, self.num_v_heads, self.k_head_dim, self.v_head_dim,
+                              group.size, group.rank)
+        for name in ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj", "out_proj"):
+            check_linear(getattr(self, name), f"Gated DeltaNet {name}")
+        k_rows, v_rows = span(scaled(lay.k_heads, self.k_head_dim)), span(scaled(lay.v_heads, self.v_head_dim))
+        v_heads, conv = span(lay.v_heads), expand(lay.conv)
+
+        def apply():
+            for name, rows in (("q_proj", k_rows), ("k_proj", k_rows), ("v_proj", v_rows), ("g_proj", v_rows),
+                               ("a_proj", v_heads), ("b_proj", v_heads)):
+                keep_rows(getattr(self, name), rows)
+            set_param(self, "conv_weight", self.conv_weight, 0, conv)
+            set_param(self, "dt_bias", self.dt_bias, 0, v_heads)
+            set_param(self, "A_log", self.A_log, 0, v_heads)
+            self.out_proj = RowParallelLinear.of(self.out_proj, v_rows, group, True, "Gated DeltaNet o_proj")
+            self.num_k_heads = lay.k_heads[1] - lay.k_heads[0]
+            self.num_v_heads = len(v_heads)
+            self.key_dim = self.num_k_heads * self.k_head_dim
+            self.value_dim = self.num_v_heads * self.v_head_dim
+            self.conv_dim = len(conv)
+        return apply
+
 
 class OlmoAttention(PagedAttention):
     """Attention whose queries and keys are RMS-normalised over all heads together (one norm of
@@ -71,9 +103,35 @@ class OlmoAttention(PagedAttention):
             q, k = self.rotary(batch.positions, q, k)
         return self.o_proj(self.attend(q, k, v, batch, kv_cache).reshape(tokens, -1))
 
+    def tp_plan(self, group: TPGroup) -> Apply | None:
+        """Heads split; the q/k norms over all heads become ShardedRMSNorms (KV heads must split
+        evenly: a replicated one would count twice in the shared sum); o_proj row-parallel."""
+        if type(self) is not OlmoAttention:
+            return None
+        lay = attention_layout(self.num_heads, self.num_kv_heads, group.size, group.rank)
+        if lay.kv_replicated:
+            raise ValueError(f"tensor parallelism: OLMo attention's k norm spans all {self.num_kv_heads} KV "
+                             f"heads, which do not split over TP size {group.size}")
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            check_linear(getattr(self, name), f"attention {name}")
+        q_span, kv_span = scaled(lay.q_heads, self.head_dim), scaled(lay.kv_heads, self.head_dim)
+
+        def apply():
+            keep_rows(self.q_proj, span(q_span))
+            keep_rows(self.k_proj, span(kv_span))
+            keep_rows(self.v_proj, span(kv_span))
+            self.q_norm = ShardedRMSNorm(self.q_norm, q_span, group)
+            self.k_norm = ShardedRMSNorm(self.k_norm, kv_span, group)
+            self.o_proj = RowParallelLinear.of(self.o_proj, span(q_span), group, True, "attention o_proj")
+            self.num_heads = lay.q_heads[1] - lay.q_heads[0]
+            self.num_kv_heads = lay.kv_heads[1] - lay.kv_heads[0]
+        return apply
+
 
 class PostNormLayer(nn.Module):
     """h + norm(attention(h)), then h + norm(mlp(h)). Submodule names follow the checkpoint's."""
+
+    kind = "attention"
 
     def __init__(self, attention: OlmoAttention, mlp: GatedMLP, hidden: int, eps: float):
         super().__init__()
@@ -83,7 +141,13 @@ class PostNormLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
     def cache_spec(self) -> LayerCacheSpec:
-        return mixer_cache_spec("attention", self.self_attn)
+        return mixer_cache_spec(self.kind, self.self_attn)
+
+    def tp_layer_plan(self, group: TPGroup, memo: dict) -> Apply | None:
+        """The attention as it shards (its output all-reduced), then the MLP's partial sums
+        all-reduced before its post-norm."""
+        attention = self.self_attn.tp_plan(group) if type(self) is PostNormLayer else None
+        return None if attention is None else all_of([attention, reduced_ffn_plan(self, "mlp", group)])
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches, index: int) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(h, batch, caches.kv[index]))

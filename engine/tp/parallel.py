@@ -189,3 +189,22 @@ class ShardedGatedRMSNorm(nn.Module):
         sums = y.new_zeros(y.shape[0], self.num_groups).index_add_(1, self.group_of, y.pow(2))
         sums = self.group.all_reduce(sums)
         return y * torch.rsqrt(sums / self.group_size + self.eps).index_select(1, self.group_of)
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over channels [c0, c1) of a norm over all `full` channels, which ranks split: each
+    rank sums its channels' squares, the sums are all-reduced, and every channel is normalised by
+    the mean square of all of them (OLMo's query and key norms over all heads)."""
+
+    def __init__(self, norm: nn.Module, channels: tuple[int, int], group: TPGroup):
+        super().__init__()
+        c0, c1 = channels
+        self.weight = take(norm.weight, 0, range(c0, c1))
+        self.eps, self.full, self.group = norm.eps, norm.weight.shape[0], group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        y = x.float()
+        sums = self.group.all_reduce(y.pow(2).sum(-1, keepdim=True))
+        return self.weight * (y * torch.rsqrt(sums / self.full + self.eps)).to(dtype)
+
