@@ -123,7 +123,8 @@ def _segment(run: list) -> DecodeLayersPlan:
 
 class DecodeStack:
     """The one-call decode stack of a model on the CPU: a SegmentedPlan for a step whose every
-    row decodes, rebuilt when the caches it points at move (and after the weights are packed)."""
+    row decodes, rebuilt when the caches it points at move. Made once the weights are packed
+    (ModelRunner), which is when the pointers it takes from them are final."""
 
     def __init__(self, model):
         self.model = model
@@ -140,7 +141,3 @@ class DecodeStack:
         if self._plan[0] != key:
             self._plan = (key, build_plan(model.layers, caches))
         return self._plan[1]
-
-    def forget(self) -> None:
-        """Rebuild at the next step (the weights the plan points at changed)."""
-        self._plan = (None, None)

@@ -150,7 +150,7 @@ class GrammarCompiler:
         if self.tokenizer is None:
             raise InvalidRequest(FIELD, "this model has no tokenizer.json; structured outputs need one")
         key, ll = _ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        grammar = spec.grammar or grammar_text(spec.kind, spec.spec)
+        grammar = spec.grammar
         with _lock:
             template = _compiled.get((key, grammar))
             if template is not None:

@@ -3,7 +3,7 @@
 numpy copies rows between two scattered id lists through a temporary (two passes) and holds
 the GIL throughout, so a transport thread copying under a busy engine thread keeps stopping
 to take the GIL back. This loop copies each row once, straight from source to destination,
-while other threads run (`splitserve bench transfer` measures both).
+while other threads run.
 Compiled when this module is first imported (cached on disk after), never during a hand-off.
 numba is optional: without it, kvtransfer.rows keeps numpy's copies.
 """

@@ -38,20 +38,8 @@ CLUSTER_FAMILIES = [f for f in RECURRENT_FAMILIES if f not in ("nemotron_h", "gr
 @pytest.mark.parametrize(("family", "transport"), [(family, sorted(PLACEMENTS)[i % 2])
                                                    for i, family in enumerate(CLUSTER_FAMILIES)])
 def test_family_through_the_cluster_matches_transformers(ray_nodes, model_factory, family, transport):
-    from router.cluster import launch
-
-    path, hf = model_factory(family)
-    cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
-                     block_size=4, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=13,
-                     transfer_timeout_s=15.0, **PLACEMENTS[transport])
-    try:
-        assert cluster.workers.transport == transport
-        rng = random.Random(family)
-        # 1-token, block-boundary and multi-chunk prompts; budget 13 splits the longer ones.
-        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 4, 5, 8, 9, 17, 30, 3)]
-        every_one_split_and_judged(cluster, hf, prompts)
-    finally:
-        cluster.shutdown()
+    # 1-token, block-boundary and multi-chunk prompts; budget 13 splits the longer ones.
+    family_through_a_cluster(ray_nodes, model_factory, family, transport, 1, family, (1, 4, 5, 8, 9, 17, 30, 3))
 
 
 @pytest.mark.parametrize("transport", sorted(PLACEMENTS))
@@ -60,16 +48,24 @@ def test_newer_families_through_two_prefill_and_two_decode_workers(ray_nodes, mo
     """The families that arrived as modules of their own (LFM2-MoE, OLMo Hybrid) through a
     2 prefill + 2 decode cluster over each transport: every request handed off, transformers'
     tokens."""
+    family_through_a_cluster(ray_nodes, model_factory, family, transport, 2, family + transport,
+                             (1, 5, 9, 17, 30, 3, 12, 8))
+
+
+def family_through_a_cluster(ray_nodes, model_factory, family, transport, workers: int, seed: str,
+                             lengths) -> None:
+    """`workers` prefill and as many decode workers over `transport`, 13-token steps over
+    4-token blocks; random prompts of `lengths`, each handed off once and judged."""
     from router.cluster import launch
 
     path, hf = model_factory(family)
-    cluster = launch(path, prefill=2, decode=2, transport=transport, address=ray_nodes[0].address,
+    cluster = launch(path, prefill=workers, decode=workers, transport=transport, address=ray_nodes[0].address,
                      block_size=4, num_kv_blocks=200, max_num_seqs=8, max_num_batched_tokens=13,
                      transfer_timeout_s=15.0, **PLACEMENTS[transport])
     try:
         assert cluster.workers.transport == transport
-        rng = random.Random(family + transport)
-        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 5, 9, 17, 30, 3, 12, 8)]
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
         every_one_split_and_judged(cluster, hf, prompts)
     finally:
         cluster.shutdown()

@@ -77,6 +77,7 @@ def read_signatures(sources=None) -> dict[str, list[tuple[str | None, type]]]:
 
 
 SIGNATURES = read_signatures()
+_ARGUMENTS = {name: tuple(param for param, _ in params[:-1]) for name, params in SIGNATURES.items()}
 
 
 def cache_dir() -> Path:
@@ -160,11 +161,9 @@ def call(name: str, **args) -> None:
     count, each exactly once: the contract is checked at every call); tensors pass as pointers
     (the caller keeps them alive and contiguous), and the thread count is torch's, so the loop
     reuses torch's OpenMP team."""
-    params = SIGNATURES[name][:-1]
-    if len(args) != len(params) or any(param not in args for param, _ in params):
-        expected = [param for param, _ in params]
-        raise TypeError(f"kernel {name}: missing {sorted(set(expected) - set(args))}, "
-                        f"unexpected {sorted(set(args) - set(expected))}")
-    values = [args[param] for param, _ in params]
-    getattr(library(), name)(*[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in values],
-                             torch.get_num_threads())
+    names = _ARGUMENTS[name]
+    if len(args) != len(names) or not all(param in args for param in names):
+        raise TypeError(f"kernel {name}: missing {sorted(set(names) - set(args))}, "
+                        f"unexpected {sorted(set(args) - set(names))}")
+    getattr(library(), name)(*[v.data_ptr() if isinstance(v := args[param], torch.Tensor) else v
+                               for param in names], torch.get_num_threads())
