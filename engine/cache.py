@@ -38,7 +38,7 @@ class CacheSizes:
 
 def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * layer.kv.num_kv_heads * layer.kv.head_dim * itemsize
+    return sum(len(layer.kv.names) * block_size * layer.kv.num_kv_heads * layer.kv.head_dim * itemsize
                for layer in spec.layers if layer.kv is not None)
 
 
@@ -87,8 +87,7 @@ class ModelCache:
         for i, layer in enumerate(spec.layers):
             if layer.kv is not None:
                 shape = (sizes.num_blocks + 1, block_size, layer.kv.num_kv_heads, layer.kv.head_dim)
-                kv[i] = (torch.zeros(shape, dtype=dtype, device=device),
-                         torch.zeros(shape, dtype=dtype, device=device))
+                kv[i] = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layer.kv.names)
             if layer.state:
                 rows = sizes.num_slots + 1 + sizes.num_checkpoints
                 state[i] = tuple(torch.zeros((rows, *t.shape), dtype=t.torch_dtype, device=device)
@@ -129,9 +128,8 @@ class ModelCache:
         blocks, slots = self.sizes.num_blocks, self.sizes.num_slots
         for i, layer in enumerate(self.spec.layers):
             if layer.kv is not None:
-                k, v = self.layers.kv[i]
-                out += [(f"layer{i}.k", i, "attention", BLOCK_ROLE, k[:blocks]),
-                        (f"layer{i}.v", i, "attention", BLOCK_ROLE, v[:blocks])]
+                out += [(f"layer{i}.{name}", i, layer.kv.kind, BLOCK_ROLE, rows[:blocks])
+                        for name, rows in zip(layer.kv.names, self.layers.kv[i])]
             for tensor_spec, tensor in zip(layer.state, self.layers.state[i] or ()):
                 out.append((f"layer{i}.{tensor_spec.name}", i, layer.state_kind, SLOT_ROLE, tensor[:slots]))
         return out

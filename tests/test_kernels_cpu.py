@@ -172,8 +172,9 @@ def test_mamba2_update_sixteen_rows_at_a_time_keeps_the_bits(d_state):
     assert not torch.equal(blocked, pool[:, :, :16])
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
 @pytest.mark.parametrize("k_heads,heads,k_dim,v_dim,batch", [(2, 4, 16, 8, 3), (1, 1, 5, 7, 1), (2, 2, 32, 32, 6)])
-def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
+def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch, per_channel):
     from engine.kernels.gdn_scan import gated_delta_step_ref
 
     torch.manual_seed(heads * k_dim + batch)
@@ -182,7 +183,8 @@ def test_gated_delta_step(k_heads, heads, k_dim, v_dim, batch):
     slots = torch.randperm(batch + 3)[:batch]
     pool[slots] = torch.randn(batch, heads, k_dim, v_dim)
     q, k = torch.randn(batch, k_heads, k_dim), torch.randn(batch, k_heads, k_dim)
-    v, g, beta = torch.randn(batch, heads, v_dim), -torch.rand(batch, heads), torch.rand(batch, heads)
+    v, beta = torch.randn(batch, heads, v_dim), torch.rand(batch, heads)
+    g = -torch.rand(batch, heads, k_dim) * 2 if per_channel else -torch.rand(batch, heads)
     ours, ref = pool.clone(), pool.clone()
     o = cpu.gated_delta_step_cpu(ours, slots, q, k, v, g, beta)
     o_ref = gated_delta_step_ref(ref, slots, q, k, v, g, beta)
@@ -231,9 +233,12 @@ def test_gated_deltanet_elementwise_kernels_are_their_torch_definitions(k_heads,
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
 @pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim", [(1, 1, 1, 5, 7), (70, 2, 4, 16, 8), (130, 4, 8, 32, 32)])
-def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_heads, heads, k_dim, v_dim):
-    """The token-by-token CPU prefill, through the dispatcher, on strided views of one projection."""
+def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_heads, heads, k_dim, v_dim,
+                                                         per_channel):
+    """The token-by-token CPU prefill, through the dispatcher, on strided views of one projection
+    (the decay per head, or per key channel as Kimi Delta Attention's)."""
     from engine.kernels.gdn_scan import gated_delta_rule_ref
 
     torch.manual_seed(length + heads)
@@ -241,7 +246,8 @@ def test_gated_delta_rule_prefill_matches_the_definition(monkeypatch, length, k_
     q = qkv[:, : k_heads * k_dim].view(length, k_heads, k_dim)
     k = qkv[:, k_heads * k_dim: 2 * k_heads * k_dim].view(length, k_heads, k_dim)
     v = qkv[:, 2 * k_heads * k_dim: -3].view(length, heads, v_dim)
-    g, beta, h0 = -torch.rand(length, heads), torch.rand(length, heads), torch.randn(heads, k_dim, v_dim)
+    beta, h0 = torch.rand(length, heads), torch.randn(heads, k_dim, v_dim)
+    g = -torch.rand(length, heads, k_dim) if per_channel else -torch.rand(length, heads)
     h0_before, calls = h0.clone(), record_calls(monkeypatch, cpu, "gated_delta_rule_cpu")
     o, S = kernels.chunk_gated_delta_rule(q, k, v, g, beta, h0, 64)
     o_ref, S_ref = gated_delta_rule_ref(q, k, v, g, beta, h0)

@@ -5,7 +5,8 @@ TRITON_INTERPRET=1 on CPU tensors; they skip without Triton. Every buffer the ke
 (outputs and scratch) starts as NaN, so a missed row or a read of one never written fails;
 pool rows outside the batch must come back bit for bit. The tests at the end need no Triton:
 the chunked reference against the token-by-token definition, split prefills against whole
-ones, and a decode step against one token of the definition.
+ones, and a decode step against one token of the definition; each with the decay per head and
+per key channel (Kimi Delta Attention).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ def kernel_mode(monkeypatch):
                         lambda *shape, device: torch.full(shape, NAN, dtype=torch.float32, device=device))
 
 
-def _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype=torch.float32, g_max=1.0):
+def _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype=torch.float32, g_max=1.0, per_channel=False):
     q, k = strided(length, k_heads, k_dim, dtype=dtype), strided(length, k_heads, k_dim, dtype=dtype)
     v = strided(length, heads, v_dim, dtype=dtype)
-    g = -torch.rand(length, heads, device=DEVICE) * g_max  # log decay per step, <= 0 (float32)
+    # log decay per step, <= 0 (float32): per head, or per key channel (Kimi Delta Attention)
+    g = -torch.rand(length, heads, *((k_dim,) if per_channel else ()), device=DEVICE) * g_max
     beta = torch.rand(length, heads, device=DEVICE)  # a sigmoid in the model
     h0 = torch.randn(heads, k_dim, v_dim, device=DEVICE)
     return q, k, v, g, beta, h0
@@ -47,10 +49,11 @@ def _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype=torch.float32, g_ma
     (2, 2, 6, 9, 4, 40.0, torch.float32),     # strong decay: exp(g) down to e^-40
     (1, 3, 12, 10, 2, 1.0, torch.bfloat16),   # bf16 inputs and pool
 ])
-def test_gated_delta_step_kernel(kernel_mode, k_heads, heads, k_dim, v_dim, batch, g_max, dtype):
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
+def test_gated_delta_step_kernel(kernel_mode, k_heads, heads, k_dim, v_dim, batch, g_max, dtype, per_channel):
     pool = torch.randn(7, heads, k_dim, v_dim, device=DEVICE).to(dtype)
     slots = torch.randperm(7, device=DEVICE)[:batch]
-    q, k, v, g, beta, _ = _rule_inputs(batch, k_heads, heads, k_dim, v_dim, dtype, g_max)
+    q, k, v, g, beta, _ = _rule_inputs(batch, k_heads, heads, k_dim, v_dim, dtype, g_max, per_channel)
     ref_pool, kernel_pool = pool.clone(), pool.clone()
     want = gated_delta_step_ref(ref_pool, slots, q, k, v, g, beta)
     got = gated_delta_step_triton(kernel_pool, slots, q, k, v, g, beta)
@@ -146,22 +149,25 @@ def test_public_gdn_functions_route_their_arguments(kernel_mode, monkeypatch):
 
 # ---------------------------------------------------------------- the references against each other
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
 @pytest.mark.parametrize("length,k_heads,chunk_size", [
     (1, 2, 4), (13, 2, 1), (13, 1, 3), (13, 2, 4), (13, 4, 13), (13, 1, 50), (32, 2, 8)])
-def test_chunk_reference_matches_the_definition(length, k_heads, chunk_size):
+def test_chunk_reference_matches_the_definition(length, k_heads, chunk_size, per_channel):
     torch.manual_seed(3)
-    q, k, v, g, beta, h0 = _rule_inputs(length, k_heads, 4, 5, 6)
+    q, k, v, g, beta, h0 = _rule_inputs(length, k_heads, 4, 5, 6, g_max=3.0 if per_channel else 1.0,
+                                        per_channel=per_channel)
     want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
     got_o, got_h = chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
     torch.testing.assert_close(got_o, want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
 @pytest.mark.parametrize("split,chunk_size", [(1, 4), (5, 4), (8, 4), (12, 5), (19, 64)])
-def test_split_prefill_equals_whole(split, chunk_size):
+def test_split_prefill_equals_whole(split, chunk_size, per_channel):
     """A prefill split across engine steps: the second piece starts from the first's state."""
     torch.manual_seed(4)
-    q, k, v, g, beta, h0 = _rule_inputs(20, 1, 3, 4, 5)
+    q, k, v, g, beta, h0 = _rule_inputs(20, 1, 3, 4, 5, per_channel=per_channel)
     want_o, want_h = chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
     first, second = slice(0, split), slice(split, None)
     o1, h1 = chunk_gated_delta_rule_ref(q[first], k[first], v[first], g[first], beta[first], h0, chunk_size)
@@ -170,11 +176,12 @@ def test_split_prefill_equals_whole(split, chunk_size):
     torch.testing.assert_close(h2, want_h, atol=1e-5, rtol=1e-5)
 
 
-def test_decode_step_is_one_token_of_the_definition():
+@pytest.mark.parametrize("per_channel", [False, True], ids=["decay-per-head", "decay-per-key-channel"])
+def test_decode_step_is_one_token_of_the_definition(per_channel):
     torch.manual_seed(5)
     k_heads, heads, k_dim, v_dim, slots = 2, 4, 3, 5, torch.tensor([4, 1, 2])
     pool = torch.randn(6, heads, k_dim, v_dim)
-    q, k, v, g, beta, _ = _rule_inputs(3, k_heads, heads, k_dim, v_dim)
+    q, k, v, g, beta, _ = _rule_inputs(3, k_heads, heads, k_dim, v_dim, per_channel=per_channel)
     states = pool.clone()
     o = gated_delta_step_ref(states, slots, q, k, v, g, beta)
     for row, slot in enumerate(slots.tolist()):

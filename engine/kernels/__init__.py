@@ -132,8 +132,9 @@ def gated_delta_step(state, slots, q, k, v, g, beta):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
-    See engine.kernels.gdn_scan."""
-    if _prefill_scan_on_triton(v):
+    See engine.kernels.gdn_scan. A decay per key channel (g [L, Hv, dk]) has no Triton chunk
+    kernel: it runs the chunked reference on a GPU."""
+    if _prefill_scan_on_triton(v) and g.dim() == 2:
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)

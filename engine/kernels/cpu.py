@@ -216,7 +216,7 @@ def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
     if v.shape[0]:
         native.call("gated_delta_step", state=_pool(state, "state"), slots=ids(slots), q=_f32(q), k=_f32(k),
                     v=_f32(v), g=_f32(g), beta=_f32(beta), o=o, batch=v.shape[0], heads=v.shape[1],
-                    k_dim=q.shape[2], v_dim=v.shape[2])
+                    k_dim=q.shape[2], v_dim=v.shape[2], g_per_channel=int(g.dim() == 3))
     return o
 
 
@@ -230,7 +230,7 @@ def gated_delta_rule_cpu(q, k, v, g, beta, h0):
     S = h0.detach().float().clone().contiguous()
     if length:
         native.call("gated_delta_scan", state=S, q=_f32(q), k=_f32(k), v=_f32(v), g=_f32(g), beta=_f32(beta),
-                    o=o, length=length, heads=heads, k_dim=q.shape[2], v_dim=v_dim)
+                    o=o, length=length, heads=heads, k_dim=q.shape[2], v_dim=v_dim, g_per_channel=int(g.dim() == 3))
     return o, S
 
 

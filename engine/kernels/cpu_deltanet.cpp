@@ -113,7 +113,7 @@ void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, i
   for (int64_t i = 0; i < rows; ++i)
     std::memcpy(v + i * value_dim, conv + i * conv_dim + 2 * key_dim, value_dim * sizeof(float));
   gdn_gates(b, a, A, dt_bias, beta, g, rows, v_heads, threads);
-  gated_delta_step(recurrent_state, slots, q, k, v, g, beta, o, rows, v_heads, k_dim, v_dim, threads);
+  gated_delta_step(recurrent_state, slots, q, k, v, g, beta, o, rows, v_heads, k_dim, v_dim, 0, threads);
   skip_norm_gate(o, nullptr, 0, nullptr, z, value_dim, norm_weight, v_dim, norm_eps, normed, rows, value_dim,
                  threads);
   packed_linear(normed, value_dim, out_panels, nullptr, out, hidden, rows, hidden, value_dim, threads);

@@ -105,14 +105,15 @@ inline void conv_update_row(float* w, const float* weight, const float* x, const
 }
 
 // One token of the gated delta rule on one head's S [dk, dv] in place: S *= exp(g) ;
-// S += k (x) ((v - S^T k) * beta) ; o = S^T q. Two passes over S: decay and predict, then
-// update and read. `delta` is scratch of v_dim floats.
-inline void delta_rule_step(float* S, const float* q, const float* k, const float* v, float* o, float decay,
-                            float rate, float* delta, int64_t k_dim, int64_t v_dim) {
+// S += k (x) ((v - S^T k) * beta) ; o = S^T q. Row r of S decays by exp(g[r * g_stride]):
+// g_stride 0 for one decay per head, 1 for one per key channel (Kimi Delta Attention). Two
+// passes over S: decay and predict, then update and read. `delta` is scratch of v_dim floats.
+inline void delta_rule_step(float* S, const float* q, const float* k, const float* v, float* o, const float* g,
+                            int64_t g_stride, float rate, float* delta, int64_t k_dim, int64_t v_dim) {
   std::fill(delta, delta + v_dim, 0.f);  // S^T k first
   for (int64_t r = 0; r < k_dim; ++r) {
     float* row = S + r * v_dim;
-    const float kr = k[r];
+    const float kr = k[r], decay = std::exp(g[r * g_stride]);
 #pragma omp simd
     for (int64_t j = 0; j < v_dim; ++j) {
       row[j] *= decay;
@@ -378,10 +379,11 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
 
 // Gated DeltaNet decode step, per row (b, h) of S = state[slots[b], h] ([dk, dv]) in place.
 // q, k [batch, H, dk] come in prepared (L2-normalised, q scaled, key heads repeated to the
-// value heads); v, o [batch, H, dv]; g, beta [batch, H].
+// value heads); v, o [batch, H, dv]; beta [batch, H]; g [batch, H], or [batch, H, dk] where
+// g_per_channel.
 void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k,
                       const float* v, const float* g, const float* beta, float* o, int64_t batch,
-                      int64_t heads, int64_t k_dim, int64_t v_dim, int threads) {
+                      int64_t heads, int64_t k_dim, int64_t v_dim, int64_t g_per_channel, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> delta(v_dim);
@@ -389,18 +391,20 @@ void gated_delta_step(float* state, const int64_t* slots, const float* q, const 
     for (int64_t i = 0; i < batch * heads; ++i) {
       const int64_t b = i / heads, h = i - b * heads;
       delta_rule_step(state + (slots[b] * heads + h) * k_dim * v_dim, q + i * k_dim, k + i * k_dim,
-                      v + i * v_dim, o + i * v_dim, std::exp(g[i]), beta[i], delta.data(), k_dim, v_dim);
+                      v + i * v_dim, o + i * v_dim, g + (g_per_channel ? i * k_dim : i), g_per_channel, beta[i],
+                      delta.data(), k_dim, v_dim);
     }
   }
 }
 
 // Gated DeltaNet prefill of one sequence, the rule one token at a time, per head of
 // state [H, dk, dv] in place (to S_L); q, k [L, H, dk] prepared as above, v, o [L, H, dv],
-// g, beta [L, H]. A token costs about 4 dk dv multiply-adds per head on a state that stays in
-// L1; the chunked form's triangular solves and dozens of torch ops cost far more on a CPU.
+// beta [L, H], g [L, H] or [L, H, dk] where g_per_channel. A token costs about 4 dk dv
+// multiply-adds per head on a state that stays in L1; the chunked form's triangular solves and
+// dozens of torch ops cost far more on a CPU.
 void gated_delta_scan(float* state, const float* q, const float* k, const float* v, const float* g,
                       const float* beta, float* o, int64_t length, int64_t heads, int64_t k_dim,
-                      int64_t v_dim, int threads) {
+                      int64_t v_dim, int64_t g_per_channel, int threads) {
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> delta(v_dim);
@@ -409,8 +413,8 @@ void gated_delta_scan(float* state, const float* q, const float* k, const float*
       float* S = state + h * k_dim * v_dim;
       for (int64_t t = 0; t < length; ++t) {
         const int64_t i = t * heads + h;
-        delta_rule_step(S, q + i * k_dim, k + i * k_dim, v + i * v_dim, o + i * v_dim, std::exp(g[i]), beta[i],
-                        delta.data(), k_dim, v_dim);
+        delta_rule_step(S, q + i * k_dim, k + i * k_dim, v + i * v_dim, o + i * v_dim,
+                        g + (g_per_channel ? i * k_dim : i), g_per_channel, beta[i], delta.data(), k_dim, v_dim);
       }
     }
   }

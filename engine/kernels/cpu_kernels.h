@@ -127,7 +127,7 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
                          int64_t groups, int64_t d_state, int threads);
 void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k, const float* v,
                       const float* g, const float* beta, float* o, int64_t batch, int64_t heads, int64_t k_dim,
-                      int64_t v_dim, int threads);
+                      int64_t v_dim, int64_t g_per_channel, int threads);
 void paged_attention_decode(const float* q, const float* k_cache, const float* v_cache, const int64_t* tables,
                             int64_t table_width, const int64_t* lens, float* out, int64_t batch, int64_t heads,
                             int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, int64_t window,

@@ -11,6 +11,11 @@ with q, k: [L, Hk, dk]; v: [L, Hv, dv]; g, beta: [L, Hv]; h0: [Hv, dk, dv]. Retu
 [L, Hv, dv] and S_L, both float32. The normalisation is part of the rule (as in the fla
 kernels' use_qk_l2norm_in_kernel) so that a fused kernel can do it in registers.
 
+The decay may also be per key channel, g: [L, Hv, dk] (Kimi Delta Attention): then
+S <- diag(exp(g_t)) S, each row of S decaying at its own rate. The per-head decay is the case
+where g_t is the same for every channel; every function here takes either shape, and the
+per-head one runs exactly as it did before the per-channel form existed.
+
 `chunk_gated_delta_rule_ref` computes the same over chunks of `chunk_size` tokens with no
 Python loop over tokens. Within a chunk entered with state S0, write D(i, j) = exp(g[j+1..i]
 summed) for j <= i and P_i = exp(g[start..i] summed). The values actually written,
@@ -51,10 +56,15 @@ def prepare_qk(q, k, num_v_heads):
     return q, k
 
 
+def per_channel(g, beta) -> bool:
+    """Whether the decay g is per key channel ([..., H, dk]) rather than per head ([..., H])."""
+    return g.dim() == beta.dim() + 1
+
+
 def _step(S, q, k, v, g, beta):
     """One token of the rule, batched over leading dims: S [..., H, dk, dv]; q, k [..., H, dk]
-    (prepared); v [..., H, dv]; g, beta [..., H]. Returns (o [..., H, dv], new S)."""
-    S = S * torch.exp(g)[..., None, None]
+    (prepared); v [..., H, dv]; g [..., H] or [..., H, dk], beta [..., H]. Returns (o [..., H, dv], new S)."""
+    S = S * (torch.exp(g)[..., None] if per_channel(g, beta) else torch.exp(g)[..., None, None])
     predicted = torch.einsum("...kv,...k->...v", S, k)
     S = S + k[..., :, None] * ((v - predicted) * beta[..., None])[..., None, :]
     return torch.einsum("...kv,...k->...v", S, q), S
@@ -95,6 +105,8 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size):
     def chunks(t):  # [L, ...] -> [c, l, ...]; padded steps: g = 0, beta = 0, so they change nothing
         return F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad)).view(-1, chunk, *t.shape[1:])
 
+    if per_channel(g, beta):
+        return _chunk_rule_per_channel(*(chunks(t) for t in (q, k, v, g, beta)), h0, length)
     q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
     n_chunks = q.shape[0]
     prefix = g.cumsum(dim=1)  # [c, l, H]: g[start..l]
@@ -122,10 +134,43 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size):
     return out.transpose(1, 2).reshape(-1, heads, v_dim)[:length], S
 
 
+def _chunk_rule_per_channel(q, k, v, g, beta, h0, length):
+    """chunk_gated_delta_rule_ref's chunks with a decay per key channel (g [c, l, Hv, dk]): the
+    same solve, with every D(i, j) a vector over dk that weights the products k_j . k_m and
+    q_i . k_m channel by channel. The [H, l, l, dk] decays are built one chunk at a time."""
+    n_chunks, chunk, heads, k_dim = k.shape
+    v_dim = v.shape[-1]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    strict = lower.tril(-1)
+    eye = torch.eye(chunk, dtype=torch.float32, device=g.device)
+    out = torch.empty(n_chunks, chunk, heads, v_dim, dtype=torch.float32, device=v.device)
+    S = h0.float()
+    for c in range(n_chunks):
+        qc, kc, vc, gc, bc = q[c], k[c], v[c], g[c], beta[c]  # [l, H, dk] ... [l, H]
+        prefix = gc.cumsum(dim=0)  # [l, H, dk]: g[start..i]
+        suffix = gc.flip(0).cumsum(dim=0).flip(0) - gc  # g[i+1..end]
+        # D(i, j) per channel, i >= j: sum g[j+1..i] down column j ([H, i, j, dk]).
+        rows = gc.permute(1, 0, 2)[:, :, None, :].expand(heads, chunk, chunk, k_dim)
+        sums = rows.masked_fill(~strict[None, :, :, None], 0.0).cumsum(dim=1)
+        decay = torch.exp(sums.masked_fill(~lower[None, :, :, None], float("-inf")))
+        k_beta = kc * bc[..., None]
+        A = torch.einsum("jhd,mhd,hjmd->hjm", k_beta, kc, decay) * strict
+        rhs = torch.cat((vc * bc[..., None], k_beta * torch.exp(prefix)), dim=-1).transpose(0, 1)
+        solved = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+        W, X = solved.split([v_dim, k_dim], dim=-1)  # [H, l, dv], [H, l, dk]
+        U = W - X @ S
+        attend = torch.einsum("ihd,mhd,himd->him", qc, kc, decay)
+        q_read = (qc * torch.exp(prefix)).transpose(0, 1)  # [H, l, dk]
+        out[c] = (q_read @ S + attend @ U).transpose(0, 1)
+        k_write = (kc * torch.exp(suffix)).transpose(0, 1)
+        S = S * torch.exp(prefix[-1])[..., None] + k_write.transpose(-1, -2) @ U
+    return out.reshape(-1, heads, v_dim)[:length], S
+
+
 def gated_delta_step_ref(state, slots, q, k, v, g, beta):
     """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
-    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g, beta: [b, Hv]. Returns o [b, Hv, dv]
-    float32."""
+    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk]; beta: [b, Hv].
+    Returns o [b, Hv, dv] float32."""
     check_step(state, slots, q, k, v, g, beta)
     q, k = prepare_qk(q, k, v.shape[1])
     o, S = _step(state.index_select(0, slots).float(), q, k, v.float(), g.float(), beta.float())
@@ -146,11 +191,16 @@ def _check_heads(q, v):
         raise ValueError(f"{v.shape[1]} value heads are not a multiple of {q.shape[1]} key heads")
 
 
+def _decay_shape(g, rows, heads, k_dim):
+    """The shape g must have: per head, or per key channel where it has a third dimension."""
+    return (rows, heads, k_dim) if g.dim() == 3 else (rows, heads)
+
+
 def check_rule(q, k, v, g, beta, h0):
     _check_heads(q, v)
     length, k_heads, k_dim = q.shape
     heads, v_dim = v.shape[1:]
-    _check_shapes({"k": (k, q.shape), "v": (v, (length, heads, v_dim)), "g": (g, (length, heads)),
+    _check_shapes({"k": (k, q.shape), "v": (v, (length, heads, v_dim)), "g": (g, _decay_shape(g, length, heads, k_dim)),
                    "beta": (beta, (length, heads)), "h0": (h0, (heads, k_dim, v_dim))},
                   f"q is {tuple(q.shape)}, v {tuple(v.shape)}")
 
@@ -161,7 +211,7 @@ def check_step(state, slots, q, k, v, g, beta):
     heads, v_dim = v.shape[1:]
     if state.dim() != 4:
         raise ValueError(f"state has shape {tuple(state.shape)}, expected [slots, Hv, dk, dv]")
-    _check_shapes({"k": (k, q.shape), "v": (v, (batch, heads, v_dim)), "g": (g, (batch, heads)),
+    _check_shapes({"k": (k, q.shape), "v": (v, (batch, heads, v_dim)), "g": (g, _decay_shape(g, batch, heads, k_dim)),
                    "beta": (beta, (batch, heads)), "slots": (slots, (batch,)),
                    "state": (state, (state.shape[0], heads, k_dim, v_dim))},
                   f"q is {tuple(q.shape)}, v {tuple(v.shape)}")

@@ -44,8 +44,8 @@ def _empty(*shape, device):
 
 def gated_delta_step_triton(state, slots, q, k, v, g, beta):
     """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
-    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g, beta: [b, Hv]. Returns o [b, Hv, dv]
-    float32."""
+    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk] (a decay per
+    key channel); beta: [b, Hv]. Returns o [b, Hv, dv] float32."""
     check_step(state, slots, q, k, v, g, beta)
     batch, k_heads, k_dim = q.shape
     heads, v_dim = v.shape[1:]
@@ -63,7 +63,8 @@ def gated_delta_step_triton(state, slots, q, k, v, g, beta):
         k_dim, v_dim, heads // k_heads, float(k_dim) ** -0.5, L2_EPS,
         state.stride(0), state.stride(1), state.stride(2),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1), g.stride(2) if g.dim() == 3 else 0,
+        beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
         DK_PAD=dk_pad, BLOCK_V=block_v,
     )
     return out
@@ -74,7 +75,7 @@ def _gdn_step_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
                      k_dim, v_dim, heads_per_key, scale, eps,
                      state_stride_slot, state_stride_h, state_stride_k,
                      q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
-                     g_stride_b, g_stride_h, beta_stride_b, beta_stride_h, out_stride_b, out_stride_h,
+                     g_stride_b, g_stride_h, g_stride_k, beta_stride_b, beta_stride_h, out_stride_b, out_stride_h,
                      DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -94,10 +95,11 @@ def _gdn_step_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
     v = tl.load(v_ptr + row * v_stride_b + head * v_stride_h + e, mask=e_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * g_stride_b + head * g_stride_h).to(tl.float32)
+    # One decay per key row of S: per channel, or the head's one (g_stride_k 0) on every row.
+    g = tl.load(g_ptr + row * g_stride_b + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + row * beta_stride_b + head * beta_stride_h).to(tl.float32)
 
-    S = S * tl.exp(g)
+    S = S * tl.exp(g)[:, None]
     predicted = tl.sum(S * k[:, None], axis=0)  # S^T k: [BLOCK_V]
     S = S + k[:, None] * ((v - predicted) * beta)[None, :]
     tl.store(state, S.to(state_ptr.dtype.element_ty), mask=de_ok)

@@ -45,8 +45,21 @@ class StateTensorSpec:
 
 @dataclass(frozen=True)
 class KVSpec:
+    """What an attention layer keeps per token in its paged blocks: one [num_kv_heads, head_dim]
+    row in each of the tensors `names`. Multi-head attention keeps K and V; a latent attention
+    (engine.models.mla) one compressed row per token that serves as both. `kind` names the rows'
+    semantics: the hand-off's layout handshake compares it, so two layouts that merely happen
+    to have equal shapes never exchange blocks."""
+
     num_kv_heads: int
     head_dim: int
+    names: tuple[str, ...] = ("k", "v")
+    kind: str = "attention"
+
+    def __post_init__(self):
+        if (self.num_kv_heads <= 0 or self.head_dim <= 0 or not self.names
+                or len(set(self.names)) != len(self.names) or not all(n.isidentifier() for n in self.names)):
+            raise ValueError(f"bad KV spec {self}")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def shard_indices(full_spec, size: int, device="cpu") -> dict[str, list[tuple[in
     out: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for i, layer in enumerate(full_spec.layers):
         if layer.kv is not None:
-            for name in (f"layer{i}.k", f"layer{i}.v"):
+            for name in (f"layer{i}.{n}" for n in layer.kv.names):
                 out[name] = [(2, torch.tensor(shards[r][i].kv.indices(), device=device)) for r in range(size)]
         for j, tensor in enumerate(layer.state):
             out[f"layer{i}.{tensor.name}"] = [(1, torch.tensor(shards[r][i].state[j].indices(), device=device))
