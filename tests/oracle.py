@@ -253,19 +253,42 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8, linear_allow_neg_eigval=False,
         rope_parameters=None, tie_word_embeddings=True)),
     # --- olmo_hybrid configs (keep this marker line) ---
+    # Kimi Linear: KDA, MLA, KDA, KDA; one dense layer then 6 experts top-2 in 2 groups (best group
+    # only), one shared expert, scaled by 1.5; MLA of 4 heads (nope 8 + shared key 8, v 12) over a
+    # 16-wide latent; KDA of 2 heads of 8, conv kernel 3. Prompts of 200 cross the 64-token chunks.
+    "kimi_linear": ("kimi_linear", dict(
+        hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                       "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_local_experts=6, num_experts_per_tok=2,
+        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.5, linear_num_heads=2,
+        linear_head_dim=8, linear_conv_kernel_dim=3)),
+    # Kimi Linear: MLA first with a low-rank query (q_lora_rank 12) and biases, 3 layers, experts
+    # unnormalised in one group, two shared experts, KDA of 3 heads of 6, conv kernel 4; the
+    # config asks for tied embeddings, which transformers ignores for this family.
+    "kimi_linear_qlora_bias": ("kimi_linear", dict(
+        hidden_size=48, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=10, q_lora_rank=12, qk_nope_head_dim=6,
+        qk_rope_head_dim=4, v_head_dim=8, attention_bias=True,
+        layer_types=["full_attention", "linear_attention", "linear_attention"],
+        mlp_layer_types=["sparse", "dense", "sparse"], num_local_experts=4, num_experts_per_tok=3, n_group=1,
+        topk_group=1, n_shared_experts=2, norm_topk_prob=False, linear_num_heads=3, linear_head_dim=6,
+        linear_conv_kernel_dim=4, tie_word_embeddings=True)),
+    # --- kimi_linear configs (keep this marker line) ---
 }
 
 MAMBA2_FAMILIES = ("mamba2", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2")
 # Families whose layers keep recurrent state beyond Jamba's and Mamba's: one config each runs
 # every engine path, the hand-off and the cluster tests.
-RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe", "olmo_hybrid")
+RECURRENT_FAMILIES = (*MAMBA2_FAMILIES, "lfm2", "qwen3_next", "lfm2_moe", "olmo_hybrid", "kimi_linear")
 
 
 _HF_CLASSES = {
     "jamba": "Jamba", "mamba": "Mamba", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2",
     "mamba2": "Mamba2", "bamba": "Bamba", "granitemoehybrid": "GraniteMoeHybrid", "nemotron_h": "NemotronH",
     "falcon_h1": "FalconH1", "zamba2": "Zamba2", "qwen3_next": "Qwen3Next", "lfm2": "Lfm2",
-    "lfm2_moe": "Lfm2Moe", "olmo_hybrid": "OlmoHybrid",
+    "lfm2_moe": "Lfm2Moe", "olmo_hybrid": "OlmoHybrid", "kimi_linear": "KimiLinear",
 }
 
 
@@ -297,7 +320,9 @@ def tiny_hf_model(model_type: str, kwargs: dict, seed: int):
             elif param_name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.1)
         for buffer_name, buffer in model.named_buffers():
-            if buffer_name.endswith(".expert_bias"):  # LFM2-MoE's routing offset: zero at init
+            # The routing offsets (LFM2-MoE's expert_bias, DeepSeek-V3-style e_score_correction_bias):
+            # zero at init, so a dropped one would not show.
+            if buffer_name.endswith((".expert_bias", ".e_score_correction_bias")):
                 buffer.add_(torch.randn_like(buffer) * 0.5)
     return model
 

@@ -43,9 +43,9 @@ def test_family_through_the_cluster_matches_transformers(ray_nodes, model_factor
 
 
 @pytest.mark.parametrize("transport", sorted(PLACEMENTS))
-@pytest.mark.parametrize("family", ["lfm2_moe", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["lfm2_moe", "olmo_hybrid", "kimi_linear"])
 def test_newer_families_through_two_prefill_and_two_decode_workers(ray_nodes, model_factory, family, transport):
-    """The families that arrived as modules of their own (LFM2-MoE, OLMo Hybrid) through a
+    """The families that arrived as modules of their own (LFM2-MoE, OLMo Hybrid, Kimi Linear) through a
     2 prefill + 2 decode cluster over each transport: every request handed off, transformers'
     tokens."""
     family_through_a_cluster(ray_nodes, model_factory, family, transport, 2, family + transport,

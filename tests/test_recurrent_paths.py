@@ -26,7 +26,7 @@ from tests.oracle import CONFIGS, MAMBA2_FAMILIES, RECURRENT_FAMILIES, judge_gre
 
 # Every config whose layers run a chunked scan (Mamba2's SSD, Gated DeltaNet's delta rule).
 CHUNKED_SCAN_CONFIGS = sorted(name for name, (family, _) in CONFIGS.items()
-                              if family in (*MAMBA2_FAMILIES, "qwen3_next"))
+                              if family in (*MAMBA2_FAMILIES, "qwen3_next", "kimi_linear"))
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

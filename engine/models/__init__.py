@@ -10,6 +10,7 @@ from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import CheckpointError, ConfigReader, WeightFiles, load_into, read_config, read_json
 from engine.models.families import FAMILIES as _BASE_FAMILIES
 from engine.models.families_falcon_h1 import FAMILIES as _FALCON_H1_FAMILIES
+from engine.models.families_kimi_linear import FAMILIES as _KIMI_LINEAR_FAMILIES
 from engine.models.families_lfm2 import FAMILIES as _LFM2_FAMILIES
 from engine.models.families_lfm2_moe import FAMILIES as _LFM2_MOE_FAMILIES
 from engine.models.families_mamba2 import FAMILIES as _MAMBA2_FAMILIES
@@ -23,7 +24,7 @@ __all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCacheSpec", "Lay
 
 FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES, **_FALCON_H1_FAMILIES, **_ZAMBA2_FAMILIES,
             **_QWEN3_NEXT_FAMILIES, **_LFM2_FAMILIES, **_LFM2_MOE_FAMILIES,
-            **_OLMO_HYBRID_FAMILIES}
+            **_OLMO_HYBRID_FAMILIES, **_KIMI_LINEAR_FAMILIES}
 # Tensors some checkpoints carry that a serving forward does not use: cached rotary tables and
 # multi-token-prediction heads (speculative decoding, not served).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

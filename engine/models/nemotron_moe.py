@@ -112,19 +112,8 @@ class NemotronMoE(nn.Module):
         return lambda w: _experts(w, f"{p}.experts", part)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.gate_weight.float()).sigmoid()
-        choice = scores + self.gate_bias.float()
-        if self.n_group > 1:
-            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
-            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
-            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1)[1], 1)
-            mask = keep[:, :, None].expand_as(grouped).reshape(-1, self.num_experts).bool()
-            choice = choice.masked_fill(~mask, float("-inf"))
-        experts = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, experts)
-        if self.normalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return experts, weights * self.scaling
+        return grouped_sigmoid_route(F.linear(x.float(), self.gate_weight.float()), self.gate_bias, self.n_group,
+                                     self.topk_group, self.top_k, self.normalize, self.scaling)
 
     def tp_partial_plan(self, group: TPGroup) -> Apply | None:
         """Each expert's intermediate channels split; the shared expert as its own kind; the
@@ -162,6 +151,28 @@ class NemotronMoE(nn.Module):
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         up, down = self.packed[expert] if self.packed else (None, None)
         return linear(self.act(linear(x, self.up[expert], None, up)), self.down[expert], None, down)
+
+
+def grouped_sigmoid_route(logits: torch.Tensor, correction_bias: torch.Tensor, n_group: int, topk_group: int,
+                          top_k: int, normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing (Nemotron-H's and Kimi Linear's MoE): float32 router logits [T, E]
+    -> (experts [T, k], weights [T, k]). Sigmoid scores; experts chosen by score + correction
+    bias within the best `topk_group` of `n_group` groups (a group scored by its two best);
+    weighted by the score alone, renormalised where `normalize`, scaled by `scaling`."""
+    scores = logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    experts_n = scores.shape[-1]
+    if n_group > 1:
+        grouped = choice.view(-1, n_group, experts_n // n_group)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1)[1], 1)
+        mask = keep[:, :, None].expand_as(grouped).reshape(-1, experts_n).bool()
+        choice = choice.masked_fill(~mask, float("-inf"))
+    experts = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return experts, weights * scaling
 
 
 def _experts(weights, p: str, part: str) -> torch.Tensor:
