@@ -315,10 +315,34 @@ def olmo_hybrid(draw):
                 rope_parameters=rope, tie_word_embeddings=draw(booleans))
 
 
+@st.composite
+def kimi_linear(draw):
+    layers = draw(st.integers(1, 4))
+    heads = draw(st.integers(1, 4))
+    experts_per_group = draw(st.integers(1, 3))
+    groups = draw(st.integers(1, 3))
+    experts = experts_per_group * groups
+    return dict(hidden_size=draw(st.sampled_from([16, 24, 32])), intermediate_size=draw(st.sampled_from([16, 40])),
+                moe_intermediate_size=draw(st.sampled_from([8, 12])), num_hidden_layers=layers,
+                layer_types=_layer_pattern(draw, layers, ("linear_attention", "full_attention")),
+                mlp_layer_types=_layer_pattern(draw, layers, ("dense", "sparse")),
+                num_attention_heads=heads, num_key_value_heads=heads,  # MLA: one latent for every head
+                kv_lora_rank=draw(st.sampled_from([4, 12])),
+                q_lora_rank=draw(st.sampled_from([None, 6])), qk_nope_head_dim=draw(st.sampled_from([0, 4, 8])),
+                qk_rope_head_dim=draw(st.sampled_from([2, 4])), v_head_dim=draw(st.sampled_from([4, 6])),
+                attention_bias=draw(booleans), num_local_experts=experts,
+                num_experts_per_tok=draw(st.integers(1, experts + 1)), n_group=groups,
+                topk_group=draw(st.integers(1, groups)), n_shared_experts=draw(st.integers(0, 2)),
+                norm_topk_prob=draw(booleans), routed_scaling_factor=draw(multipliers),
+                linear_num_heads=draw(st.integers(1, 3)), linear_head_dim=draw(st.sampled_from([4, 6, 8])),
+                linear_conv_kernel_dim=draw(st.integers(2, 4)), hidden_act=draw(st.sampled_from(["silu", "gelu"])),
+                tie_word_embeddings=draw(booleans))
+
+
 SPACES = {
     "jamba": jamba, "mamba": mamba, "llama": llama, "mistral": mistral, "qwen2": qwen2,
     "mamba2": mamba2, "bamba": bamba, "granitemoehybrid": granitemoehybrid,
     "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
     "qwen3_next": qwen3_next, "lfm2": lfm2, "lfm2_moe": lfm2_moe,
-    "olmo_hybrid": olmo_hybrid,
+    "olmo_hybrid": olmo_hybrid, "kimi_linear": kimi_linear,
 }

@@ -122,6 +122,14 @@ FOUND = {
         hidden_size=16, intermediate_size=16, hybrid_override_pattern="M*", num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=4,
         n_groups=1, chunk_size=3, tie_word_embeddings=True)),
+    # Kimi Linear with hidden_act gelu: the routed and shared experts ran SiLU, where transformers'
+    # experts and MLPs all take hidden_act (logits off by 0.04 after one layer).
+    "kimi_linear_gelu_experts": ("kimi_linear", dict(
+        hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+        layer_types=["linear_attention"], mlp_layer_types=["sparse"], num_attention_heads=1,
+        num_key_value_heads=1, kv_lora_rank=4, qk_nope_head_dim=0, qk_rope_head_dim=2, v_head_dim=4,
+        num_local_experts=2, num_experts_per_tok=1, n_group=1, topk_group=1, n_shared_experts=1,
+        linear_num_heads=1, linear_head_dim=4, linear_conv_kernel_dim=2, hidden_act="gelu")),
 }
 
 

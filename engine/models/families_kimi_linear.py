@@ -14,7 +14,8 @@ style experts after them (`mlp_layer_types`, or `first_k_dense_replace`).
 - The full-attention layers are MLA with no rotary embedding (engine.models.mla): the cache keeps
   one latent row per token; decode attends in the latent space.
 - The experts route as DeepSeek-V3's (engine.models.nemotron_moe.grouped_sigmoid_route), plus
-  `num_shared_experts` shared SwiGLU experts as one MLP of that many times the width.
+  `num_shared_experts` (at least one) shared experts as one MLP of that many times the width;
+  every MLP, expert and the KDA conv use hidden_act.
 
 Config keys are read under transformers' names and under the original checkpoint's
 (num_experts / n_routed_experts, num_experts_per_token / num_experts_per_tok, ...), the layer
@@ -114,13 +115,13 @@ class KimiDeltaAttention(GatedDeltaNetMixer):
 
 
 class GroupRoutedMoE(SparseMoE):
-    """SparseMoE's SwiGLU experts under DeepSeek-V3's routing, the router in float32 as
+    """SparseMoE's gated experts under DeepSeek-V3's routing, the router in float32 as
     transformers keeps it. Router and correction bias replicated under TP; experts shard as
     SparseMoE's."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, n_group: int,
-                 topk_group: int, normalize: bool, scaling: float):
-        super().__init__(hidden, intermediate, num_experts, top_k, "silu", normalize)
+                 topk_group: int, normalize: bool, scaling: float, act: str):
+        super().__init__(hidden, intermediate, num_experts, top_k, act, normalize)
         self.correction_bias = nn.Parameter(torch.zeros(num_experts))
         self.n_group, self.topk_group, self.scaling = n_group, topk_group, scaling
 
@@ -173,12 +174,12 @@ def _mlp_types(cfg: ConfigReader, layers_n: int) -> list[str]:
     return types
 
 
-def _moe_of(cfg: ConfigReader, hidden: int):
+def _moe_of(cfg: ConfigReader, hidden: int, act: str):
     key, experts = _first(cfg, ("num_experts", "n_routed_experts", "num_local_experts"), int, 256)
     k_key, top_k = _first(cfg, ("num_experts_per_token", "num_experts_per_tok"), int, 8)
     g_key, n_group = _first(cfg, ("num_expert_group", "n_group"), int, 1)
     topk_group = cfg.get("topk_group", int, 1)
-    _, shared = _first(cfg, ("num_shared_experts", "n_shared_experts"), int, 1)
+    s_key, shared = _first(cfg, ("num_shared_experts", "n_shared_experts"), int, 1)
     _, normalize = _first(cfg, ("moe_renormalize", "norm_topk_prob"), bool, True)
     if experts <= 0 or not 0 < top_k <= experts:
         raise cfg.unsupported(k_key, f"must be in [1, {key}={experts}]")
@@ -187,13 +188,13 @@ def _moe_of(cfg: ConfigReader, hidden: int):
                               f"with topk_group={topk_group}")
     if cfg.get("moe_router_activation_func", str, "sigmoid") != "sigmoid":
         raise cfg.unsupported("moe_router_activation_func", "only sigmoid routing is supported")
-    if shared < 0:
-        raise cfg.unsupported("num_shared_experts", "must not be negative")
+    if shared <= 0:  # transformers then still builds (and saves) a shared expert of width 0
+        raise cfg.unsupported(s_key, "at least one shared expert is required")
     width, scaling = cfg.positive_int("moe_intermediate_size"), cfg.get("routed_scaling_factor", float, 1.0)
 
     def moe() -> nn.Module:
-        routed = GroupRoutedMoE(hidden, width, experts, top_k, n_group, topk_group, normalize, scaling)
-        return SummedFFN(routed, GatedMLP(hidden, width * shared, "silu")) if shared else SummedFFN(routed)
+        routed = GroupRoutedMoE(hidden, width, experts, top_k, n_group, topk_group, normalize, scaling, act)
+        return SummedFFN(routed, GatedMLP(hidden, width * shared, act))
     return moe
 
 
@@ -220,7 +221,7 @@ def build_kimi_linear(cfg: ConfigReader) -> HybridLM:
            cfg.get("qk_rope_head_dim", int, 64), v_dim, cfg.get("attention_bias", bool, False), LATENT_EPS)
     if mla[3] < 0 or mla[4] < 0 or mla[3] + mla[4] <= 0:
         raise cfg.unsupported("qk_nope_head_dim", f"and qk_rope_head_dim={mla[4]} must give a positive query width")
-    moe = _moe_of(cfg, hidden) if "sparse" in mlp_types else None
+    moe = _moe_of(cfg, hidden, act) if "sparse" in mlp_types else None
     dense_width = cfg.positive_int("intermediate_size")
     layers = []
     for kind, mlp_kind in zip(types, mlp_types):
