@@ -146,6 +146,41 @@ def test_olmo_hybrid_loads_in_transformers_names_too(model_factory, tmp_path):
         assert torch.equal(pa, pb), name
 
 
+def test_kimi_linear_loads_in_transformers_names_too(model_factory, tmp_path):
+    """transformers writes Kimi Linear's original names (block_sparse_moe, experts.E.w1/w2/w3,
+    a conv per q, k and v, the forget gate's tensors beside the projections); a checkpoint in the
+    names transformers loads them into (mlp, stacked experts, one conv1d, forget_gate.*, A_log of
+    [1, 1, heads, 1]) loads to the same weights. Its layer pattern is read from the original
+    config's 1-indexed linear_attn_config as well."""
+    path, _ = model_factory("kimi_linear")
+    dst = tmp_path / "renamed"
+    shutil.copytree(path, dst)
+    tensors = load_file(dst / "model.safetensors")
+    renamed = {name.replace(".block_sparse_moe.", ".mlp."): t for name, t in tensors.items()}
+    for layer in (0, 2, 3):
+        p = f"model.layers.{layer}.self_attn"
+        renamed[f"{p}.conv1d.weight"] = torch.cat([renamed.pop(f"{p}.{x}_conv1d.weight") for x in "qkv"])
+        for part in ("f_a_proj.weight", "f_b_proj.weight", "dt_bias", "A_log"):
+            renamed[f"{p}.forget_gate.{part}"] = renamed.pop(f"{p}.{part}")
+        renamed[f"{p}.forget_gate.A_log"] = renamed[f"{p}.forget_gate.A_log"].reshape(1, 1, -1, 1)
+    for layer in (1, 2, 3):
+        p = f"model.layers.{layer}.mlp.experts"
+        experts = range(6)
+        renamed[f"{p}.gate_up_proj"] = torch.stack([torch.cat([renamed.pop(f"{p}.{e}.w1.weight"),
+                                                               renamed.pop(f"{p}.{e}.w3.weight")]) for e in experts])
+        renamed[f"{p}.down_proj"] = torch.stack([renamed.pop(f"{p}.{e}.w2.weight") for e in experts])
+    save_file(renamed, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    del config["layer_types"]
+    config["linear_attn_config"] = {"kda_layers": [1, 3, 4], "full_attn_layers": [2], "head_dim": 8, "num_heads": 2,
+                                    "short_conv_kernel_size": 3}
+    (dst / "config.json").write_text(json.dumps(config))
+    a, b = load_model(path), load_model(dst)
+    assert [layer.kind for layer in a.spec.layers] == [layer.kind for layer in b.spec.layers]
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name
+
+
 @pytest.mark.parametrize("length,block_elements", [(1, 1 << 17), (37, 1 << 17), (300, 64 * 8 * 16), (64, 7 * 8 * 16), (50, 1)])
 def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     import engine.models.ssm as ssm
@@ -184,6 +219,12 @@ def test_blocked_scan_matches_token_loop(length, block_elements, monkeypatch):
     ("olmo_hybrid", {"layer_types": ["linear_attention", "sliding_attention", "full_attention", "linear_attention"]},
      r"'layer_types' = \['linear_attention', 'sliding_attention'"),
     ("olmo_hybrid", {"linear_num_value_heads": 3}, r"'linear_num_value_heads' = 3: is not a multiple of"),
+    ("kimi_linear", {"mla_use_nope": False}, r"'mla_use_nope' = False: only Kimi Linear's position-free MLA"),
+    ("kimi_linear", {"layer_types": None, "linear_attn_config": {"kda_layers": [1, 3, 4], "full_attn_layers": [9]}},
+     r"'linear_attn_config' = .*1-indexed layers of 4"),
+    ("kimi_linear", {"num_experts_per_token": 7}, r"'num_experts_per_token' = 7: must be in \[1, num_experts=6\]"),
+    ("kimi_linear", {"num_expert_group": 4}, r"'num_expert_group' = 4: 6 experts cannot form 4 groups"),
+    ("kimi_linear", {"moe_router_activation_func": "softmax"}, r"'moe_router_activation_func' = 'softmax'"),
 ])
 def test_unsupported_mamba2_family_variants_are_refused_by_name(model_factory, tmp_path, name, changes, pattern):
     """Never served wrongly: a variant we do not implement is refused at load, naming the field."""

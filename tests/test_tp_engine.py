@@ -20,7 +20,7 @@ def prompts(seed: int, n: int = 5):
     return [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 40))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid", "llama", "lfm2_moe", "olmo_hybrid"])
+@pytest.mark.parametrize("family", ["jamba", "granitemoehybrid", "llama", "lfm2_moe", "olmo_hybrid", "kimi_linear"])
 def test_two_ranks_match_transformers_through_chunks_and_preemption(model_factory, family):
     path, hf = model_factory(family)
     # 8-token chunks cross every prompt; 24 blocks of 4 cannot hold five sequences at once.

@@ -35,7 +35,8 @@ def copy_rows(src_cache, dst_cache, src_blocks, src_slot, dst_blocks, dst_slot):
 @pytest.mark.parametrize(("family", "sizes"), [
     ("jamba", (1, 2)), ("jamba", (2, 2)), ("granitemoehybrid", (2, 1)), ("granitemoehybrid", (2, 2)),
     ("llama", (2, 1)), ("llama", (1, 2)),
-    ("mistral_mqa_window", (1, 2))])  # one KV head, two decode ranks: each keeps a copy of it
+    ("mistral_mqa_window", (1, 2)),  # one KV head, two decode ranks: each keeps a copy of it
+    ("kimi_linear", (1, 2)), ("kimi_linear", (2, 1))])  # MLA's latent rows: kept whole by every rank
 def test_tp_sizes_hand_off_exactly(model_factory, family, sizes):
     path, hf = model_factory(family)
     p_tp, d_tp = sizes

@@ -326,7 +326,7 @@ def check_model(full: HybridLM, size: int):
 
 
 WHOLE_MODELS = ["jamba", "llama", "granitemoehybrid", "bamba", "mamba", "falcon_h1", "nemotron_h", "zamba2",
-                "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid"]
+                "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid", "kimi_linear"]
 
 
 @pytest.mark.parametrize("name", WHOLE_MODELS)
