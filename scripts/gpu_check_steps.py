@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ["jamba", "mamba", "llama", "mistral_mqa_window", "mamba2", "bamba", "granitemoehybrid", "nemotron_h",
-       "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid"]
+       "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid", "kimi_linear"]
 MAMBA2_NORM_FAMILIES = {"mamba2", "bamba", "granitemoehybrid"}  # Mamba2's gated norm, by n_groups
 
 
@@ -102,7 +102,7 @@ def step_kernels(dry_run: bool) -> dict:
 
     tests_ok, tests = (True, "not run (CI runs them under the interpreter)") if dry_run else _pytest(
         ["tests/test_kernels.py", "tests/test_kernels_mamba2.py", "tests/test_kernels_gdn.py",
-         "tests/test_kernels_mamba1_scan.py"], "triton", 90)
+         "tests/test_kernels_mamba1_scan.py", "tests/test_mla.py"], "triton", 90)
     device = _device(dry_run)
     peak = None if dry_run else kernels.copy_bandwidth_gbps(device)
     rows, failed = [], []
