@@ -101,6 +101,20 @@ def _moe_or_mlp(p: str, rest: str):
     return f"{p}.{rest}"
 
 
+def first_present(*names: str):
+    """A tensor source: the first of these tensors the checkpoint has (the error names the last
+    where none is), for families whose checkpoints come under two sets of names."""
+    return lambda w: w.get(next((n for n in names if n in w), names[-1]))
+
+
+def qkv_conv_weight(w, p: str) -> torch.Tensor:
+    """[channels, kernel]: one Conv1d over q | k | v at `p`, or three (q_conv1d, k_conv1d,
+    v_conv1d) concatenated, as the original OLMo Hybrid and Kimi Linear checkpoints keep them."""
+    if f"{p}.conv1d.weight" in w:
+        return w.get(f"{p}.conv1d.weight").squeeze(1)
+    return torch.cat([w.get(f"{p}.{x}_conv1d.weight") for x in "qkv"]).squeeze(1)
+
+
 def _stacked_experts(weights, p, parts, fused_name):
     if f"{p}.experts.{fused_name}" in weights:
         return weights.get(f"{p}.experts.{fused_name}")

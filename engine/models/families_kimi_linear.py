@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.checkpoint import ConfigReader
-from engine.models.families import _eos_ids, _stacked_experts, top_level_name
+from engine.models.families import _eos_ids, _stacked_experts, first_present, qkv_conv_weight, top_level_name
 from engine.models.gated_deltanet import GatedDeltaNetMixer, HeadGatedRMSNorm
 from engine.models.hybrid import DecoderLayer, HybridLM, ModelSpec
 from engine.models.layers import GatedMLP, RMSNorm, SparseMoE, SummedFFN
@@ -246,42 +246,34 @@ _RENAMED = {"q_a_norm": "q_a_layernorm", "kv_a_proj": "kv_a_proj_with_mqa", "kv_
 _FORGET_GATE = ("f_a_proj", "f_b_proj", "dt_bias", "A_log")
 
 
-def _either(*names: str):
-    """The first of these tensors the checkpoint has (the error names the last where none is)."""
-    return lambda w: w.get(next((n for n in names if n in w), names[-1]))
-
-
 def _mixer_name(p: str, rest: str):
     module, _, tail = rest.partition(".")
     if rest == "conv_weight":  # one conv over q | k | v, or the original's three
-        return lambda w: (w.get(f"{p}.conv1d.weight") if f"{p}.conv1d.weight" in w
-                          else torch.cat([w.get(f"{p}.{x}_conv1d.weight") for x in "qkv"])).squeeze(1)
+        return lambda w: qkv_conv_weight(w, p)
     if module in _FORGET_GATE:  # under forget_gate in transformers, at the top in the original
         mine = f"{p}.forget_gate.{rest}"
         if rest == "A_log":  # stored [1, 1, heads, 1]
             return lambda w: w.get(mine if mine in w else f"{p}.A_log").reshape(-1)
-        return _either(f"{p}.{rest}", mine)
+        return first_present(f"{p}.{rest}", mine)
     return f"{p}.{_RENAMED.get(module, module)}{'.' + tail if tail else ''}"
 
 
 def _ffn_name(p: str, rest: str):
+    """The original names (block_sparse_moe, experts.E.w1/w2/w3: what transformers writes) or
+    transformers' runtime ones (mlp, stacked gate_up_proj / down_proj)."""
+    roots = (f"{p}.block_sparse_moe", f"{p}.mlp")
     part, _, tail = rest.partition(".")
-    if part != "parts":  # a dense MLP (under block_sparse_moe where transformers writes the original names)
-        return _either(f"{p}.block_sparse_moe.{rest}", f"{p}.mlp.{rest}")
+    if part != "parts":  # a dense MLP
+        return first_present(*(f"{r}.{rest}" for r in roots))
     index, _, tail = tail.partition(".")
-    moe = [f"{p}.mlp", f"{p}.block_sparse_moe"]
     if index == "1":  # the shared experts
-        return _either(*(f"{m}.shared_experts.{tail}" for m in reversed(moe)))
+        return first_present(*(f"{r}.shared_experts.{tail}" for r in roots))
     if tail == "router.weight":
-        return _either(*(f"{m}.gate.weight" for m in reversed(moe)))
+        return first_present(*(f"{r}.gate.weight" for r in roots))
     if tail == "correction_bias":
-        return _either(*(f"{m}.gate.e_score_correction_bias" for m in reversed(moe)))
+        return first_present(*(f"{r}.gate.e_score_correction_bias" for r in roots))
     fused, halves = {"gate_up": ("gate_up_proj", ("w1", "w3")), "down": ("down_proj", ("w2",))}[tail]
-
-    def experts(w):
-        root = moe[0] if f"{moe[0]}.experts.{fused}" in w else moe[1]
-        return _stacked_experts(w, root, halves, fused)
-    return experts
+    return lambda w: _stacked_experts(w, roots[1] if f"{roots[1]}.experts.{fused}" in w else roots[0], halves, fused)
 
 
 def kimi_linear_names(name: str):

@@ -23,7 +23,7 @@ from torch import nn
 from engine.models.attention import PagedAttention
 from engine.models.batch import ForwardBatch, LayerCaches
 from engine.models.checkpoint import ConfigReader
-from engine.models.families import _eos_ids, rotary_of, top_level_name
+from engine.models.families import _eos_ids, first_present, qkv_conv_weight, rotary_of, top_level_name
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, HybridLM, LayerCacheSpec, ModelSpec, mixer_cache_spec
 from engine.models.layers import GatedMLP, RMSNorm
@@ -209,18 +209,6 @@ _PRE_NORM = {"input_norm": "input_layernorm", "ffn_norm": "post_attention_layern
 _OLMO_NAMES = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
 
 
-def _either(*names: str):
-    """The first of these tensors the checkpoint has (the error names the last where none is)."""
-    return lambda w: w.get(next((n for n in names if n in w), names[-1]))
-
-
-def _conv_weight(w, p: str) -> torch.Tensor:
-    """[channels, kernel]: one Conv1d over q | k | v, or OLMo's three, concatenated."""
-    if f"{p}.conv1d.weight" in w:
-        return w.get(f"{p}.conv1d.weight").squeeze(1)
-    return torch.cat([w.get(f"{p}.{x}_conv1d.weight") for x in "qkv"]).squeeze(1)
-
-
 def olmo_hybrid_names(name: str):
     if (top := top_level_name(name, "model.embed_tokens.weight", "model.norm.weight")) is not None:
         return top
@@ -228,12 +216,12 @@ def olmo_hybrid_names(name: str):
     p = f"model.layers.{i}"
     if part == "mixer":  # a linear-attention layer's Gated DeltaNet
         if rest == "conv_weight":
-            return lambda w: _conv_weight(w, f"{p}.linear_attn")
+            return lambda w: qkv_conv_weight(w, f"{p}.linear_attn")
         module, _, tail = rest.partition(".")
         return f"{p}.linear_attn.{_LINEAR.get(module, module)}{'.' + tail if tail else ''}"
     part = _PRE_NORM.get(part, part)
     if part in _OLMO_NAMES:
-        return _either(f"{p}.{_OLMO_NAMES[part]}.{rest}", f"{p}.{part}.{rest}")
+        return first_present(f"{p}.{_OLMO_NAMES[part]}.{rest}", f"{p}.{part}.{rest}")
     return f"{p}.{part}.{rest}"
 
 
