@@ -231,9 +231,11 @@ def test_scratch_rows_are_never_handed_out_nor_moved(model_factory):
 def test_capture_blockers_name_the_host_syncs(model_factory, monkeypatch):
     moe = LLM(model_factory("jamba")[0]).engine  # 4 experts top-2 on even layers, attention
     mamba2 = LLM(model_factory("mamba2")[0]).engine
+    kimi = LLM(model_factory("kimi_linear")[0]).engine  # MLA's absorbed decode, KDA, grouped routing
     cpu = torch.device("cpu")
     monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")  # as on CUDA: MoE dispatch syncs nothing there
     assert capture_blockers(moe.model, cpu) == []
+    assert capture_blockers(kimi.model, cpu) == []
     monkeypatch.delenv("SPLITSERVE_FORCE_TRITON")
     monkeypatch.setenv("SPLITSERVE_DISABLE_TRITON", "1")
     assert any("context_lens.max()" in r for r in capture_blockers(moe.model, cpu))
@@ -246,7 +248,7 @@ def test_capture_blockers_name_the_host_syncs(model_factory, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["llama", "mamba2", "lfm2", "jamba", "qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("name", ["llama", "mamba2", "lfm2", "jamba", "qwen3_next", "nemotron_h", "kimi_linear"])
 def test_graph_replay_equals_eager_on_cuda(model_factory, name):
     path, _ = model_factory(name)
     llm = decoding_engine(path, 5, device="cuda")
@@ -287,7 +289,7 @@ def test_uncapturable_model_decodes_eagerly_on_cuda(model_factory, monkeypatch):
 BF16_MARGIN = 0.125
 
 
-@pytest.mark.parametrize("name", ["jamba", "mamba2"])
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "kimi_linear"])
 def test_bf16_engine_agrees_with_bf16_transformers(model_factory, name):
     path, hf = model_factory(name)
     hf16 = copy.deepcopy(hf).to(torch.bfloat16)
