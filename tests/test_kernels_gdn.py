@@ -18,7 +18,7 @@ import torch
 from tests.kernel_support import DEVICE, NAN, enter_kernel_mode, requires_triton, strided  # first: it sets Triton's mode
 from engine.kernels import gdn_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_rule_ref, gated_delta_step_ref
-from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
+from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_scan_triton, gated_delta_step_triton
 
 
 @pytest.fixture
@@ -116,6 +116,26 @@ def test_chunk_gated_delta_rule_kernel_empty(kernel_mode):
     assert got_o.shape == (0, 2, 4) and torch.equal(got_h, h0) and got_h.data_ptr() != h0.data_ptr()
 
 
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim,per_channel,dtype", [
+    (1, 1, 2, 4, 8, True, torch.float32),       # one token
+    (37, 1, 3, 6, 5, True, torch.float32),      # Hk < Hv, odd sizes
+    (45, 2, 4, 17, 70, True, torch.bfloat16),   # two dv blocks, dk past 16
+    (20, 2, 2, 8, 8, False, torch.float32),     # a per-head decay through the same kernel
+])
+def test_gated_delta_scan_kernel(kernel_mode, length, k_heads, heads, k_dim, v_dim, per_channel, dtype):
+    """The token-by-token Triton prefill (a decay per key channel's Triton path) against the definition."""
+    q, k, v, g, beta, h0 = _rule_inputs(length, k_heads, heads, k_dim, v_dim, dtype, g_max=3.0, per_channel=per_channel)
+    h0_before = h0.clone()
+    want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    got_o, got_h = gated_delta_scan_triton(q, k, v, g, beta, h0)
+    assert got_o.dtype == got_h.dtype == torch.float32
+    torch.testing.assert_close(got_o, want_o, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_h, want_h, atol=1e-4, rtol=1e-4)
+    assert torch.equal(h0, h0_before), "h0 (a view of the state pool in the engine) changed"
+
+
 # ---------------------------------------------------------------- dispatch
 
 @pytest.mark.triton
@@ -126,15 +146,16 @@ def test_public_gdn_functions_route_their_arguments(kernel_mode, monkeypatch):
     pool, slots = torch.randn(4, 4, 6, 8, device=DEVICE), torch.tensor([2, 0], device=DEVICE)
     step = _rule_inputs(2, 2, 4, 6, 8)[:5]
     rule = _rule_inputs(11, 2, 4, 6, 8)
+    per_channel = _rule_inputs(11, 2, 4, 6, 8, per_channel=True)
     calls = []
-    for name in ("gated_delta_step_triton", "chunk_gated_delta_rule_triton"):
+    for name in ("gated_delta_step_triton", "chunk_gated_delta_rule_triton", "gated_delta_scan_triton"):
         kernel = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _k=kernel, _n=name, **kw: calls.append(_n) or _k(*a, **kw))
 
     def run_all():
         p = pool.clone()
         o = kernels.gated_delta_step(p, slots, *step)
-        return [o, p, *kernels.chunk_gated_delta_rule(*rule, 4)]
+        return [o, p, *kernels.chunk_gated_delta_rule(*rule, 4), *kernels.chunk_gated_delta_rule(*per_channel, 4)]
 
     monkeypatch.setenv("SPLITSERVE_DISABLE_TRITON", "1")
     want = run_all()
@@ -142,7 +163,7 @@ def test_public_gdn_functions_route_their_arguments(kernel_mode, monkeypatch):
     monkeypatch.delenv("SPLITSERVE_DISABLE_TRITON")
     monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")
     got = run_all()
-    assert calls == ["gated_delta_step_triton", "chunk_gated_delta_rule_triton"]
+    assert calls == ["gated_delta_step_triton", "chunk_gated_delta_rule_triton", "gated_delta_scan_triton"]
     for g, ref in zip(got, want):
         torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-5)
 

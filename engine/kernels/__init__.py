@@ -24,7 +24,7 @@ import torch
 from engine.kernels import _triton, cpu
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
-from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
+from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_scan_triton, gated_delta_step_triton
 from engine.kernels.mamba2_update import NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
@@ -132,9 +132,11 @@ def gated_delta_step(state, slots, q, k, v, g, beta):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
-    See engine.kernels.gdn_scan. A decay per key channel (g [L, Hv, dk]) has no Triton chunk
-    kernel: it runs the chunked reference on a GPU."""
-    if _prefill_scan_on_triton(v) and g.dim() == 2:
+    See engine.kernels.gdn_scan. A decay per key channel (g [L, Hv, dk]) takes the Triton
+    token-by-token scan where Triton is chosen (the chunked kernel is per head only)."""
+    if _prefill_scan_on_triton(v):
+        if g.dim() == 3:
+            return gated_delta_scan_triton(q, k, v, g, beta, h0)
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)

@@ -5,6 +5,9 @@ value head, block of dv columns) reads its slice of state[slot] ([dk, BLOCK_V]: 
 S are independent under the rule), L2-normalises q and k of the key head h // (Hv / Hk) in
 registers, applies one token and writes the slice back in the pool's dtype.
 
+`gated_delta_scan_triton` is `gated_delta_rule_ref` token by token in one launch, the state
+slice in registers: the Triton prefill for a decay per key channel (Kimi Delta Attention).
+
 `chunk_gated_delta_rule_triton` is `chunk_gated_delta_rule_ref` in three launches, with the
 same WY (UT transform) chunking as the module docstring of gdn_scan:
 1. per (chunk, value head): A[j, m] = beta_j D(j, m) k_j . k_m (m < j), T = (I + A)^-1 by
@@ -105,6 +108,64 @@ def _gdn_step_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
     tl.store(state, S.to(state_ptr.dtype.element_ty), mask=de_ok)
     o = tl.sum(S * q[:, None], axis=0)
     tl.store(out_ptr + row * out_stride_b + head * out_stride_h + e, o, mask=e_ok)
+
+
+# ---------------------------------------------------------------- prefill: token by token
+
+def gated_delta_scan_triton(q, k, v, g, beta, h0):
+    """`gated_delta_rule_ref` in one launch: a program per (value head, block of dv columns)
+    holds its [dk, BLOCK_V] slice of the state in registers and applies the rule token after
+    token (as the C++ scan does on a CPU). The prefill Triton path for a decay per key channel
+    (g [L, Hv, dk]: Kimi Delta Attention), which the chunked kernels below do not take; it also
+    takes a per-head g. h0 is read only. Returns o [L, Hv, dv] and the final state, float32."""
+    check_rule(q, k, v, g, beta, h0)
+    length, k_heads, k_dim = q.shape
+    heads, v_dim = v.shape[1:]
+    state = h0.float().clone().contiguous()  # a copy: h0 may be a view of the engine's state pool
+    out = _empty(length, heads, v_dim, device=v.device)
+    if length == 0:
+        return out, state
+    q, k, v = (unit_last_stride(t) for t in (q, k, v))
+    dk_pad = next_power_of_2(k_dim)
+    block_v = max(1, min(next_power_of_2(v_dim), 4096 // dk_pad, 64))
+    _gdn_scan_kernel[(heads, -(-v_dim // block_v))](
+        state, q, k, v, g, beta, out, length, k_dim, v_dim, heads // k_heads, float(k_dim) ** -0.5, L2_EPS,
+        state.stride(0), state.stride(1), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), g.stride(1), g.stride(2) if g.dim() == 3 else 0,
+        beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
+        DK_PAD=dk_pad, BLOCK_V=block_v,
+    )
+    return out, state
+
+
+@jit
+def _gdn_scan_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, length,
+                     k_dim, v_dim, heads_per_key, scale, eps, state_stride_h, state_stride_k,
+                     q_stride_l, q_stride_h, k_stride_l, k_stride_h, v_stride_l, v_stride_h,
+                     g_stride_l, g_stride_h, g_stride_k, beta_stride_l, beta_stride_h, out_stride_l, out_stride_h,
+                     DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    head = tl.program_id(0)
+    key_head = head // heads_per_key
+    d = tl.arange(0, DK_PAD)
+    e = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    d_ok = d < k_dim
+    e_ok = e < v_dim
+    de_ok = d_ok[:, None] & e_ok[None, :]
+    state = state_ptr + head * state_stride_h + d[:, None] * state_stride_k + e[None, :]
+    S = tl.load(state, mask=de_ok, other=0.0)
+    for t in range(0, length):
+        q = tl.load(q_ptr + t * q_stride_l + key_head * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * k_stride_l + key_head * k_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        v = tl.load(v_ptr + t * v_stride_l + head * v_stride_h + e, mask=e_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * g_stride_l + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * beta_stride_l + head * beta_stride_h).to(tl.float32)
+        S = S * tl.exp(g)[:, None]
+        predicted = tl.sum(S * k[:, None], axis=0)
+        S = S + k[:, None] * ((v - predicted) * beta)[None, :]
+        tl.store(out_ptr + t * out_stride_l + head * out_stride_h + e, tl.sum(S * q[:, None], axis=0), mask=e_ok)
+    tl.store(state, S, mask=de_ok)
 
 
 # ---------------------------------------------------------------- prefill: chunks of one sequence
