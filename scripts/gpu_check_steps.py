@@ -103,6 +103,9 @@ def step_kernels(dry_run: bool) -> dict:
     tests_ok, tests = (True, "not run (CI runs them under the interpreter)") if dry_run else _pytest(
         ["tests/test_kernels.py", "tests/test_kernels_mamba2.py", "tests/test_kernels_gdn.py",
          "tests/test_kernels_mamba1_scan.py", "tests/test_mla.py"], "triton", 90)
+    if not dry_run:  # torch's paged varlen prefill attention against its reference (CUDA only)
+        varlen_ok, varlen = _pytest(["tests/test_varlen_attention.py"], "gpu", 60)
+        tests_ok, tests = tests_ok and varlen_ok, f"{tests}; varlen prefill attention: {varlen}"
     device = _device(dry_run)
     peak = None if dry_run else kernels.copy_bandwidth_gbps(device)
     rows, failed = [], []

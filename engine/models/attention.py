@@ -1,8 +1,9 @@
 """Attention over a paged KV cache, for a varlen batch mixing prefills and decodes.
 
 Write-then-read: every step first stores its tokens' K and V into the sequence's blocks, then
-attends over the blocks. Prefill rows attend one sequence at a time (their queries are many);
-decode rows are gathered into one padded batch and attend together.
+attends over the blocks. Prefill rows attend all in one varlen call over the paged cache where
+that runs (engine.kernels.varlen_attention: CUDA in half precision), else one sequence at a time
+(their queries are many); decode rows are gathered into one padded batch and attend together.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import cpu, cpu_kernels_ready, native, paged_attention_decode, uses_cpu_kernel, uses_triton
+from engine.kernels import varlen_attention
+from engine.kernels.varlen_attention import VarlenRows
 from engine.kernels.decode_plan import ATTENTION, NORMED_ATTENTION, LayerPlan, Needs, all_cpu, pointer
 from engine.tp.group import TPGroup
 from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, span
@@ -178,17 +181,30 @@ class PagedAttention(nn.Module):
         flat_v.index_copy_(0, batch.kv_write_index, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
-        for row in batch.prefill_rows:
-            start, end = batch.query_starts[row], batch.query_starts[row + 1]
-            context = batch.context_lens[row]
-            if context == end - start:  # whole sequence in this step: no need to read the cache
-                keys, values = k[start:end], v[start:end]
-            else:
-                keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
-            out[start:end] = self._attend_one(q[start:end], keys, values, context)
+        if batch.prefill_rows and not self._prefills_in_one_call(q, batch, k_cache, v_cache, out):
+            for row in batch.prefill_rows:
+                start, end = batch.query_starts[row], batch.query_starts[row + 1]
+                context = batch.context_lens[row]
+                if context == end - start:  # whole sequence in this step: no need to read the cache
+                    keys, values = k[start:end], v[start:end]
+                else:
+                    keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
+                out[start:end] = self._attend_one(q[start:end], keys, values, context)
         if batch.decode_rows:
             out[batch.decode_tokens] = self._attend_decodes(q[batch.decode_tokens], k_cache, v_cache, batch)
         return out
+
+    def _prefills_in_one_call(self, q, batch: ForwardBatch, k_cache, v_cache, out) -> bool:
+        """Every prefill row in one varlen call over the paged cache, where it runs
+        (engine.kernels.varlen_attention: CUDA, half precision); False leaves them to the rows loop."""
+        if not varlen_attention.available(q, k_cache):
+            return False
+        rows = VarlenRows.of(batch)
+        o = varlen_attention.varlen_attention(q[rows.tokens], k_cache, v_cache, rows, self.scale, self.sliding_window)
+        if o is None:
+            return False
+        out[rows.tokens] = o
+        return True
 
     def _gather(self, k_cache, v_cache, block_table, context):
         blocks = block_table[: -(-context // k_cache.shape[1])]

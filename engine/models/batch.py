@@ -41,6 +41,9 @@ class ForwardBatch:
     # Where the decode rows' tokens sit: decode_token_index, or on CPU, when every token is a
     # decode row's, slice(None) (views and copies instead of a gather and a scatter per use).
     decode_tokens: torch.Tensor | slice = field(init=False)
+    # The prefill rows as one varlen attention call takes them (engine.kernels.varlen_attention),
+    # built by the first attention layer that asks and shared by the others.
+    varlen_rows: object | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
