@@ -89,10 +89,6 @@ class LLMEngine:
         self.eos_token_ids = list(self.spec.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
         profiled = config.gpu_memory_utilization is not None and config.device.startswith("cuda")
-        if profiled and self.tp is not None:
-            log.warning("gpu_memory_utilization is not applied to tensor-parallel engines yet: the cache is "
-                        "cache_memory_bytes (%d) per rank", config.cache_memory_bytes)
-            profiled = False
         cache_bytes = self._profiled_cache_bytes() if profiled else config.cache_memory_bytes
         try:
             sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
@@ -121,24 +117,43 @@ class LLMEngine:
 
     def _profiled_cache_bytes(self) -> int:
         """What the device has left for the cache (gpu_memory_utilization) after the weights and
-        a profile of the largest step."""
+        a profile of the largest step, on every rank's device (the smallest budget sizes all)."""
         config = self.config
-        import torch
-
         from engine import memory_profile
 
         tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        memory = memory_profile.measure(self.model, self.spec, config.torch_dtype, config.block_size, tokens,
-                                        torch.device(config.device))
-        budget = memory_profile.cache_budget(memory, config.gpu_memory_utilization)
-        log.info("gpu_memory_utilization %.2f: %.2f GiB for the cache (device %.1f GiB, weights and peak step "
-                 "%.2f GiB)", config.gpu_memory_utilization, budget / 2**30, memory.total / 2**30,
-                 (memory.peak - memory.profile_cache) / 2**30)
+        memories = self.rank_memories(tokens, memory_profile.device_stats)
+        budget, rank = memory_profile.rank_budget(memories, config.gpu_memory_utilization)
+        memory = memories[rank]
+        log.info("gpu_memory_utilization %.2f: %.2f GiB for the cache%s (device %.1f GiB, weights and peak step "
+                 "%.2f GiB)", config.gpu_memory_utilization, budget / 2**30,
+                 f" on each of {len(memories)} ranks, rank {rank}'s the smallest" if len(memories) > 1 else "",
+                 memory.total / 2**30, (memory.peak - memory.profile_cache) / 2**30)
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: the weights and the largest "
                              f"step already take {(memory.peak - memory.profile_cache) / 2**30:.2f} GiB of "
                              f"{memory.total / 2**30:.1f} GiB; raise it or lower max_num_batched_tokens")
         return budget
+
+    def rank_memories(self, tokens: int, stats) -> list:
+        """engine.memory_profile.DeviceMemory of each rank (one here without tensor parallelism)
+        after the profile step of `tokens` tokens, run by every rank at once."""
+        import torch
+
+        from engine import memory_profile
+
+        config = self.config
+
+        def mine():
+            return memory_profile.measure(self.model, self.spec, config.torch_dtype, config.block_size, tokens,
+                                          torch.device(config.device), stats=stats)
+        if self.tp is None:
+            return [mine()]
+        memory, answers = self.tp.ask_while(mine, "profile", tokens)
+        for rank, (ok, value) in enumerate(answers, start=1):
+            if not ok:
+                raise RuntimeError(f"tensor-parallel rank {rank}: the profile step failed: {value}")
+        return [memory, *(value for _, value in answers)]
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the engine is collected)."""

@@ -4,7 +4,9 @@ The cache gets  utilization x total memory  minus what is not ours (other proces
 context) minus what the model needs besides its cache: its weights and the peak of the
 largest step the scheduler may run (one prefill of max_num_batched_tokens tokens), measured by
 running that step once on a throwaway cache just big enough for it. CUDA graphs, captured
-later, take a little of the rest from their own pool.
+later, take a little of the rest from their own pool. A tensor-parallel engine runs the step on
+every rank at once (its collectives must meet) and sizes every rank's shard of the cache by the
+smallest budget (engine.tp.ranks: the "profile" command).
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ def measure(model, spec, dtype: torch.dtype, block_size: int, tokens: int, devic
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return DeviceMemory(total, free, allocated, peak, profile_cache)
+
+
+def device_stats(device: torch.device) -> tuple[int, int, int]:
+    """(free, total, allocated) of a CUDA device; zeros for a CPU one, which has no budget of its
+    own to size (CPU tensor-parallel ranks run the profile step only to keep in step)."""
+    return _cuda_stats(device) if device.type == "cuda" else (0, 0, 0)
+
+
+def rank_budget(memories: list[DeviceMemory], utilization: float) -> tuple[int, int]:
+    """(bytes each rank's cache may take, the rank that limits it): the ranks hold equal shards
+    of one cache, so the smallest budget over their devices sizes all of them."""
+    budgets = [cache_budget(m, utilization) for m in memories]
+    rank = min(range(len(budgets)), key=budgets.__getitem__)
+    return budgets[rank], rank
 
 
 def _cuda_stats(device: torch.device) -> tuple[int, int, int]:

@@ -4,8 +4,9 @@ Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower 
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
 order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
 ("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",);
-and ("xfer", op, ...), the one kind they answer: their own transport endpoint's calls for
-rank-to-rank hand-offs (engine.tp.rank_handoffs).
+and the two kinds they answer: ("xfer", op, ...), their own transport endpoint's calls for
+rank-to-rank hand-offs (engine.tp.rank_handoffs), and ("profile", tokens), the profile step of
+gpu_memory_utilization (engine.memory_profile), run with rank 0's.
 Their forwards meet rank 0's at every collective of the sharded layers (a process group of
 their own, gloo on CPU and NCCL on GPUs, so several engines can live in one process), and their
 caches only ever change by these commands, so rank r's cache is always rank 0's cache, sharded.
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 0.2
+ANSWERED = ("xfer", "profile")  # the commands a follower answers (TPLeader.ask)
 
 
 class StoreGroup(TPGroup):
@@ -208,9 +210,15 @@ class TPLeader:
         """Send a command every follower answers; their (ok, value or error text) in rank order
         (1..N-1). `each`: one more argument per follower (e.g. that rank's offer). Like send(),
         only from the thread that drives the engine: commands and answers share each socket."""
+        return self.ask_while(None, *command, each=each)[1]
+
+    def ask_while(self, mine, *command, each: list | None = None):
+        """ask(), with rank 0's own part `mine()` run between sending and reading the answers
+        (a command whose work meets in collectives); returns (what mine returned, answers)."""
         for rank in range(1, len(self._conns) + 1):
             full = command if each is None else (*command, each[rank - 1])
             self._send_to(rank, pickle.dumps(full, protocol=pickle.HIGHEST_PROTOCOL))
+        own = mine() if mine is not None else None
         answers = []
         for rank, conn in enumerate(self._conns, start=1):  # every answer is read: the sockets stay in step
             try:
@@ -218,7 +226,7 @@ class TPLeader:
             except (EOFError, OSError) as e:
                 self._lost(rank, e)
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({e})") from e
-        return answers
+        return own, answers
 
     def _send_to(self, rank: int, data: bytes) -> None:
         try:
@@ -284,7 +292,7 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
             if command[0] == "stop":
                 return
             answer = follower.obey(command)
-            if command[0] == "xfer":  # answered, even when it fails: rank 0 reads one answer per ask
+            if command[0] in ANSWERED:  # answered, even when it fails: rank 0 reads one answer per ask
                 conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
     finally:
         follower.endpoint.close()
@@ -312,6 +320,15 @@ class Follower:
         # allocates, must stay normal tensors that the transport's own threads may write in place.
         if kind == "xfer":
             return self.endpoint.handle(self.cache, *command[1:])
+        if kind == "profile":  # gpu_memory_utilization: the profile step, with rank 0's (its collectives)
+            from engine import memory_profile
+
+            try:
+                return True, memory_profile.measure(self.model, self.model.spec, self.torch_dtype, self.block_size,
+                                                    command[1], torch.device(self.device),
+                                                    stats=memory_profile.device_stats)
+            except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
+                return False, f"{type(error).__name__}: {error}"
         if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
             sizes, max_model_len = command[1:]
             self.cache = ModelCache(self.model.spec, sizes, self.block_size, self.torch_dtype, self.device)
