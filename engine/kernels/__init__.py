@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from engine.kernels import _triton, cpu
+from engine.kernels import _triton, cpu, fla_rule
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_scan_triton, gated_delta_step_triton
@@ -132,12 +132,16 @@ def gated_delta_step(state, slots, q, k, v, g, beta):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     """Gated DeltaNet prefill of one sequence from state h0; returns (o [L, Hv, dv], S_L [Hv, dk, dv]).
-    See engine.kernels.gdn_scan. A decay per key channel (g [L, Hv, dk]) takes the Triton
-    token-by-token scan where Triton is chosen (the chunked kernel is per head only)."""
+    See engine.kernels.gdn_scan. On CUDA, fla's chunked kernels where fla is installed
+    (engine.kernels.fla_rule); SPLITSERVE_FORCE_TRITON=1 picks ours instead (the A/B), where a
+    decay per key channel (g [L, Hv, dk]) takes the token-by-token scan (our chunked kernel is
+    per head only)."""
     if _prefill_scan_on_triton(v):
         if g.dim() == 3:
             return gated_delta_scan_triton(q, k, v, g, beta, h0)
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
+    if fla_rule.available(v):
+        return fla_rule.chunk_rule(q, k, v, g, beta, h0)
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)

@@ -1,0 +1,85 @@
+"""fla's chunked gated delta rule as the CUDA prefill of Gated DeltaNet and Kimi Delta Attention
+(engine.kernels.fla_rule).
+
+fla's chunked kernels do not run under Triton's interpreter, so on CPU a stand-in takes their
+place: it checks each call as fla documents its arguments (layouts, dtypes, the initial state,
+the scale and the in-kernel L2 norm) and computes the rule's definition; whole engines of the
+three families with this layer kind run through it, judged by transformers. On a GPU with fla
+installed, the kernels themselves are held to the definition.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import fla_rule
+from engine.kernels.gdn_scan import gated_delta_rule_ref
+from tests.oracle import judge_greedy
+
+
+def stand_in(name: str, calls: list):
+    def kernel(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        _, length, k_heads, k_dim = q.shape
+        heads, v_dim = v.shape[2:]
+        assert q.shape == k.shape and q.is_contiguous() and k.is_contiguous() and v.shape[:2] == (1, length)
+        assert heads % k_heads == 0
+        assert g.dtype == torch.float32 and g.shape == ((1, length, heads, k_dim) if name == "kda" else (1, length, heads))
+        assert beta.shape == (1, length, heads) and beta.dtype == v.dtype
+        assert initial_state.dtype == torch.float32 and initial_state.shape == (1, heads, k_dim, v_dim)
+        assert scale == k_dim ** -0.5 and output_final_state and use_qk_l2norm_in_kernel
+        calls.append(name)
+        o, state = gated_delta_rule_ref(q[0], k[0], v[0], g[0], beta[0].float(), initial_state[0])
+        return o.to(v.dtype)[None], state[None]
+    return kernel
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "olmo_hybrid", "kimi_linear"])
+def test_engines_through_fla_match_transformers(model_factory, monkeypatch, name):
+    path, hf = model_factory(name)
+    calls: list[str] = []
+    monkeypatch.setattr(fla_rule, "_kernels", (stand_in("gated_delta_rule", calls), stand_in("kda", calls)))
+    monkeypatch.setattr(fla_rule, "available", lambda v: True)
+    llm = LLM(path, block_size=4, max_num_batched_tokens=16)  # chunked: later pieces start from the slot
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 7, 40)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        judge_greedy(hf, prompt, out.token_ids)
+    assert set(calls) == {"kda" if name == "kimi_linear" else "gated_delta_rule"}
+    assert len(calls) >= 2 * 3  # every prefill piece of every linear-attention layer
+
+
+def test_without_fla_the_own_paths_run(monkeypatch):
+    monkeypatch.setattr(fla_rule, "_kernels", False)
+    assert not fla_rule.available(torch.zeros(1))
+    monkeypatch.setattr(fla_rule, "_kernels", (None, None))
+    assert not fla_rule.available(torch.zeros(1))  # a CPU tensor: never fla
+    monkeypatch.setenv("SPLITSERVE_DISABLE_FLA", "1")
+    if torch.cuda.is_available():
+        assert not fla_rule.available(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gated-deltanet", "kda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("length,k_heads,heads,k_dim,v_dim", [(300, 16, 32, 128, 128), (1, 2, 4, 64, 64),
+                                                              (130, 4, 4, 128, 128)])
+def test_fla_matches_the_definition_on_cuda(per_channel, dtype, length, k_heads, heads, k_dim, v_dim):
+    if not fla_rule.available(torch.zeros(1, device="cuda")):
+        pytest.skip("fla is not installed")
+    torch.manual_seed(length + heads)
+    q, k = (torch.randn(length, k_heads, k_dim, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(length, heads, v_dim, device="cuda", dtype=dtype)
+    g = -torch.rand(length, heads, *((k_dim,) if per_channel else ()), device="cuda")
+    beta = torch.rand(length, heads, device="cuda").to(dtype).float()
+    h0 = torch.randn(heads, k_dim, v_dim, device="cuda")
+    got_o, got_h = fla_rule.chunk_rule(q, k, v, g, beta, h0)
+    want_o, want_h = gated_delta_rule_ref(q, k, v, g, beta, h0)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(got_o, want_o, **tol)
+    torch.testing.assert_close(got_h, want_h, **tol)
