@@ -19,7 +19,8 @@ from tests.host_reads import no_host_reads
 from tests.oracle import judge_greedy
 
 FAMILIES = ["jamba", "mamba", "llama", "mistral_mqa_window", "mamba2", "bamba", "granitemoehybrid",
-            "nemotron_h", "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2"]
+            "nemotron_h", "nemotron_h_latent", "falcon_h1", "zamba2", "qwen3_next", "lfm2", "lfm2_moe", "olmo_hybrid",
+            "kimi_linear"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
