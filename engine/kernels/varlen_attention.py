@@ -71,12 +71,14 @@ class VarlenRows:
 
 
 def _torch_varlen():
-    """torch's paged varlen attention, or None where this torch has none that takes a block table."""
+    """torch's paged varlen attention, or None where this torch has none that takes a block
+    table, GQA, a window and a scale."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn if "block_table" in inspect.signature(varlen_attn).parameters else None
+    takes = set(inspect.signature(varlen_attn).parameters)
+    return varlen_attn if {"block_table", "seqused_k", "enable_gqa", "window_size", "scale"} <= takes else None
 
 
 _kernel = _torch_varlen()
@@ -125,7 +127,7 @@ def varlen_attention(q, k_cache, v_cache, rows: VarlenRows, scale: float, window
                        window_size=(-1 if window is None else window - 1, 0),
                        enable_gqa=q.shape[1] != k_cache.shape[2], seqused_k=rows.seqused_k,
                        block_table=rows.block_table)
-    except (RuntimeError, ValueError, NotImplementedError) as error:
+    except (RuntimeError, ValueError, TypeError, NotImplementedError) as error:
         _refused[key] = f"{type(error).__name__}: {error}"
         log.warning("varlen prefill attention unavailable for %s (%s); prefill rows attend one by one", key, error)
         return None
