@@ -53,6 +53,22 @@ def test_engines_through_fla_match_transformers(model_factory, monkeypatch, name
     assert len(calls) >= 2 * 3  # every prefill piece of every linear-attention layer
 
 
+def test_a_shape_fla_refuses_falls_back_to_the_reference_once(model_factory, monkeypatch):
+    path, hf = model_factory("qwen3_next")
+    tries = []
+
+    def refuses(*args, **kwargs):
+        tries.append(1)
+        raise AssertionError("K must be at most 256")
+    monkeypatch.setattr(fla_rule, "_kernels", (refuses, refuses))
+    monkeypatch.setattr(fla_rule, "_refused", {})
+    monkeypatch.setattr(fla_rule, "available", lambda v: True)
+    prompt = [4, 9, 16, 25, 36]
+    out = LLM(path, block_size=4).generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    judge_greedy(hf, prompt, out.token_ids)
+    assert len(tries) == 1 and len(fla_rule._refused) == 1
+
+
 def test_without_fla_the_own_paths_run(monkeypatch):
     monkeypatch.setattr(fla_rule, "_kernels", False)
     assert not fla_rule.available(torch.zeros(1))

@@ -140,8 +140,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
         if g.dim() == 3:
             return gated_delta_scan_triton(q, k, v, g, beta, h0)
         return chunk_gated_delta_rule_triton(q, k, v, g, beta, h0, chunk_size)
-    if fla_rule.available(v):
-        return fla_rule.chunk_rule(q, k, v, g, beta, h0)
+    if fla_rule.available(v) and (done := fla_rule.chunk_rule(q, k, v, g, beta, h0)) is not None:
+        return done
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)

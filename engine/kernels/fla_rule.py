@@ -13,11 +13,14 @@ reference. Without fla, or with SPLITSERVE_DISABLE_FLA=1, the caller's own paths
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+log = logging.getLogger(__name__)
 _kernels = None  # (chunk_gated_delta_rule, chunk_kda) once imported; False when fla is absent
+_refused: dict[tuple, str] = {}  # (device, dtype, dk, dv, per channel) -> why fla turned it down
 
 
 def _load():
@@ -38,15 +41,24 @@ def available(v: torch.Tensor) -> bool:
             and os.environ.get("SPLITSERVE_DISABLE_TRITON", "0") in ("", "0") and bool(_load()))
 
 
-def chunk_rule(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_rule(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One sequence's prefill. q, k: [L, Hk, dk]; v: [L, Hv, dv]; g: [L, Hv] (per head) or
     [L, Hv, dk] (per key channel), float32 log decays; beta: [L, Hv]; h0: [Hv, dk, dv] (read only).
-    Returns o [L, Hv, dv] and the final state [Hv, dk, dv], both float32."""
+    Returns o [L, Hv, dv] and the final state [Hv, dk, dv], both float32; None where fla turned
+    this shape down (remembered and logged once: the caller's own path serves it)."""
+    key = (str(v.device), v.dtype, q.shape[-1], v.shape[-1], g.dim() == 3)
+    if key in _refused:
+        return None
     gated_delta_rule, kda = _load()
     kernel = kda if g.dim() == 3 else gated_delta_rule
     dtype = v.dtype
-    o, state = kernel(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
-                      g.float().contiguous()[None], beta.to(dtype).contiguous()[None],
-                      scale=q.shape[-1] ** -0.5, initial_state=h0.float().contiguous()[None],
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)
+    try:
+        o, state = kernel(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
+                          g.float().contiguous()[None], beta.to(dtype).contiguous()[None],
+                          scale=q.shape[-1] ** -0.5, initial_state=h0.float().contiguous()[None],
+                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError) as error:
+        _refused[key] = f"{type(error).__name__}: {error}"
+        log.warning("fla's chunked rule unavailable for %s (%s); the reference serves it", key, error)
+        return None
     return o[0].float(), state[0].float()
