@@ -66,10 +66,26 @@ class LazyKernel:
                 f"Triton was imported with TRITON_INTERPRET={'0' if interpreting() else '1'} and "
                 f"it is now {os.environ.get('TRITON_INTERPRET')!r}; set it before anything imports triton")
         if self._kernel is None:
-            self.fn.__globals__["tl"] = triton.language
+            names = self.fn.__globals__
+            names["tl"] = triton.language
+            for name, value in list(names.items()):  # the device functions it may call, wrapped first
+                if isinstance(value, LazyDeviceFunction):
+                    names[name] = triton.jit(value.fn)
             self._kernel = triton.jit(self.fn)
         return self._kernel[grid]
 
 
+class LazyDeviceFunction:
+    """A function kernels of its module call on the device; wrapped with triton.jit by the first
+    kernel of that module that launches."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
 def jit(fn) -> LazyKernel:
     return LazyKernel(fn)
+
+
+def device_function(fn) -> LazyDeviceFunction:
+    return LazyDeviceFunction(fn)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels._triton import device_function, jit, next_power_of_2, tl, unit_last_stride
 from engine.kernels.gdn_scan import L2_EPS, check_rule, check_step
 
 MAX_CHUNK = 64
@@ -93,21 +93,28 @@ def _gdn_step_kernel(state_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
              + d[:, None] * state_stride_k + e[None, :])
 
     S = tl.load(state, mask=de_ok, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + row * q_stride_b + key_head * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + row * k_stride_b + key_head * k_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + row * q_stride_b + key_head * q_stride_h + d, mask=d_ok, other=0.0)
+    k = tl.load(k_ptr + row * k_stride_b + key_head * k_stride_h + d, mask=d_ok, other=0.0)
+    v = tl.load(v_ptr + row * v_stride_b + head * v_stride_h + e, mask=e_ok, other=0.0)
+    # One decay per key row of S: per channel, or the head's one (g_stride_k 0) on every row.
+    g = tl.load(g_ptr + row * g_stride_b + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0)
+    beta = tl.load(beta_ptr + row * beta_stride_b + head * beta_stride_h)
+    S, o = _rule_token(S, q, k, v, g, beta, scale, eps)
+    tl.store(state, S.to(state_ptr.dtype.element_ty), mask=de_ok)
+    tl.store(out_ptr + row * out_stride_b + head * out_stride_h + e, o, mask=e_ok)
+
+
+@device_function
+def _rule_token(S, q, k, v, g, beta, scale, eps):
+    """One token of the rule on a [dk, BLOCK_V] slice of S (float32): q and k L2-normalised and
+    q scaled here, S decayed row by row by exp(g), the delta written. Returns (S, o [BLOCK_V])."""
+    q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-    v = tl.load(v_ptr + row * v_stride_b + head * v_stride_h + e, mask=e_ok, other=0.0).to(tl.float32)
-    # One decay per key row of S: per channel, or the head's one (g_stride_k 0) on every row.
-    g = tl.load(g_ptr + row * g_stride_b + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + row * beta_stride_b + head * beta_stride_h).to(tl.float32)
-
-    S = S * tl.exp(g)[:, None]
+    S = S * tl.exp(g.to(tl.float32))[:, None]
     predicted = tl.sum(S * k[:, None], axis=0)  # S^T k: [BLOCK_V]
-    S = S + k[:, None] * ((v - predicted) * beta)[None, :]
-    tl.store(state, S.to(state_ptr.dtype.element_ty), mask=de_ok)
-    o = tl.sum(S * q[:, None], axis=0)
-    tl.store(out_ptr + row * out_stride_b + head * out_stride_h + e, o, mask=e_ok)
+    S = S + k[:, None] * ((v - predicted) * beta.to(tl.float32))[None, :]
+    return S, tl.sum(S * q[:, None], axis=0)
 
 
 # ---------------------------------------------------------------- prefill: token by token
@@ -154,17 +161,13 @@ def _gdn_scan_kernel(state_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, l
     state = state_ptr + head * state_stride_h + d[:, None] * state_stride_k + e[None, :]
     S = tl.load(state, mask=de_ok, other=0.0)
     for t in range(0, length):
-        q = tl.load(q_ptr + t * q_stride_l + key_head * q_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * k_stride_l + key_head * k_stride_h + d, mask=d_ok, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-        v = tl.load(v_ptr + t * v_stride_l + head * v_stride_h + e, mask=e_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t * g_stride_l + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * beta_stride_l + head * beta_stride_h).to(tl.float32)
-        S = S * tl.exp(g)[:, None]
-        predicted = tl.sum(S * k[:, None], axis=0)
-        S = S + k[:, None] * ((v - predicted) * beta)[None, :]
-        tl.store(out_ptr + t * out_stride_l + head * out_stride_h + e, tl.sum(S * q[:, None], axis=0), mask=e_ok)
+        q = tl.load(q_ptr + t * q_stride_l + key_head * q_stride_h + d, mask=d_ok, other=0.0)
+        k = tl.load(k_ptr + t * k_stride_l + key_head * k_stride_h + d, mask=d_ok, other=0.0)
+        v = tl.load(v_ptr + t * v_stride_l + head * v_stride_h + e, mask=e_ok, other=0.0)
+        g = tl.load(g_ptr + t * g_stride_l + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0)
+        beta = tl.load(beta_ptr + t * beta_stride_l + head * beta_stride_h)
+        S, o = _rule_token(S, q, k, v, g, beta, scale, eps)
+        tl.store(out_ptr + t * out_stride_l + head * out_stride_h + e, o, mask=e_ok)
     tl.store(state, S, mask=de_ok)
 
 
