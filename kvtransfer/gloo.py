@@ -12,11 +12,11 @@ import contextlib
 import datetime
 import threading
 import time
-import uuid
 
 import torch
 import torch.distributed as dist
 
+from kvtransfer.doorbell import Doorbell, StoreHost, store_client
 from kvtransfer.errors import WireError, WireTimeoutError
 from kvtransfer.messages import GlooOffer
 from kvtransfer.receiver import HandoffReceiver
@@ -27,7 +27,6 @@ from kvtransfer.stream_channel import StreamSenderChannel, join_as_receiver, joi
 _IDLE_FOREVER = datetime.timedelta(days=365)
 _TAG_SPACE = 1 << 30
 RECEIVER_RANK, SENDER_RANK = 0, 1
-_CLOSED = b"closed"  # a doorbell value no header can be (headers are HEADER_BYTES long)
 
 
 class GlooPending:
@@ -45,44 +44,22 @@ class GlooPending:
 
 
 class GlooWire:
-    """A two-rank Gloo group plus a doorbell in the store.
+    """A two-rank Gloo group plus the pair's doorbell (kvtransfer.doorbell): an idle receiver
+    sleeps on the doorbell, never in a Gloo wait (which abort() could not end)."""
 
-    A Gloo wait can be neither cancelled (abort() leaves it hanging) nor timed out without
-    closing the pair, so an idle receiver must not sit in one. It sleeps on a store key
-    instead: the sender rings with each request's header as the key's value, and close()
-    rings it to wake the thread.
-    """
-
-    def __init__(self, group: dist.ProcessGroupGloo, store: dist.Store, waiting_store: dist.Store, rank: int):
+    def __init__(self, group: dist.ProcessGroupGloo, doorbell: Doorbell, rank: int):
         self.device = torch.device("cpu")
         self._group, self._peer = group, 1 - rank
-        self._doorbell = dist.PrefixStore("doorbell/", store)
-        # A TCPStore client holds its lock through a wait, so the waiting side needs a
-        # connection of its own or nobody could ring (close() included) while it sleeps.
-        self._doorbell_waiter = dist.PrefixStore("doorbell/", waiting_store)
+        self._doorbell = doorbell
         self._send_seq = self._recv_seq = 0
-        self._rung = self._answered = 0
         self.aborted = False
 
     def announce(self, header: torch.Tensor) -> None:
-        self._rung += 1
-        self._doorbell.set(str(self._rung), header.numpy().tobytes())
+        self._doorbell.ring(header)
 
     def await_announcement(self) -> torch.Tensor | None:
         """Sleep until the peer announces the next request (its header) or the wire is closed (None)."""
-        if self._answered:  # the previous ring, deleted now rather than on that request's path
-            self._doorbell_waiter.delete_key(str(self._answered))
-        key = str(self._answered + 1)
-        while not self.aborted:
-            try:
-                value = self._doorbell_waiter.get(key)  # one call: blocks until rung (or the store's timeout)
-            except RuntimeError:  # nap over: look at the aborted flag again
-                continue
-            self._answered += 1
-            if value == _CLOSED or self.aborted:
-                return None
-            return torch.frombuffer(bytearray(value), dtype=torch.uint8)
-        return None
+        return None if self.aborted else self._doorbell.wait()
 
     def send(self, tensors: list[torch.Tensor]) -> GlooPending:
         return GlooPending([self._send_one(t) for t in tensors])
@@ -120,8 +97,7 @@ class GlooWire:
         if self.aborted:
             return
         self.aborted = True
-        with contextlib.suppress(Exception):
-            self._doorbell.set(str(max(self._rung, self._answered) + 1), _CLOSED)  # wakes whichever side waits
+        self._doorbell.close()  # wakes whichever side waits
         with contextlib.suppress(Exception):
             self._group.abort()
         # Destroy the group now, while the interpreter is alive: destroyed during interpreter
@@ -136,34 +112,28 @@ def _pair_group(store: dist.Store, rank: int, host: str) -> dist.ProcessGroupGlo
     return dist.ProcessGroupGloo(dist.PrefixStore("group/", store), rank, 2, options)
 
 
-def _store_client(host: str, port: int, prefix: str, config) -> dist.Store:
-    timeout = datetime.timedelta(seconds=config.connect_timeout_s)
-    return dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout=timeout))
-
-
 class GlooReceiver(HandoffReceiver):
     transport = "gloo"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._store: dist.TCPStore | None = None
+        self._stores = StoreHost(self.config.advertise_host, self.config.connect_timeout_s)
 
     def accept(self, peer: str) -> GlooOffer:
-        timeout = datetime.timedelta(seconds=self.config.connect_timeout_s)
-        if self._store is None:
-            self._store = dist.TCPStore(self.config.advertise_host, 0, None, True, timeout=timeout, wait_for_workers=False)
-        prefix = f"kvtransfer/{self.name}/{peer}/{uuid.uuid4().hex}/"
+        prefix = self._stores.new_prefix(self.name, peer)
+        port = self._stores.port
         joiner = threading.Thread(target=self._join, args=(peer, prefix), name=f"kvtransfer-accept-{peer}", daemon=True)
         joiner.start()
-        return GlooOffer(self.name, self.config.advertise_host, self._store.port, prefix)
+        return GlooOffer(self.name, self.config.advertise_host, port, prefix)
 
     def _join(self, peer: str, prefix: str) -> None:
         def make_wire():
             # Rendezvous, then doorbell waits, on a connection of this pair's own; rings (only
             # close() rings here) go through the master's, which no one blocks on.
-            waiting_store = _store_client(self.config.advertise_host, self._store.port, prefix, self.config)
+            waiting_store = self._stores.client(prefix)
             group = _pair_group(waiting_store, RECEIVER_RANK, self.config.advertise_host)
-            return GlooWire(group, dist.PrefixStore(prefix, self._store), waiting_store, RECEIVER_RANK)
+            doorbell = Doorbell(dist.PrefixStore(prefix, self._stores.master()), waiting_store)
+            return GlooWire(group, doorbell, RECEIVER_RANK)
 
         join_as_receiver(self, peer, make_wire)
 
@@ -174,6 +144,6 @@ class GlooSender(HandoffSender):
     def _open_channel(self, peer: str, offer: GlooOffer) -> StreamSenderChannel:
         if not isinstance(offer, GlooOffer) or offer.receiver != peer:
             raise ValueError(f"expected a GlooOffer from receiver {peer!r}, got {offer!r}")
-        store = _store_client(offer.host, offer.port, offer.prefix, self.config)
-        wire = GlooWire(_pair_group(store, SENDER_RANK, self.config.advertise_host), store, store, SENDER_RANK)
+        store = store_client(offer.host, offer.port, offer.prefix, self.config.connect_timeout_s)
+        wire = GlooWire(_pair_group(store, SENDER_RANK, self.config.advertise_host), Doorbell(store), SENDER_RANK)
         return join_as_sender(self, peer, wire)

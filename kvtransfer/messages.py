@@ -67,6 +67,9 @@ class NcclOffer:
     receiver: str
     unique_id: bytes = field(repr=False)
     device_uuid: str = ""  # the receiver's GPU: a sender on the same one is refused (NCCL would be)
+    host: str = ""  # the receiver's store, where the pair's doorbell rings (kvtransfer.doorbell)
+    port: int = 0
+    prefix: str = ""
 
 
 @dataclass(frozen=True)

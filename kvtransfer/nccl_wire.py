@@ -1,5 +1,12 @@
 """NCCL transport: GPU workers, the stream protocol of stream_channel over a pairwise communicator.
 
+No receive is posted for an idle peer: each request's header rides the pair's doorbell
+(kvtransfer.doorbell, a key in the receiver's TCP store), and the receiver posts that request's
+receives only once it has read the header, as the sender posts its sends only after ringing.
+A posted NCCL receive is a kernel waiting on the GPU: kept posted while idle, any device-wide
+synchronisation in the process (an allocator retry, `empty_cache`) would wait for the next
+hand-off.
+
 Each pair has its own two-rank communicator (receiver rank 0, sender rank 1) and its own
 CUDA streams on each side (one for NCCL, one for packing/scattering), so transfers never
 queue behind compute. Ordering against
@@ -15,9 +22,11 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
+from kvtransfer.doorbell import Doorbell, StoreHost, store_client
 from kvtransfer.errors import WireError, WireTimeoutError
-from kvtransfer.messages import HEADER_BYTES, NcclOffer
+from kvtransfer.messages import NcclOffer
 from kvtransfer.nccl import IN_PROGRESS, NcclCommunicator, load_library
 from kvtransfer.receiver import HandoffReceiver
 from kvtransfer.sender import HandoffSender
@@ -45,8 +54,9 @@ class NcclPending:
 
 
 class NcclWire:
-    def __init__(self, comm: NcclCommunicator, rank: int):
+    def __init__(self, comm: NcclCommunicator, rank: int, doorbell: Doorbell):
         self.device = comm.device
+        self._doorbell = doorbell
         self.comm, self._peer = comm, 1 - rank
         self.stream = torch.cuda.Stream(self.device)  # NCCL kernels only
         # Packing and scattering run here, so a scatter never queues behind a posted receive
@@ -63,16 +73,13 @@ class NcclWire:
         if code not in (0, IN_PROGRESS):
             raise WireError(f"nccl: {self.comm.lib.error_string(code)}")
 
-    # An idle NCCL receive can be polled and cancelled: no doorbell, the header is a message.
-    def announce(self, header: torch.Tensor) -> NcclPending:
-        return self.send([header])
+    def announce(self, header: torch.Tensor) -> None:
+        self._doorbell.ring(header)
 
     def await_announcement(self) -> torch.Tensor | None:
-        if self.aborted:
-            return None
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=self.device)
-        self.recv([header]).wait(None)
-        return header
+        """The next request's header (on the host), or None once the wire is closed; no NCCL
+        call while waiting."""
+        return None if self.aborted else self._doorbell.wait()
 
     def _issue(self, outgoing: list[torch.Tensor], incoming: list[torch.Tensor]) -> NcclPending:
         with self._comm_lock, torch.cuda.device(self.device):
@@ -112,6 +119,7 @@ class NcclWire:
             if self.aborted:
                 return
             self.aborted = True
+            self._doorbell.close()
             try:
                 self.comm.abort()
             except Exception:  # the communicator is being discarded either way
@@ -134,14 +142,24 @@ def check_distinct_devices(sender: str, sender_uuid: str, receiver: str, receive
 class NcclReceiver(HandoffReceiver):
     transport, devices = "nccl", ("cuda",)
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stores = StoreHost(self.config.advertise_host, self.config.connect_timeout_s)
+
     def accept(self, peer: str) -> NcclOffer:
         unique_id = load_library().unique_id()
-        threading.Thread(target=self._join, args=(peer, unique_id), name=f"kvtransfer-nccl-accept-{peer}", daemon=True).start()
-        return NcclOffer(self.name, unique_id, device_uuid(self.cache.device))
+        prefix, port = self._stores.new_prefix(self.name, peer), self._stores.port
+        threading.Thread(target=self._join, args=(peer, unique_id, prefix), name=f"kvtransfer-nccl-accept-{peer}",
+                         daemon=True).start()
+        return NcclOffer(self.name, unique_id, device_uuid(self.cache.device), self.config.advertise_host, port, prefix)
 
-    def _join(self, peer: str, unique_id: bytes) -> None:
-        join_as_receiver(self, peer, lambda: NcclWire(
-            NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK))
+    def _join(self, peer: str, unique_id: bytes, prefix: str) -> None:
+        def make_wire():
+            # Doorbell waits on a connection of this pair's own; close() rings through the master's.
+            doorbell = Doorbell(dist.PrefixStore(prefix, self._stores.master()), self._stores.client(prefix))
+            return NcclWire(NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK, doorbell)
+
+        join_as_receiver(self, peer, make_wire)
 
 
 class NcclSender(HandoffSender):
@@ -151,5 +169,6 @@ class NcclSender(HandoffSender):
         if not isinstance(offer, NcclOffer) or offer.receiver != peer:
             raise ValueError(f"expected an NcclOffer from receiver {peer!r}, got {offer!r}")
         check_distinct_devices(self.name, device_uuid(self.cache.device), peer, offer.device_uuid)
-        wire = NcclWire(NcclCommunicator(offer.unique_id, SENDER_RANK, 2, self.cache.device), SENDER_RANK)
+        doorbell = Doorbell(store_client(offer.host, offer.port, offer.prefix, self.config.connect_timeout_s))
+        wire = NcclWire(NcclCommunicator(offer.unique_id, SENDER_RANK, 2, self.cache.device), SENDER_RANK, doorbell)
         return join_as_sender(self, peer, wire)

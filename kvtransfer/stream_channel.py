@@ -1,15 +1,15 @@
 """Hand-offs over a point-to-point message wire: the protocol shared by Gloo and NCCL.
 
 Per request, in order on the pair: a fixed header (request id, token and block counts,
-checksum of the destination rows; Gloo carries it in the doorbell that announces the
-request), then either one packed message per layer and a fixed trailer (status, first
-token), when the prefill was still running as the hand-off began and layers are
-pipelined, or else one message: all rows with the trailer at its end. Every message is a
-wait on each side, and under a busy engine thread each wait may cost a GIL hand-off. The sender
-packs its rows into a reused buffer; the receiver lands each segment in its own reused
-buffer and scatters it into the reserved rows only while the reservation is live. So a
-late or aborted stream can only ever write the channel's buffer, never a freed block,
-and the stream stays in step: a request the receiver no longer wants is drained.
+checksum of the destination rows) rung on the pair's doorbell (kvtransfer.doorbell: an idle
+receiver never waits in a receive on the wire), then either one packed message per layer and
+a fixed trailer (status, first token), when the prefill was still running as the hand-off
+began and layers are pipelined, or else one message: all rows with the trailer at its end.
+Every message is a wait on each side, and under a busy engine thread each wait may cost a GIL
+hand-off. The sender packs its rows into a reused buffer; the receiver lands each segment in
+its own reused buffer and scatters it into the reserved rows only while the reservation is
+live. So a late or aborted stream can only ever write the channel's buffer, never a freed
+block, and the stream stays in step: a request the receiver no longer wants is drained.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class Wire(Protocol):
 
     device: torch.device
 
-    def announce(self, header: torch.Tensor) -> Pending | None: ...  # sender: this request follows
+    def announce(self, header: torch.Tensor) -> None: ...  # sender: this request follows (host header)
     def await_announcement(self) -> torch.Tensor | None: ...  # receiver: the next header; None once closed
     def send(self, tensors: list[torch.Tensor]) -> Pending: ...
     def recv(self, tensors: list[torch.Tensor]) -> Pending: ...
@@ -182,7 +182,8 @@ class StreamSenderChannel:
         buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
         target = job.target
         header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), pipelined)
-        pending = [p for p in [self.wire.announce(header.encode().to(self.wire.device))] if p is not None]
+        self.wire.announce(header.encode())  # the doorbell: the receiver posts its receives once it reads this
+        pending = []
         src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens)  # none without blocks: no ids to split
         maps = request_maps(self.sender.layout, src_rows, job.src_slot, packed(rows), 0 if job.src_slot is not None else None)
         ok = True

@@ -127,3 +127,50 @@ def test_nccl_round_trip_between_two_gpus(pipelined):
     for i, (target, tokens, src_blocks, src_slot, first) in enumerate(jobs):
         assert results[f"g{i}"].ok and results[f"g{i}"].first_token == first
         assert landed_exactly(sender_cache, src_blocks, src_slot, receiver_cache, list(target[2]), target[3], tokens) == []
+
+
+def test_an_idle_nccl_receiver_waits_on_the_doorbell_not_in_a_receive(monkeypatch):
+    """The receiver learns of a hand-off from the header rung on the pair's doorbell and posts no
+    NCCL call while it waits; abort() on either side wakes it. Fake communicators record every
+    call, so this runs on CPU."""
+    import queue
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from kvtransfer.doorbell import Doorbell, StoreHost
+    from kvtransfer.messages import WireHeader
+    from kvtransfer.nccl_wire import RECEIVER_RANK, SENDER_RANK, NcclWire
+
+    calls = []
+
+    class RecordingComm:
+        device = torch.device("cpu")
+
+        def __getattr__(self, name):  # send, recv, group, abort, ...
+            return lambda *args, **kwargs: calls.append(name)
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)  # the wire's streams are not used here
+    stores = StoreHost("127.0.0.1", 5.0)
+    prefix = stores.new_prefix("D", "P")
+    receiver = NcclWire(RecordingComm(), RECEIVER_RANK, Doorbell(dist.PrefixStore(prefix, stores.master()), stores.client(prefix)))
+    sender = NcclWire(RecordingComm(), SENDER_RANK, Doorbell(stores.client(prefix)))
+    headers: queue.Queue = queue.Queue()
+    waiter = threading.Thread(target=lambda: [headers.put(receiver.await_announcement()) for _ in range(3)], daemon=True)
+    waiter.start()
+    time.sleep(0.3)
+    assert headers.empty() and calls == []  # idle: asleep on the doorbell, nothing posted
+
+    sent = [WireHeader("r1", 7, 2, 3, 99, False), WireHeader("r2", 40, 3, None, 5, True)]
+    for header in sent:
+        sender.announce(header.encode())
+    assert [WireHeader.decode(headers.get(timeout=5)) for _ in sent] == sent
+    assert calls == []  # the header is not an NCCL message either
+
+    sender.abort()  # the sender goes: the receiver wakes with no header
+    assert headers.get(timeout=5) is None
+    waiter.join(timeout=5)
+    assert calls == ["abort"]
+    receiver.abort()
+    assert receiver.await_announcement() is None  # a closed wire announces nothing, at once
