@@ -118,6 +118,26 @@ def nccl_version() -> tuple[int, int, int]:
     return load_library().version()
 
 
+LAUNCH_ORDER_ENV = "NCCL_LAUNCH_ORDER_IMPLICIT"
+
+
+def check_launch_order(tp_size: int, environ=os.environ) -> None:
+    """Refuse the one NCCL setting under which a tensor-parallel worker's hand-offs can deadlock.
+
+    A TP rank drives two communicators from two threads: its TP group from the thread that runs
+    the model, its hand-off pair from the channel thread, in orders that differ from rank to rank
+    (a header reaches each rank when it does). NCCL runs kernels of distinct communicators side by
+    side on their own streams, and our hand-off kernels are posted only for a hand-off whose peer
+    is posting too (kvtransfer.doorbell), so no kernel waits on one that cannot start. With
+    NCCL_LAUNCH_ORDER_IMPLICIT, NCCL instead runs one device's kernels in host launch order, which
+    deadlocks unless every device launches in one consistent order: here they do not."""
+    value = environ.get(LAUNCH_ORDER_ENV, "").strip()
+    if tp_size > 1 and value not in ("", "0"):
+        raise ValueError(f"{LAUNCH_ORDER_ENV}={value}: a tensor-parallel worker (tensor_parallel_size={tp_size}) "
+                         "drives its TP group and its NCCL hand-offs from different threads in orders that differ "
+                         "between ranks, which implicit launch ordering can deadlock; unset it (or set it to 0)")
+
+
 def nccl_dtype(dtype: torch.dtype) -> int:
     if dtype not in NCCL_DTYPES:
         raise TypeError(f"NCCL cannot send {dtype}; supported: {sorted(str(d) for d in NCCL_DTYPES)}")

@@ -174,3 +174,13 @@ def test_an_idle_nccl_receiver_waits_on_the_doorbell_not_in_a_receive(monkeypatc
     assert calls == ["abort"]
     receiver.abort()
     assert receiver.await_announcement() is None  # a closed wire announces nothing, at once
+
+
+def test_implicit_launch_order_is_refused_for_tensor_parallel_workers():
+    from kvtransfer.nccl import check_launch_order
+
+    for value in ("", "0"):
+        check_launch_order(4, {"NCCL_LAUNCH_ORDER_IMPLICIT": value})
+    check_launch_order(1, {"NCCL_LAUNCH_ORDER_IMPLICIT": "1"})  # one rank: one communicator per device
+    with pytest.raises(ValueError, match="NCCL_LAUNCH_ORDER_IMPLICIT=1: a tensor-parallel worker .*=2"):
+        check_launch_order(2, {"NCCL_LAUNCH_ORDER_IMPLICIT": "1"})

@@ -20,6 +20,7 @@ from engine.tp.ray_ranks import RayRanks
 from kvtransfer import make_transport
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import CacheTensors
+from kvtransfer.nccl import check_launch_order
 
 log = logging.getLogger(__name__)
 WORKER_SWITCH_INTERVAL_S = 0.0005
@@ -43,6 +44,8 @@ class WorkerBase:
         sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
         # tp_ranks: (placement group, bundle indices, cpus, gpus) for tensor-parallel ranks 1..N-1
         launcher = RayRanks(*tp_ranks) if tp_ranks is not None else None
+        if transport == "nccl":  # refused before the engine loads anything
+            check_launch_order({**engine_config, **engine_options}.get("tensor_parallel_size", 1))
         self.engine = engine = LLMEngine(EngineConfig(model=model, mode=mode, **engine_config,
                                                       **engine_options), launcher)
         if engine.tp is not None:
