@@ -166,16 +166,28 @@ class ModelRunner:
         if max_model_len is not None:
             width = min(width, -(-max_model_len // self.cache.block_size))
         self.block_tables = SlotBlockTables(self.cache.sizes.num_slots, width)
-        if self.device.type == "cuda" and not enforce_eager and tp is None:
+        if self.device.type == "cuda" and not enforce_eager:
             self.use_static_decode(capture=True)
 
     def use_static_decode(self, capture: bool) -> None:
         """Route decode-only steps through persistent padded buffers (engine.cuda_graphs), and
-        on CUDA capture a graph per padded size (any failure: logged, eager replays instead)."""
-        self.static = StaticDecode(self.model, self.cache, self.slots.num_slots,
-                                   self.block_tables.rows.shape[1], self.device)
-        if capture:
-            self.static.capture()
+        on CUDA capture a graph per padded size (any failure: logged, eager replays instead).
+        Tensor-parallel ranks all do the same at once: a step's collectives are in every rank's
+        warm-up and capture alike, and a rank that falls back to eager still runs them in the
+        same order as the graphs of the others."""
+        def mine():
+            self.static = StaticDecode(self.model, self.cache, self.slots.num_slots,
+                                       self.block_tables.rows.shape[1], self.device)
+            if capture:
+                self.static.capture()
+
+        if self.tp is None:
+            mine()
+            return
+        _, answers = self.tp.ask_while(mine, "static_decode", capture)
+        failed = [f"rank {rank}: {why}" for rank, (ok, why) in enumerate(answers, start=1) if not ok]
+        if failed:
+            raise RuntimeError(f"static decode buffers on tensor-parallel ranks: {'; '.join(failed)}")
 
     def build_batch(self, seqs: list[ScheduledSeq]) -> ForwardBatch:
         return self.device_batch(self.host_batch(seqs))
@@ -223,19 +235,18 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
+        host = None
         if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
-            if self.static.fits(host):
-                logits = self.static.run(host)
-            else:
-                logits = self.model(self.device_batch(host), self.cache.layers)
+        if host is not None and self.static.fits(host):
+            if self.tp is not None:  # every rank replays its own graph of this size
+                self.tp.send("static_step", host)
+            logits = self.static.run(host)
         else:
-            if self.tp is None:
-                batch = self.build_batch(seqs)
-            else:  # the other ranks build the same batch from the same host tensors
-                host = self.host_batch(seqs)
+            host = self.host_batch(seqs) if host is None else host
+            if self.tp is not None:  # the other ranks build the same batch from the same host tensors
                 self.tp.send("forward", host)
-                batch = self.device_batch(host)
+            batch = self.device_batch(host)
             plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
             logits = self.model(batch, self.cache.layers, plan)
             if batch.prompt_logprobs is not None:

@@ -159,3 +159,31 @@ def test_olmo_attention_whose_kv_heads_cannot_split_is_refused_by_name(tmp_path)
     tiny_hf_model(family, dict(config, num_key_value_heads=1), seed=3).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"layer 2 \(attention\).*k norm spans all 1 KV heads.*TP size 2"):
         LLM(str(tmp_path), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("family", ["jamba", "qwen3_next"])
+def test_static_decode_runs_on_every_rank(model_factory, family):
+    """Decode steps through the static padded buffers (the path CUDA graphs replay) on both ranks:
+    rank 0 sends each such step as ("static_step", host), which a follower without static buffers
+    of its own could not run; tokens equal the eager engine's and transformers' answer."""
+    path, hf = model_factory(family)
+    batch = prompts(2)
+    eager = LLM(path, tensor_parallel_size=2, block_size=4)
+    try:
+        expected = [o.token_ids for o in eager.generate(batch, GREEDY)]
+    finally:
+        eager.engine.close()
+    llm = LLM(path, tensor_parallel_size=2, block_size=4)
+    try:
+        runner = llm.engine.runner
+        runner.use_static_decode(capture=False)  # on CPU: the eager static path, on every rank
+        static_steps = []
+        run = runner.static.run
+        runner.static.run = lambda host: static_steps.append(len(host.phases)) or run(host)
+        outs = llm.generate(batch, GREEDY)
+        assert static_steps and max(static_steps) == len(batch)
+        assert [o.token_ids for o in outs] == expected
+        for prompt, out in zip(batch, outs):
+            judge_greedy(hf, prompt, out.token_ids)
+    finally:
+        llm.engine.close()

@@ -2,11 +2,13 @@
 
 Rank 0 is the engine (scheduler, sampler, hand-offs); ranks 1..N-1 are follower processes that
 hold their shard of the model and of the cache and do exactly what rank 0 tells them, in the
-order it tells them: ("forward", HostBatch), ("copy_state", pairs), ("poison", slot), a hand-off's
-("gather", blocks, slot) and ("scatter", shapes, blocks, slot) (engine.tp.staging), ("stop",);
-and the two kinds they answer: ("xfer", op, ...), their own transport endpoint's calls for
-rank-to-rank hand-offs (engine.tp.rank_handoffs), and ("profile", tokens), the profile step of
-gpu_memory_utilization (engine.memory_profile), run with rank 0's.
+order it tells them: ("forward", HostBatch), ("static_step", HostBatch) (a decode step on their
+static buffers or CUDA graph of its size, engine.cuda_graphs), ("copy_state", pairs), ("poison",
+slot), a hand-off's ("gather", blocks, slot) and ("scatter", shapes, blocks, slot)
+(engine.tp.staging), ("stop",); and the kinds they answer: ("xfer", op, ...), their own transport
+endpoint's calls for rank-to-rank hand-offs (engine.tp.rank_handoffs), ("profile", tokens), the
+profile step of gpu_memory_utilization (engine.memory_profile), and ("static_decode", capture),
+their static decode buffers and CUDA graphs, both run with rank 0's.
 Their forwards meet rank 0's at every collective of the sharded layers (a process group of
 their own, gloo on CPU and NCCL on GPUs, so several engines can live in one process), and their
 caches only ever change by these commands, so rank r's cache is always rank 0's cache, sharded.
@@ -38,7 +40,7 @@ log = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 300.0
 WATCH_INTERVAL_S = 0.2
-ANSWERED = ("xfer", "profile")  # the commands a follower answers (TPLeader.ask)
+ANSWERED = ("xfer", "profile", "static_decode")  # the commands a follower answers (TPLeader.ask)
 
 
 class StoreGroup(TPGroup):
@@ -329,6 +331,13 @@ class Follower:
                                                     stats=memory_profile.device_stats)
             except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
                 return False, f"{type(error).__name__}: {error}"
+        if kind == "static_decode":  # with rank 0's own: captures meet in the same collectives
+            try:
+                with torch.inference_mode():
+                    self.runner.use_static_decode(capture=command[1])
+                return True, self.runner.static.eager_reason
+            except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
+                return False, f"{type(error).__name__}: {error}"
         if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
             sizes, max_model_len = command[1:]
             self.cache = ModelCache(self.model.spec, sizes, self.block_size, self.torch_dtype, self.device)
@@ -344,6 +353,8 @@ class Follower:
         cache = self.cache
         if kind == "forward":
             self.model(self.runner.device_batch(args[0]), cache.layers)
+        elif kind == "static_step":
+            self.runner.static.run(args[0])
         elif kind == "copy_state":
             cache.copy_state(args[0])
         elif kind == "poison":
