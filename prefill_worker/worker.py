@@ -19,6 +19,7 @@ from engine.engine_thread import EngineThread
 from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
+from engine.staging import StagedSendPump
 from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankOffers
 from kvtransfer import HandoffResult, HandoffTarget
@@ -56,6 +57,8 @@ class PrefillWorker(WorkerBase):
         self._deferred: list[Handoff] = []  # waiting for staging rows
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
+        # GPU rows copied to host staging asynchronously: a thread feeds the wire as layers land
+        self.pump = StagedSendPump(name) if self.staging is not None and self.staging.copy_stream is not None else None
         self.thread = EngineThread(self.engine, self._on_outputs, self._ship, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
@@ -152,6 +155,8 @@ class PrefillWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.thread.stop()
+        if self.pump is not None:
+            self.pump.close()
         self.sender.close()
         if self.rank_handoffs is not None:
             self.rank_handoffs.close()
@@ -176,13 +181,13 @@ class PrefillWorker(WorkerBase):
             if target.ranks > 1 or target.receiver in self._rank_peers:
                 self._ship_by_rank(engine, handoff, target)
                 continue
-            blocks, slot = handoff.block_ids, handoff.slot
+            blocks, slot, copying = handoff.block_ids, handoff.slot, []
             if self.staging is not None:  # the wire reads staging rows (engine.staging)
                 staged = self.staging.take(handoff.request_id, len(blocks))
                 if staged is None:
                     self._deferred.append(handoff)
                     continue
-                self.staging.gather(staged, blocks, slot)
+                copying = self.staging.gather(staged, blocks, slot)  # layers still copying to the host
                 blocks, slot = staged.blocks, staged.slot
             self._shipped[handoff.request_id] = handoff
             slot = slot if self.cache_tensors.num_slots else None
@@ -191,7 +196,11 @@ class PrefillWorker(WorkerBase):
                     self._stall_next -= 1
                     self.sender.begin(target, handoff.num_tokens, blocks, slot)
                     continue
-                self.sender.send(target, handoff.num_tokens, blocks, slot, handoff.first_token)
+                if copying:  # the pump marks each layer ready as its copy lands, then finishes
+                    self.pump.submit(self.sender.begin(target, handoff.num_tokens, blocks, slot), copying,
+                                     handoff.first_token)
+                else:
+                    self.sender.send(target, handoff.num_tokens, blocks, slot, handoff.first_token)
             except Exception as e:
                 self._ship_failed(engine, handoff.request_id, e)
 

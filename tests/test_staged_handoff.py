@@ -8,6 +8,7 @@ token by transformers, and every staging row back in its pool afterwards.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 from decode_worker.worker import DecodeWorker
 from engine.output import Cumulative
 from engine.sampling_params import SamplingParams
-from engine.staging import FORCE_ENV, HandoffStaging, staging_device
+from engine.staging import FORCE_ENV, HOST_STAGING_REQUESTS, HandoffStaging, StagedSendPump, staging_device
 from prefill_worker.worker import PrefillWorker
 from tests.oracle import judge_greedy
 
@@ -64,9 +65,7 @@ def test_forced_staging_hands_off_exactly_and_frees_every_row(model_factory, mon
         for worker in (prefill, decode):  # nothing held: every row back in the pool
             staging = worker.staging
             worker.thread.call(lambda engine: None).result(10)  # the loop has applied every result
-            assert not staging.held
-            assert len(staging.free_blocks) == staging.cache.sizes.num_blocks
-            assert len(staging.free_slots) == staging.cache.sizes.num_slots
+            assert not staging.held and len(staging.free_regions) == HOST_STAGING_REQUESTS
     finally:
         prefill.shutdown()
         decode.shutdown()
@@ -132,6 +131,84 @@ def test_where_staging_rows_live(model_factory, monkeypatch):
     assert staging_device(engine, ("cpu",)) == torch.device("cpu")
     staging = HandoffStaging(engine, "cpu", requests=3)
     assert staging.cache.sizes.num_slots == 3
-    assert staging.take("x", 2) is not None and staging.take("y", 2) is not None
+    x, y = staging.take("x", 2), staging.take("y", 3)
+    assert x.slot != y.slot and x.blocks == list(range(x.blocks[0], x.blocks[0] + 2))  # a region: contiguous
+    assert not set(x.blocks) & set(y.blocks)
     staging.give_back("x")
-    assert "x" not in staging.held and len(staging.free_slots) == 2
+    assert "x" not in staging.held and len(staging.free_regions) == 2
+
+
+class Copy:
+    """Stands in for a CUDA event on the copy stream."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def query(self) -> bool:
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        assert self.done.wait(10)
+
+
+def test_a_region_returns_only_once_its_last_copy_ran(model_factory):
+    """A hand-off given back while its asynchronous copy still runs (a failed send, a landing
+    whose host -> device copy is queued) keeps its region out of the pool until the copy is
+    done: a later request can never get rows a stale copy still writes or reads."""
+    from engine import LLM
+
+    path, _ = model_factory("jamba")
+    staging = HandoffStaging(LLM(path, **OPTIONS).engine, "cpu", requests=2)
+    a = staging.take("a", 2)
+    staging._last_copy["a"] = copy = Copy()  # what _mark records on a GPU
+    staging.give_back("a")
+    assert staging.take("b", 2) is not None and staging.take("c", 2) is None  # a's region still drains
+    copy.done.set()
+    c = staging.take("c", 2)
+    assert c is not None and c.region == a.region and c.slot == a.slot
+
+
+def test_the_pump_hands_each_layer_to_the_wire_once_its_copy_landed():
+    calls = []
+
+    class Handoff:
+        request_id = "r"
+
+        def layer_done(self, layer):
+            calls.append(("layer", layer))
+
+        def finish(self, token):
+            calls.append(("finish", token))
+
+        def abort(self, why):
+            calls.append(("abort", why))
+
+    pump = StagedSendPump("p")
+    try:
+        copies = [Copy(), Copy(), Copy()]
+        pump.submit(Handoff(), list(zip((0, 3, 5), copies)), 17)
+        time.sleep(0.1)
+        assert calls == []  # layer 0 is still copying
+        copies[0].done.set()
+        deadline = time.monotonic() + 5
+        while calls != [("layer", 0)]:
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.01)
+        copies[2].done.set()  # out of order: layer 5 waits for layer 3 all the same
+        time.sleep(0.1)
+        assert calls == [("layer", 0)]
+        copies[1].done.set()
+        while len(calls) < 4:
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.01)
+        assert calls == [("layer", 0), ("layer", 3), ("layer", 5), ("finish", 17)]
+
+        broken = Copy()
+        broken.synchronize = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        pump.submit(Handoff(), [(0, broken)], 1)
+        while len(calls) < 5:
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.01)
+        assert calls[-1] == ("abort", "staging copy failed: device lost")
+    finally:
+        pump.close()

@@ -82,8 +82,8 @@ def test_tp_sizes_hand_off_exactly(model_factory, family, sizes):
                 if out.finished:
                     final[out.request_id] = out
         judged_and_freed(hf, prompts, final, (prefill, decode))
-        for stage in (p_stage, d_stage):
-            assert stage is None or (not stage.held and len(stage.free_slots) == stage.cache.sizes.num_slots)
+        for stage, regions in ((p_stage, 2), (d_stage, 8)):
+            assert stage is None or (not stage.held and len(stage.free_regions) == regions)
     finally:
         prefill.close()
         decode.close()
