@@ -131,7 +131,7 @@ class HandoffStaging:
         source = self.engine.cache.handoff_tensors()
         marks = []
         with self._copying():  # every temporary below is the copy stream's: freed in its order
-            block_index = torch.tensor(blocks, dtype=torch.long).to(self.engine.cache.device)
+            block_index = self._ids(blocks)
             for i, ((_, layer, _, role, src), (*_, dst)) in enumerate(zip(source, self.cache.handoff_tensors())):
                 if role == BLOCK_ROLE:
                     rows = dst[staged.blocks[0]: staged.blocks[0] + len(blocks)] if blocks else dst[:0]
@@ -163,7 +163,7 @@ class HandoffStaging:
             return
         first = staged.blocks[0] if staged.blocks else 0
         with self._copying():
-            block_index = torch.tensor(blocks[:num_blocks], dtype=torch.long).to(device)
+            block_index = self._ids(blocks[:num_blocks])
             for (*_, role, src), (*_, dst) in zip(self.cache.handoff_tensors(), self.engine.cache.handoff_tensors()):
                 if role == BLOCK_ROLE:
                     dst.index_copy_(0, block_index, src[first: first + num_blocks].to(device, non_blocking=True))
@@ -184,6 +184,14 @@ class HandoffStaging:
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.copy_stream.device))
         with torch.cuda.stream(self.copy_stream):
             yield
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the engine's device without a host wait: a blocking copy would wait for
+        the copy stream, which waits for the engine's stream."""
+        index = torch.tensor(ids, dtype=torch.long)
+        if self.copy_stream is None:
+            return index.to(self.engine.cache.device)
+        return index.pin_memory().to(self.engine.cache.device, non_blocking=True)
 
     def _mark(self, staged: Staged) -> torch.cuda.Event | None:
         if self.copy_stream is None:
