@@ -33,7 +33,8 @@ from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
-__all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "copy_rows", "gather_rows", "gated_delta_step",
+__all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "chunk_gated_delta_rule_varlen", "copy_rows",
+           "gated_delta_varlen_available", "gather_rows", "gated_delta_step",
            "mamba2_state_update", "paged_attention_decode", "scatter_rows", "selective_scan_varlen",
            "selective_state_update", "ssd_chunk_scan", "triton_available", "cpu_kernels_enabled", "cpu_kernels_ready", "uses_cpu_kernel",
            "uses_triton"]
@@ -145,6 +146,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
     if uses_cpu_kernel(h0):  # the rule token by token: on a CPU, cheaper than the chunked form
         return cpu.gated_delta_rule_cpu(q, k, v, g, beta, h0)
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, h0, chunk_size)
+
+
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, h0, cu_seqlens):
+    """Every prefill row of a step in one call, their tokens back to back: h0 [N, Hv, dk, dv],
+    cu_seqlens [N + 1] int64 on the device; (o [T, Hv, dv], S [N, Hv, dk, dv]) float32. None
+    where no one-call kernel serves these tensors (fla absent or refusing, CPU, the Triton A/B):
+    the caller then runs chunk_gated_delta_rule per row."""
+    if not gated_delta_varlen_available(v):
+        return None
+    return fla_rule.chunk_rule_varlen(q, k, v, g, beta, h0, cu_seqlens)
+
+
+def gated_delta_varlen_available(v) -> bool:
+    """Whether chunk_gated_delta_rule_varlen may serve tensors like v (asked before packing them)."""
+    return not _prefill_scan_on_triton(v) and fla_rule.available(v)
 
 
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):

@@ -9,6 +9,9 @@ initial state. fla's chunked kernels do not run under Triton's interpreter, so C
 what this module does around them (shapes, dtypes, layouts, the state in and out) through a
 stand-in with their documented semantics; a GPU test holds the kernels themselves to the
 reference. Without fla, or with SPLITSERVE_DISABLE_FLA=1, the caller's own paths run.
+
+`chunk_rule_varlen` runs every prefill row of a step in one call (fla's `cu_seqlens`, one initial
+state per sequence), so a step's prefill costs one launch sequence per layer, not one per row.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _kernels = None  # (chunk_gated_delta_rule, chunk_kda) once imported; False when fla is absent
-_refused: dict[tuple, str] = {}  # (device, dtype, dk, dv, per channel) -> why fla turned it down
+_refused: dict[tuple, str] = {}  # (device, dtype, dk, dv, per channel, varlen) -> why fla turned it down
 
 
 def _load():
@@ -46,19 +49,32 @@ def chunk_rule(q, k, v, g, beta, h0) -> tuple[torch.Tensor, torch.Tensor] | None
     [L, Hv, dk] (per key channel), float32 log decays; beta: [L, Hv]; h0: [Hv, dk, dv] (read only).
     Returns o [L, Hv, dv] and the final state [Hv, dk, dv], both float32; None where fla turned
     this shape down (remembered and logged once: the caller's own path serves it)."""
-    key = (str(v.device), v.dtype, q.shape[-1], v.shape[-1], g.dim() == 3)
+    done = _call(q, k, v, g, beta, h0[None], None)
+    return None if done is None else (done[0], done[1][0])
+
+
+def chunk_rule_varlen(q, k, v, g, beta, h0, cu_seqlens) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """N sequences' prefill in one call: q, k, v, g, beta as chunk_rule's, their tokens back to
+    back ([T, ...]); h0 [N, Hv, dk, dv]; cu_seqlens [N + 1] int64 on the device. Returns o
+    [T, Hv, dv] and the final states [N, Hv, dk, dv], float32; None where fla turned it down."""
+    return _call(q, k, v, g, beta, h0, cu_seqlens)
+
+
+def _call(q, k, v, g, beta, h0, cu_seqlens):
+    key = (str(v.device), v.dtype, q.shape[-1], v.shape[-1], g.dim() == 3, cu_seqlens is not None)
     if key in _refused:
         return None
     gated_delta_rule, kda = _load()
     kernel = kda if g.dim() == 3 else gated_delta_rule
     dtype = v.dtype
+    varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
     try:
         o, state = kernel(q.contiguous()[None], k.contiguous()[None], v.contiguous()[None],
                           g.float().contiguous()[None], beta.to(dtype).contiguous()[None],
-                          scale=q.shape[-1] ** -0.5, initial_state=h0.float().contiguous()[None],
-                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+                          scale=q.shape[-1] ** -0.5, initial_state=h0.float().contiguous(),
+                          output_final_state=True, use_qk_l2norm_in_kernel=True, **varlen)
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError) as error:
         _refused[key] = f"{type(error).__name__}: {error}"
-        log.warning("fla's chunked rule unavailable for %s (%s); the reference serves it", key, error)
+        log.warning("fla's chunked rule unavailable for %s (%s); the caller's own path serves it", key, error)
         return None
-    return o[0].float(), state[0].float()
+    return o[0].float(), state.float()

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import chunk_gated_delta_rule, cpu, gated_delta_step, native, uses_cpu_kernel
+from engine.kernels import (chunk_gated_delta_rule, chunk_gated_delta_rule_varlen, cpu, gated_delta_step,
+                            gated_delta_varlen_available, native, uses_cpu_kernel)
 from engine.models.batch import ForwardBatch
 from engine.kernels.decode_plan import GATED_DELTANET, LayerPlan, Needs, all_cpu
 from engine.tp.group import TPGroup
@@ -139,20 +140,43 @@ class GatedDeltaNetMixer(nn.Module):
         beta, g = self.gates(b, a)
 
         out = torch.empty(tokens, self.num_v_heads, self.v_head_dim, dtype=torch.float32, device=hidden.device)
-        for row in batch.prefill_rows:
-            start, end = batch.query_starts[row], batch.query_starts[row + 1]
-            slot = batch.state_slots[row]
-            h0 = (torch.zeros(recurrent_state.shape[1:], device=hidden.device)
-                  if batch.phases[row] is Phase.FRESH_PREFILL else recurrent_state[slot])
-            out[start:end], h = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end],
-                                                       g[start:end], beta[start:end], h0, self.chunk_size)
-            recurrent_state[slot] = h.to(recurrent_state.dtype)
+        if batch.prefill_rows and not self._prefill_in_one_call(out, q, k, v, g, beta, batch, recurrent_state):
+            for row in batch.prefill_rows:
+                start, end = batch.query_starts[row], batch.query_starts[row + 1]
+                slot = batch.state_slots[row]
+                h0 = (torch.zeros(recurrent_state.shape[1:], device=hidden.device)
+                      if batch.phases[row] is Phase.FRESH_PREFILL else recurrent_state[slot])
+                out[start:end], h = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end],
+                                                           g[start:end], beta[start:end], h0, self.chunk_size)
+                recurrent_state[slot] = h.to(recurrent_state.dtype)
         if batch.decode_rows:  # read each slot's state, update it with one token, write it back
             idx = batch.decode_tokens
             out[idx] = gated_delta_step(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
                                         g[idx], beta[idx])
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
+
+    def _prefill_in_one_call(self, out, q, k, v, g, beta, batch: ForwardBatch, recurrent_state) -> bool:
+        """Every prefill row of the step through one varlen call (fla on CUDA), each from its
+        slot's state or zeros (a fresh prefill); False where none serves them (the caller loops)."""
+        if not gated_delta_varlen_available(v):
+            return False
+        rows, device = batch.prefill_rows, q.device
+        spans = [(batch.query_starts[r], batch.query_starts[r + 1]) for r in rows]
+        lengths = [end - start for start, end in spans]
+        index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
+        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(device)
+        slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device)
+        fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device)
+        h0 = recurrent_state.index_select(0, slots).float().masked_fill(fresh[:, None, None, None], 0.0)
+        picked = [t.index_select(0, index) for t in (q, k, v, g, beta)]
+        done = chunk_gated_delta_rule_varlen(*picked, h0, cu_seqlens)
+        if done is None:
+            return False
+        o, states = done
+        out.index_copy_(0, index, o)
+        recurrent_state.index_copy_(0, slots, states.to(recurrent_state.dtype))
+        return True
 
     def tp_plan(self, group: TPGroup) -> Apply | None:
         """Value heads split, key heads split or replicated (engine.tp.plan); out_proj row-parallel."""
