@@ -17,7 +17,7 @@ import torch
 from tests.kernel_support import DEVICE, NAN, kernel_mode, requires_triton, strided  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels.mamba2_update import (NO_LIMIT, mamba2_state_update_ref, mamba2_state_update_triton,
                                           process_dt)
-from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton, ssd_scan_ref
+from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton, ssd_chunk_scan_varlen_ref, ssd_scan_ref
 
 
 def _scan_inputs(length, heads, head_dim, d_state, groups, dtype=torch.float32, dt_max=0.5, a_max=3.0):
@@ -135,6 +135,26 @@ def test_chunk_scan_reference_matches_the_definition(length, chunk_size):
     got_y, got_h = ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size)
     torch.testing.assert_close(got_y, want_y, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_h, want_h, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths,chunk_size", [([1], 4), ([13, 1, 4, 9], 4), ([8, 8], 4), ([3, 30, 2], 50)])
+def test_varlen_chunk_scan_equals_each_sequence_alone(lengths, chunk_size):
+    """Several sequences in one pass, each from its own state: each equals its own scan (padding
+    steps to whole chunks change nothing, and no state leaks between sequences)."""
+    torch.manual_seed(5)
+    heads, head_dim, d_state, groups = 4, 5, 6, 2
+    x, dt, A, B, C, _ = _scan_inputs(sum(lengths), heads, head_dim, d_state, groups)
+    h0 = torch.randn(len(lengths), heads, head_dim, d_state, device=DEVICE)
+    h0[0] = 0
+    bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    got_y, got_h = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0, bounds, chunk_size)
+    assert got_y.shape == x.shape and got_h.shape == h0.shape
+    for n, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        want_y, want_h = ssd_scan_ref(x[start:end], dt[start:end], A, B[start:end], C[start:end], h0[n])
+        torch.testing.assert_close(got_y[start:end], want_y, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_h[n], want_h, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="every sequence needs a token"):
+        ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0, [0, 0, *bounds[1:]], chunk_size)
 
 
 @pytest.mark.parametrize("split,chunk_size", [(1, 4), (5, 4), (8, 4), (12, 5), (19, 64)])

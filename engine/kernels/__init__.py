@@ -29,14 +29,15 @@ from engine.kernels.mamba2_update import NO_LIMIT, mamba2_state_update_ref, mamb
 from engine.kernels.paged_attention import paged_attention_decode_ref, paged_attention_decode_triton
 from engine.kernels.row_copy import (copy_rows_ref, copy_rows_triton, gather_rows_ref, gather_rows_triton,
                                      scatter_rows_ref, scatter_rows_triton)
-from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
+from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton, ssd_chunk_scan_varlen_ref
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 __all__ = ["causal_conv1d_update", "chunk_gated_delta_rule", "chunk_gated_delta_rule_varlen", "copy_rows",
            "gated_delta_varlen_available", "gather_rows", "gated_delta_step",
            "mamba2_state_update", "paged_attention_decode", "scatter_rows", "selective_scan_varlen",
-           "selective_state_update", "ssd_chunk_scan", "triton_available", "cpu_kernels_enabled", "cpu_kernels_ready", "uses_cpu_kernel",
+           "selective_state_update", "ssd_chunk_scan", "ssd_chunk_scan_varlen",
+           "ssd_varlen_available", "triton_available", "cpu_kernels_enabled", "cpu_kernels_ready", "uses_cpu_kernel",
            "uses_triton"]
 
 
@@ -122,6 +123,18 @@ def ssd_chunk_scan(x, dt, A, B, C, h0, chunk_size):
     if uses_cpu_kernel(h0):  # the recurrence itself: on a CPU it is cheaper than the chunked form
         return cpu.ssd_scan_cpu(x, dt, A, B, C, h0)
     return ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size)
+
+
+def ssd_chunk_scan_varlen(x, dt, A, B, C, h0, bounds, chunk_size):
+    """Every prefill row of a step in one pass, their tokens back to back (`bounds`: host
+    offsets), h0 [N, H, P, N]; (y [T, H, P], S [N, H, P, N]) float32. Asked only where
+    ssd_varlen_available(the state pool): per row is better on a CPU (the C++ recurrence) and
+    when our Triton kernel is forced (the A/B)."""
+    return ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0, bounds, chunk_size)
+
+
+def ssd_varlen_available(pool: torch.Tensor) -> bool:
+    return not _prefill_scan_on_triton(pool) and not uses_cpu_kernel(pool)
 
 
 def gated_delta_step(state, slots, q, k, v, g, beta):

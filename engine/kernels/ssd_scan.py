@@ -10,7 +10,8 @@ over tokens: within a chunk, y is a masked (C B^T) product weighted by the decay
 positions (exact segment sums, not differences of a long cumsum, which lose digits); across
 chunks one [H, P, N] state is carried. Where a sequence's prefill is split across engine
 steps, each piece starts from the state the previous piece left, so chunk boundaries need
-not align with the steps: only the float summation order changes.
+not align with the steps: only the float summation order changes. `ssd_chunk_scan_varlen_ref`
+is the same for several sequences at once (each from its own state), as a step's prefill rows.
 
 `ssd_chunk_scan_triton` is the same algorithm in three launches: per chunk, the state it
 adds from zero and its total log decay; per head, a sequential pass over the chunks that
@@ -22,7 +23,6 @@ of at most 64 steps plus running tile totals), never a difference of two chunk-l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl
 
@@ -53,17 +53,31 @@ def _segment_sums(a):
 
 def ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size):
     check_chunk_scan(x, dt, A, B, C, h0)
-    length, heads, head_dim = x.shape
-    groups = B.shape[1]
-    chunk = max(1, min(chunk_size, length))
-    pad = (-length) % chunk
-    B = B.float().repeat_interleave(heads // groups, dim=1)  # [L, H, N]
+    y, h = ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0[None], [0, x.shape[0]], chunk_size)
+    return y, h[0]
+
+
+def ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0, bounds: list[int], chunk_size):
+    """Sequences back to back (`bounds`: host offsets 0, ..., T), each from its own state h0[n]
+    [N, H, P, N]: y [T, H, P] and the final states [N, H, P, N]. Each sequence is padded to
+    whole chunks with steps that change nothing (no decay, no input), so every chunk of every
+    sequence goes through each product at once, and one state per sequence is carried across
+    chunk positions together."""
+    heads, head_dim = x.shape[1:]
+    groups, lengths = B.shape[1], [end - start for start, end in zip(bounds, bounds[1:])]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"every sequence needs a token: bounds {bounds}")
+    chunk = max(1, min(chunk_size, max(lengths)))
+    layout = _padded_layout(bounds, chunk, x.shape[0])
+    index, kept, grid, real = (t.to(x.device) for t in layout)
+    B = B.float().repeat_interleave(heads // groups, dim=1)  # [T, H, N]
     C = C.float().repeat_interleave(heads // groups, dim=1)
     x_dt = x.float() * dt[..., None]
-    a = dt * A.float()  # [L, H] log decay per step
+    a = dt * A.float()  # [T, H] log decay per step
 
     def chunks(t):
-        return F.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)).view(-1, chunk, *t.shape[1:])
+        t = torch.cat([t, t.new_zeros(1, *t.shape[1:])])
+        return t.index_select(0, index).view(-1, chunk, *t.shape[1:])
 
     x_dt, a, B, C = chunks(x_dt), chunks(a), chunks(B), chunks(C)  # padded steps: a = 0, x = 0
     prefix = a.cumsum(dim=1)  # [c, l, H]: sum a[0..l]
@@ -75,14 +89,39 @@ def ssd_chunk_scan_ref(x, dt, A, B, C, h0, chunk_size):
     # Each chunk's own contribution to the state at its end, from zero.
     chunk_states = torch.einsum("clhn,clh,clhp->chpn", B, torch.exp(suffix), x_dt)
     chunk_decay = torch.exp(prefix[:, -1])  # [c, H]
+    decay = torch.cat([chunk_decay, chunk_decay.new_ones(1, heads)])[grid]  # [N, j, H]
+    adds = torch.cat([chunk_states, chunk_states.new_zeros(1, *chunk_states.shape[1:])])[grid]
     starts = []
     h = h0.float()
-    for c in range(x_dt.shape[0]):  # one [H, P, N] step per chunk, not per token
+    for j in range(grid.shape[1]):  # one [N, H, P, N] step per chunk position, not per token
         starts.append(h)
-        h = h * chunk_decay[c][:, None, None] + chunk_states[c]
-    starts = torch.stack(starts)  # [c, H, P, N]: state entering each chunk
+        h = h * decay[:, j][..., None, None] + adds[:, j]
+    starts = torch.stack(starts, dim=1)  # [N, j, H, P, N]: state entering each chunk
+    starts = starts.flatten(0, 1).index_select(0, real)  # [c, H, P, N], in chunk order
     y = y + torch.einsum("clhn,chpn->clhp", C, starts) * torch.exp(prefix)[..., None]
-    return y.reshape(-1, heads, head_dim)[:length], h
+    return y.reshape(-1, heads, head_dim).index_select(0, kept), h
+
+
+def _padded_layout(bounds: list[int], chunk: int, pad_row: int):
+    """Host index tensors of the padded layout: `index`, the token each padded step reads
+    (sequence n's tokens, then `pad_row`, an appended zero row, up to whole chunks); `kept`, the
+    padded steps that are real tokens, in token order; `grid` [N, most chunks], the chunk at
+    position j of sequence n, or the count of chunks (an appended chunk that keeps the state as
+    it is); `real`, where each chunk sits in the flattened grid."""
+    starts = torch.tensor(bounds[:-1])
+    lengths = torch.tensor(bounds[1:]) - starts
+    counts = -(-lengths // chunk)
+    padded = counts * chunk
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), padded)
+    offset = torch.arange(int(padded.sum())) - torch.repeat_interleave(padded.cumsum(0) - padded, padded)
+    inside = offset < lengths[seq]
+    index = torch.where(inside, starts[seq] + offset, pad_row)
+    firsts = counts.cumsum(0) - counts
+    position = torch.arange(int(counts.max()))
+    grid = torch.where(position < counts[:, None], firsts[:, None] + position, int(counts.sum()))
+    chunk_seq = torch.repeat_interleave(torch.arange(len(lengths)), counts)
+    real = chunk_seq * len(position) + (torch.arange(int(counts.sum())) - firsts[chunk_seq])
+    return index, inside.nonzero().squeeze(1), grid, real
 
 
 def check_chunk_scan(x, dt, A, B, C, h0):

@@ -27,7 +27,7 @@ from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows
 from engine.tp.plan import deltanet_layout, expand, scaled
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
-from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
+from engine.models.ssm import PrefillRows, conv_then_act, decodes_in_one_call, packed_fit
 from engine.phase import Phase
 
 
@@ -161,21 +161,13 @@ class GatedDeltaNetMixer(nn.Module):
         slot's state or zeros (a fresh prefill); False where none serves them (the caller loops)."""
         if not gated_delta_varlen_available(v):
             return False
-        rows, device = batch.prefill_rows, q.device
-        spans = [(batch.query_starts[r], batch.query_starts[r + 1]) for r in rows]
-        lengths = [end - start for start, end in spans]
-        index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
-        cu_seqlens = torch.tensor([0, *lengths], dtype=torch.long).cumsum(0).to(device)
-        slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device)
-        fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device)
-        h0 = recurrent_state.index_select(0, slots).float().masked_fill(fresh[:, None, None, None], 0.0)
-        picked = [t.index_select(0, index) for t in (q, k, v, g, beta)]
-        done = chunk_gated_delta_rule_varlen(*picked, h0, cu_seqlens)
+        rows = PrefillRows(batch, q.device)
+        cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device)
+        done = chunk_gated_delta_rule_varlen(*rows.pick(q, k, v, g, beta), rows.initial_states(recurrent_state),
+                                             cu_seqlens)
         if done is None:
             return False
-        o, states = done
-        out.index_copy_(0, index, o)
-        recurrent_state.index_copy_(0, slots, states.to(recurrent_state.dtype))
+        rows.put(out, done[0], recurrent_state, done[1])
         return True
 
     def tp_plan(self, group: TPGroup) -> Apply | None:

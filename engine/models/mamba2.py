@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan
+from engine.kernels import (cpu, cpu_kernels_ready, mamba2_state_update, native, ssd_chunk_scan, ssd_chunk_scan_varlen,
+                            ssd_varlen_available)
 from engine.kernels.mamba2_update import process_dt
 from engine.kernels.decode_plan import MAMBA2, LayerPlan, Needs, all_cpu, pointer
 from engine.tp.group import TPGroup
@@ -26,7 +27,7 @@ from engine.tp.plan import expand, mamba2_layout, scaled
 from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
-from engine.models.ssm import conv_then_act, decodes_in_one_call, packed_fit
+from engine.models.ssm import PrefillRows, conv_then_act, decodes_in_one_call, packed_fit
 from engine.phase import Phase
 
 
@@ -85,14 +86,21 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(tokens, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if batch.prefill_rows:
             dt_full = process_dt(dt, self.dt_bias, True, self.dt_limit)
-        for row in batch.prefill_rows:
-            start, end = batch.query_starts[row], batch.query_starts[row + 1]
-            slot = batch.state_slots[row]
-            h0 = (torch.zeros(ssm_state.shape[1:], device=x.device)
-                  if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
-            y[start:end], h = ssd_chunk_scan(x[start:end], dt_full[start:end], A, B[start:end],
-                                             C[start:end], h0, self.chunk_size)
-            ssm_state[slot] = h.to(ssm_state.dtype)
+        if batch.prefill_rows and ssd_varlen_available(ssm_state):  # all rows in one pass (CUDA)
+            rows = PrefillRows(batch, x.device)
+            picked_x, picked_dt, picked_B, picked_C = rows.pick(x, dt_full, B, C)
+            out, states = ssd_chunk_scan_varlen(picked_x, picked_dt, A, picked_B, picked_C,
+                                                rows.initial_states(ssm_state), rows.bounds, self.chunk_size)
+            rows.put(y, out, ssm_state, states)
+        else:
+            for row in batch.prefill_rows:
+                start, end = batch.query_starts[row], batch.query_starts[row + 1]
+                slot = batch.state_slots[row]
+                h0 = (torch.zeros(ssm_state.shape[1:], device=x.device)
+                      if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
+                y[start:end], h = ssd_chunk_scan(x[start:end], dt_full[start:end], A, B[start:end],
+                                                 C[start:end], h0, self.chunk_size)
+                ssm_state[slot] = h.to(ssm_state.dtype)
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],

@@ -313,3 +313,32 @@ def into_decode_rows(out: torch.Tensor, idx, update, *args, **kwargs) -> None:
         update(*args, out=out, **kwargs)
     else:
         out[idx] = update(*args, **kwargs)
+
+
+class PrefillRows:
+    """A step's prefill rows packed for one varlen call: their tokens back to back (`index` into
+    the step's tokens, `bounds` the host offsets, 0 ... total), their slots, and which start
+    fresh (from zeros) rather than from their slot's state."""
+
+    def __init__(self, batch: ForwardBatch, device: torch.device):
+        rows = batch.prefill_rows
+        spans = [(batch.query_starts[r], batch.query_starts[r + 1]) for r in rows]
+        self.bounds = [0]
+        for start, end in spans:
+            self.bounds.append(self.bounds[-1] + end - start)
+        self.index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
+        self.slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device)
+        self.fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device)
+
+    def pick(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return [t.index_select(0, self.index) for t in tensors]
+
+    def initial_states(self, pool: torch.Tensor) -> torch.Tensor:
+        """[rows, *state] float32: each row's slot, zeros for a fresh prefill (never read)."""
+        states = pool.index_select(0, self.slots).float()
+        return states.masked_fill(self.fresh.view(-1, *[1] * (states.dim() - 1)), 0.0)
+
+    def put(self, out: torch.Tensor, values: torch.Tensor, pool: torch.Tensor, states: torch.Tensor) -> None:
+        """The rows' outputs into `out` at their tokens, their final states into their slots."""
+        out.index_copy_(0, self.index, values.to(out.dtype))
+        pool.index_copy_(0, self.slots, states.to(pool.dtype))
