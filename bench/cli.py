@@ -26,6 +26,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
     g.add_argument("--max-concurrency", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--trace", default=None, metavar="PATH",
+                   help="write every request's spans as OpenTelemetry JSON (OTLP) here (docs/tracing.md)")
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
     g.add_argument("--slo-e2el-ms", type=float, default=None)
@@ -75,6 +77,14 @@ def _requests(args, vocab_size: int, max_model_len: int):
         first, max_model_len, args.request_rate, args.burstiness, args.seed))
 
 
+def _write_trace(args, target, service: str = "splitserve") -> None:
+    if args.trace:
+        from engine.trace import otlp_json
+
+        Path(args.trace).write_text(json.dumps(otlp_json(target.spans, service)))
+        print(f"spans of {len(target.spans)} requests: {args.trace}")
+
+
 def _finish(args, result: dict) -> int:
     from bench.metrics import dump_json, summary_line
 
@@ -103,6 +113,7 @@ def cmd_serve(args) -> int:
     with open_target("server", server=args.server, auth_token=args.auth_token) as target:
         result = run_benchmark(target, requests, RunConfig("server", args.max_concurrency,
                                                            progress=not args.no_progress, slo=_slo(args)))
+        _write_trace(args, target)
     result["server"] = args.server
     return _finish(args, result)
 
@@ -124,6 +135,7 @@ def cmd_offline(args) -> int:
         with open_target(args.backend, model, **options) as target:
             result = run_benchmark(target, requests, RunConfig(label, args.max_concurrency,
                                                                progress=not args.no_progress, slo=_slo(args)))
+            _write_trace(args, target, label)
     return _finish(args, result)
 
 

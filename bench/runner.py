@@ -17,6 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from collections.abc import AsyncIterator
 
+from engine.trace import Span
 from bench.metrics import SLO, RequestRecord, compute_metrics, records_to_dicts
 from bench.workloads import BenchRequest, describe
 
@@ -48,6 +49,7 @@ class BackendTarget:
 
     def __init__(self, backend):
         self.backend = backend
+        self.spans: dict[str, list] = {}  # request id -> its final output's spans (engine.trace)
 
     async def stream(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
         from engine import SamplingParams
@@ -56,6 +58,8 @@ class BackendTarget:
         async for out in self.backend.stream(request_id, list(request.prompt_token_ids), params, whole=False):
             if out.error:
                 raise RuntimeError(out.error)
+            if out.finished:
+                self.spans[request_id] = list(out.spans)
             yield len(out.new_token_ids)
 
 
@@ -66,6 +70,7 @@ class GrpcTarget:
         self.server = server
         self.auth_token = auth_token
         self._client = None
+        self.spans: dict[str, list] = {}  # request id -> the final message's spans (engine.trace)
 
     async def stream(self, request_id: str, request: BenchRequest) -> AsyncIterator[int]:
         from router.client import AsyncSplitServeClient
@@ -75,6 +80,9 @@ class GrpcTarget:
         call = self._client.stream(list(request.prompt_token_ids), request_id=request_id,
                                    max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
         async for message in call:
+            if message.finished:
+                self.spans[request_id] = [Span(s.name, s.start_unix_nano, s.end_unix_nano, s.where)
+                                          for s in message.spans]
             yield len(message.token_ids)
 
     async def aclose(self) -> None:

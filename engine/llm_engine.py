@@ -112,6 +112,7 @@ class LLMEngine:
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
         self.num_steps = 0  # steps that ran something: proof of progress for the router
+        self.trace_name = "engine"  # what its spans say measured them (a worker puts its name)
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
 
@@ -200,7 +201,7 @@ class LLMEngine:
             request.prompt_logprobs = [None]  # the first prompt token follows nothing
         tracker = OutputTracker(request, self.tokenizer, self.eos_token_ids,
                                 self.max_model_len, resume.sent_chars if resume else 0,
-                                deltas=self.config.output_kind == "delta")
+                                deltas=self.config.output_kind == "delta", where=self.trace_name)
         self.requests[request_id] = request
         self.trackers[request_id] = tracker
         return request
@@ -231,6 +232,10 @@ class LLMEngine:
             return outputs
         self.num_steps += 1
         seqs = plan.seqs
+        now = time.monotonic()
+        for seq in seqs:  # a request handed in decodes first: it was never prefilled here
+            if seq.request.scheduled_time is None and seq.phase is not Phase.DECODE:
+                seq.request.scheduled_time = now
         try:
             self._restore_checkpoints(plan.restores)
             while seqs:  # one pass, or more when a prefill chunk stops at a save point

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from engine.request import Request, RequestStatus
 from engine.sampling_params import InvalidRequest
 from engine.tokenizer import Tokenizer
+from engine.trace import engine_spans
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: an entry per prompt token (the first None). A request's
     # first output carries them; cumulative outputs carry them every time.
     prompt_logprobs: list[dict | None] | None = None
+    spans: tuple = ()  # the final output: where the request's time went (engine.trace)
 
     def delta(self, **changes) -> RequestOutput:
         """This output without what the request's earlier outputs carried (the prompt, and the
@@ -132,8 +134,9 @@ class OutputTracker:
     """Per-request text state and the stop rules applied after each new token."""
 
     def __init__(self, request: Request, tokenizer: Tokenizer | None, eos_token_ids: list[int],
-                 max_model_len: int, sent_chars: int = 0, deltas: bool = False):
+                 max_model_len: int, sent_chars: int = 0, deltas: bool = False, where: str = "engine"):
         self.request = request
+        self.where = where  # names the engine in the final output's spans
         self.deltas = deltas  # outputs as RequestOutput.delta() gives them (EngineConfig.output_kind)
         params = request.sampling_params
         self.stop_ids = set(params.stop_token_ids)
@@ -220,4 +223,5 @@ class OutputTracker:
             request.request_id, prompt, tokens, text, finished, request.finish_reason,
             new_tokens, new_text, logprobs, new_logprobs, request.num_cached_tokens or 0, request.error,
             request.arrival_time, request.first_token_time, request.finish_time, prompt_logprobs,
+            engine_spans(request, self.where) if finished else (),
         )

@@ -59,6 +59,7 @@ class Request:
     num_prefill_tokens: int = 0  # tokens the current (re)prefill covers; set when it starts
     num_preemptions: int = 0
     error: str | None = None
+    scheduled_time: float | None = None  # first prefill step here (engine.trace: queued, then prefill)
     first_token_time: float | None = None
     finish_time: float | None = None
     # engine.structured.GrammarState when the output is constrained: fed every output token

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from dataclasses import dataclass
 
 from engine.engine_thread import EngineThread
@@ -20,6 +21,7 @@ from engine.llm_engine import Handoff, LLMEngine
 from engine.output import RequestOutput
 from engine.request import Resume
 from engine.staging import StagedSendPump
+from engine.trace import engine_spans, span
 from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankOffers
 from kvtransfer import HandoffResult, HandoffTarget
@@ -40,6 +42,7 @@ class PrefillOutcome:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs, computed here
     retryable: bool = False  # failed in the plumbing (hand-off), not because of the request
+    spans: tuple = ()  # queued, prefill and the hand-off, as this worker measured them (engine.trace)
 
 
 class PrefillWorker(WorkerBase):
@@ -54,6 +57,7 @@ class PrefillWorker(WorkerBase):
         self._waiters: dict[str, concurrent.futures.Future] = {}
         self._queued_tokens: dict[str, int] = {}
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
+        self._sent: dict[str, tuple] = {}  # request -> (its engine spans, when its send began)
         self._deferred: list[Handoff] = []  # waiting for staging rows
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
@@ -122,6 +126,7 @@ class PrefillWorker(WorkerBase):
             self._targets.pop(request_id, None)
             self._queued_tokens.pop(request_id, None)
             self._shipped.pop(request_id, None)
+            self._sent.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
         if self.rank_handoffs is not None and request_id in self.rank_handoffs.pending_ids:
@@ -190,6 +195,8 @@ class PrefillWorker(WorkerBase):
                 copying = self.staging.gather(staged, blocks, slot)  # layers still copying to the host
                 blocks, slot = staged.blocks, staged.slot
             self._shipped[handoff.request_id] = handoff
+            self._sent[handoff.request_id] = (engine_spans(engine.requests[handoff.request_id], self.name),
+                                              time.monotonic())
             slot = slot if self.cache_tensors.num_slots else None
             try:
                 if self._stall_next > 0:
@@ -213,6 +220,7 @@ class PrefillWorker(WorkerBase):
                 raise ValueError(f"request {rid}: decode worker {target.receiver!r} expects {target.ranks} "
                                  f"shard(s); this worker sends {sends} (its channels changed since the reservation)")
             self._shipped[rid] = handoff
+            self._sent[rid] = (engine_spans(engine.requests[rid], self.name), time.monotonic())
             slot = handoff.slot if self.cache_tensors.num_slots else None
             self.rank_handoffs.send(target, handoff.num_tokens, handoff.block_ids, slot, handoff.first_token)
             self.handoffs["by_rank"] += 1
@@ -242,12 +250,15 @@ class PrefillWorker(WorkerBase):
         else:
             self.handoffs["failures"] += 1
         shipped = self._shipped.get(result.request_id)
+        spans, began = self._sent.get(result.request_id, ((), None))
+        spans += tuple(span("hand-off", began, time.monotonic(), self.name))
         self._resolve(result.request_id, PrefillOutcome(
             result.request_id, result.ok, error=result.error,
             handoff_bytes=self.cache_tensors.layout.handoff_bytes(result.num_tokens),
             handoff_seconds=result.elapsed_s, first_logprob=shipped.first_logprob if shipped else None,
             num_cached_tokens=shipped.num_cached_tokens if shipped else 0,
-            prompt_logprobs=shipped.prompt_logprobs if shipped else None, retryable=not result.ok))
+            prompt_logprobs=shipped.prompt_logprobs if shipped else None, retryable=not result.ok,
+            spans=spans))
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -34,6 +34,7 @@ class Completion:
     timings: pb.Timings
     logprobs: list[pb.TokenLogprob]
     prompt_logprobs: list[pb.PromptTokenLogprob] = field(default_factory=list)  # with prompt_logprobs=n
+    spans: list[pb.Span] = field(default_factory=list)  # where the request's time went (docs/tracing.md)
 
 
 def finish_reason_name(value: int) -> str:
@@ -92,7 +93,7 @@ class CompletionBuilder:
         f = self.final
         return Completion(f.request_id, "".join(self.text), self.token_ids,
                           finish_reason_name(f.finish_reason), f.usage, f.timings, self.logprobs,
-                          self.prompt_logprobs)
+                          self.prompt_logprobs, list(f.spans))
 
 
 def _credentials(tls_ca, tls: bool | None):

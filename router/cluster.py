@@ -319,8 +319,10 @@ class Cluster(ElasticPools):
             # (rank to rank between equal TP sizes, else one un-sharded copy).
             prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
             try:
+                asked = time.monotonic()
                 tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume, prefill.name)
                 target = await tracked.placing
+                tracked.note(f"reserve on {decode.name}", asked)
             except BaseException:
                 prefill.queued_tokens -= charge
                 raise
@@ -359,8 +361,10 @@ class Cluster(ElasticPools):
         """Run the attempt's prefill; `decode` holds its reservation (None: it finishes here)."""
         waiter, life, outcome = tracked.prefill_outcome, prefill.incarnation, None
         try:
+            asked = time.monotonic()
             call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             outcome = await self._while_prefill_queued(call, prefill, decode, wid)
+            tracked.note(f"prefill call to {prefill.name}", asked)
             error, retryable = outcome.error, outcome.retryable
         except Exception as e:  # the actor died or the call failed
             outcome, error, retryable = None, f"prefill worker {prefill.name} failed: {e}", True

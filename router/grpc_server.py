@@ -311,7 +311,9 @@ def _final_proto(request_id: str, final, tools: ToolPlan | None = None) -> pb.Ge
         usage=pb.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                        cached_tokens=u.cached_tokens, total_tokens=u.total_tokens),
         timings=pb.Timings(time_to_first_token_s=final.time_to_first_token_s,
-                           time_per_output_token_s=final.time_per_output_token_s, e2e_s=final.e2e_s))
+                           time_per_output_token_s=final.time_per_output_token_s, e2e_s=final.e2e_s),
+        spans=[pb.Span(name=s.name, where=s.where, start_unix_nano=s.start_ns, end_unix_nano=s.end_ns)
+               for s in final.spans])
 
 
 class GrpcFront:

@@ -60,6 +60,7 @@ class Final:
     time_per_output_token_s: float
     e2e_s: float
     prompt_logprobs: list[dict | None] | None = None
+    spans: tuple = ()  # engine.trace.Span: where the request's time went
 
 
 class ServingCore:
@@ -189,5 +190,5 @@ class ServingCore:
         m.generation_tokens.inc(usage.completion_tokens)
         return Final(out.request_id, out.finish_reason or "stop", usage, list(out.prompt_token_ids),
                      list(out.token_ids), out.text, list(out.logprobs or []), ttft, tpot, now - start,
-                     out.prompt_logprobs)
+                     out.prompt_logprobs, tuple(out.spans))
 

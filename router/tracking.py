@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine.output import Cumulative, RequestOutput
 from engine.request import Resume
 from engine.sampling_params import SamplingParams
+from engine.trace import span
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Tracked:
     tokens_this_attempt: int = 0
     placing: object = None  # the decode worker call placing the current attempt, until it returns
     whole: bool = True  # False: outputs are deltas until the final one (Cumulative.add)
+    spans: list = field(default_factory=list)  # the router's own (engine.trace), every attempt's
 
     def __post_init__(self):
         self.so_far = Cumulative(self.prompt_ids, self.params.logprobs is not None)
@@ -96,7 +98,14 @@ class Tracked:
         if prefill is not None:
             out.num_cached_tokens = prefill.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
+        if out.finished:  # the whole story: the router's spans, the prefill worker's, the decode worker's
+            out.spans = (*span("request", self.arrival_time, time.monotonic(), "router"), *self.spans,
+                         *(prefill.spans if prefill is not None else ()), *out.spans)
         return out
+
+    def note(self, name: str, start_s: float) -> None:
+        """A span of the router's own, from `start_s` (monotonic) to now."""
+        self.spans += span(name, start_s, time.monotonic(), "router")
 
     def failed(self, error: str) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.tokens), "", True, "error",

@@ -64,6 +64,14 @@ def test_generate_streams_deltas_then_a_final_message(stub, idle_backend):
     assert 0 < final.timings.time_to_first_token_s <= final.timings.e2e_s
     assert final.timings.time_per_output_token_s > 0
     assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+    # where the time went (engine.trace): the last message only, the prefill before the decode,
+    # all within the request's time at the front door
+    names = [s.name for s in final.spans]
+    assert "prefill" in names and names[-1] == "decode" and not any(r.spans for r in deltas)
+    prefill, decode = final.spans[names.index("prefill")], final.spans[-1]
+    assert prefill.start_unix_nano < prefill.end_unix_nano <= decode.start_unix_nano < decode.end_unix_nano
+    covered = (max(s.end_unix_nano for s in final.spans) - min(s.start_unix_nano for s in final.spans)) / 1e9
+    assert 0 < covered <= final.timings.e2e_s + 0.005
     # the same prompt as token ids, greedy: the same tokens
     again = generate(stub, prompt_ids, max_tokens=8, **GREEDY)
     assert [t for r in again for t in r.token_ids] == ids

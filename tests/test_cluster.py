@@ -125,6 +125,16 @@ def test_a_stream_without_whole_outputs_sends_what_is_new_then_a_whole_final(clu
     assert deltas[-1].prompt_token_ids == final.prompt_token_ids
     assert logprobs == pytest.approx([entry["token"] for entry in final.logprobs], abs=1e-4)
     assert [entry["token"] for entry in deltas[-1].logprobs] == logprobs
+    # The final output says where the time went, as each process measured it (engine.trace).
+    spans = {(s.where.split("-")[0], s.name.split(" on ")[0].split(" to ")[0]): s for s in final.spans}
+    assert set(spans) == {("router", "request"), ("router", "reserve"), ("router", "prefill call"),
+                          ("prefill", "queued"), ("prefill", "prefill"), ("prefill", "hand-off"),
+                          ("decode", "awaiting hand-off"), ("decode", "decode")}, spans
+    request = spans["router", "request"]
+    assert all(request.start_ns <= s.start_ns <= s.end_ns <= request.end_ns + 5_000_000 for s in final.spans)
+    reserve, prefill, handoff = spans["router", "reserve"], spans["prefill", "prefill"], spans["prefill", "hand-off"]
+    assert reserve.end_ns <= prefill.start_ns <= prefill.end_ns <= handoff.start_ns
+    assert spans["decode", "awaiting hand-off"].end_ns >= handoff.start_ns  # it lands after it is sent
     wait_idle(handle)
 
 

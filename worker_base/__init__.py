@@ -48,6 +48,7 @@ class WorkerBase:
             check_launch_order({**engine_config, **engine_options}.get("tensor_parallel_size", 1))
         self.engine = engine = LLMEngine(EngineConfig(model=model, mode=mode, **engine_config,
                                                       **engine_options), launcher)
+        engine.trace_name = name  # its spans say which worker measured them (engine.trace)
         if engine.tp is not None:
             engine.tp.on_rank_lost = self._rank_lost
         self.wire = make_transport(transport)
