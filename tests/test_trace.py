@@ -83,3 +83,17 @@ def test_otlp_json_is_one_trace_per_request_under_its_request_span():
         assert all(int(root["startTimeUnixNano"]) <= int(c["startTimeUnixNano"]) for c in children)
     b = next(t for t in by_trace.values() if len(t) == 3 and t[0]["name"] == "request")
     assert (b[0]["startTimeUnixNano"], b[0]["endTimeUnixNano"]) == ("10", "40")  # spans what b recorded
+
+
+def test_trace_view_shows_the_median_request_and_medians_per_span(tmp_path, capsys):
+    from bench import trace_view
+
+    spans = {f"r{i}": [Span("request", 0, 1_000_000 * (i + 1), "router"),
+                       Span("prefill", 0, 500_000 * (i + 1), f"prefill-{i % 2}")] for i in range(3)}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(otlp_json(spans)))
+    assert trace_view.main([str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("request r1\n")  # e2e 1, 2, 3 ms: the median is r1's
+    assert "router request" in shown and "prefill-1 prefill" in shown
+    assert "  prefill prefill                               1.0 ms" in shown  # both workers' spans, by name
