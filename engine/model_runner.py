@@ -243,10 +243,12 @@ class ModelRunner:
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
         else:
-            host = self.host_batch(seqs) if host is None else host
-            if self.tp is not None:  # the other ranks build the same batch from the same host tensors
+            if self.tp is None:
+                batch = self.build_batch(seqs)
+            else:  # the other ranks build the same batch from the same host tensors
+                host = self.host_batch(seqs) if host is None else host
                 self.tp.send("forward", host)
-            batch = self.device_batch(host)
+                batch = self.device_batch(host)
             plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
             logits = self.model(batch, self.cache.layers, plan)
             if batch.prompt_logprobs is not None:
