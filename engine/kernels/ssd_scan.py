@@ -69,7 +69,7 @@ def ssd_chunk_scan_varlen_ref(x, dt, A, B, C, h0, bounds: list[int], chunk_size)
         raise ValueError(f"every sequence needs a token: bounds {bounds}")
     chunk = max(1, min(chunk_size, max(lengths)))
     layout = _padded_layout(bounds, chunk, x.shape[0])
-    index, kept, grid, real = (t.to(x.device) for t in layout)
+    index, kept, grid, real = (t.to(x.device, non_blocking=True) for t in layout)  # no wait for queued work
     B = B.float().repeat_interleave(heads // groups, dim=1)  # [T, H, N]
     C = C.float().repeat_interleave(heads // groups, dim=1)
     x_dt = x.float() * dt[..., None]

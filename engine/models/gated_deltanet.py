@@ -162,7 +162,7 @@ class GatedDeltaNetMixer(nn.Module):
         if not gated_delta_varlen_available(v):
             return False
         rows = PrefillRows(batch, q.device)
-        cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device)
+        cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device, non_blocking=True)
         done = chunk_gated_delta_rule_varlen(*rows.pick(q, k, v, g, beta), rows.initial_states(recurrent_state),
                                              cu_seqlens)
         if done is None:

@@ -326,9 +326,10 @@ class PrefillRows:
         self.bounds = [0]
         for start, end in spans:
             self.bounds.append(self.bounds[-1] + end - start)
-        self.index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device)
-        self.slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device)
-        self.fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device)
+        # non_blocking: a host -> device copy that waits only for itself, not for the step's queued work
+        self.index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device, non_blocking=True)
+        self.slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device, non_blocking=True)
+        self.fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device, non_blocking=True)
 
     def pick(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return [t.index_select(0, self.index) for t in tensors]
