@@ -45,6 +45,26 @@ class PrefillOutcome:
     spans: tuple = ()  # queued, prefill and the hand-off, as this worker measured them (engine.trace)
 
 
+class PendingTarget:
+    """A reservation asked for together with the prefill (the ObjectRef of the decode worker's
+    reserve(); inside an object, so Ray does not wait for it before the call runs): the prefill
+    starts at once, and its hand-off waits for the reservation only once its rows are ready."""
+
+    def __init__(self, reservation):
+        self.reservation = reservation
+
+    async def resolve(self) -> HandoffTarget:
+        return await self.reservation
+
+
+@dataclass(frozen=True)
+class ReservationFailed:
+    why: str
+
+
+_AWAITED = object()  # the target of a request whose reservation is still on its way
+
+
 class PrefillWorker(WorkerBase):
     def __init__(self, name: str, model: str, engine_options: dict, transport: str,
                  transfer_timeout_s: float = 30.0, tp_ranks: tuple | None = None):
@@ -106,13 +126,16 @@ class PrefillWorker(WorkerBase):
         return sorted(broken + [p for p in self._peers - self._rank_peers if not self.sender.connected(p)])
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      target: HandoffTarget | None, resume: Resume | None = None) -> PrefillOutcome:
-        """Prefill one request and send it to `target`; None: the router reserved nowhere, since
-        the request ends at its first token (the outcome then carries its output)."""
+                      target: HandoffTarget | PendingTarget | None, resume: Resume | None = None) -> PrefillOutcome:
+        """Prefill one request and send it to `target` (a PendingTarget: once the reservation it
+        awaits is granted); None: the router reserved nowhere, since the request ends at its first
+        token (the outcome then carries its output)."""
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters[request_id] = waiter
-        self._targets[request_id] = target
+        self._targets[request_id] = _AWAITED if isinstance(target, PendingTarget) else target
         self._queued_tokens[request_id] = len(prompt_token_ids) + len(resume.output_token_ids if resume else ())
+        granting = (asyncio.ensure_future(self._await_target(request_id, target))
+                    if isinstance(target, PendingTarget) else None)
         try:
             # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
             await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
@@ -122,11 +145,22 @@ class PrefillWorker(WorkerBase):
         except Exception as e:
             return PrefillOutcome(request_id, False, error=f"{type(e).__name__}: {e}")
         finally:
+            if granting is not None:
+                granting.cancel()
             self._waiters.pop(request_id, None)
             self._targets.pop(request_id, None)
             self._queued_tokens.pop(request_id, None)
             self._shipped.pop(request_id, None)
             self._sent.pop(request_id, None)
+
+    async def _await_target(self, request_id: str, pending: PendingTarget) -> None:
+        try:
+            target = await pending.resolve()
+        except Exception as e:  # the decode worker had no room, or died: the hand-off fails
+            target = ReservationFailed(f"{type(e).__name__}: {e}")
+        if request_id in self._waiters:
+            self._targets[request_id] = target
+            self.thread.call(self._send_ready)  # a hand-off that waited for it goes now
 
     async def abort(self, request_id: str) -> None:
         if self.rank_handoffs is not None and request_id in self.rank_handoffs.pending_ids:
@@ -169,7 +203,11 @@ class PrefillWorker(WorkerBase):
     # ---- engine thread and transport callbacks ----
 
     def _ship(self, engine: LLMEngine) -> None:
+        """After each step, on the engine thread: send what is ready."""
         self._crash_point(engine.requests)
+        self._send_ready(engine)
+
+    def _send_ready(self, engine: LLMEngine) -> None:
         if self.rank_handoffs is not None:
             for result in self.rank_handoffs.poll():  # every rank let go of the request's rows
                 self._handoff_done(result)
@@ -178,8 +216,13 @@ class PrefillWorker(WorkerBase):
             target = self._targets.get(handoff.request_id)
             if handoff.request_id not in engine.requests:  # aborted meanwhile: its output says so
                 continue
-            if target is None:  # the router reserved nowhere, expecting it to end at its first token
-                error = "no decode worker holds room for this request"
+            if target is _AWAITED:  # its rows are ready before the reservation is granted
+                self._deferred.append(handoff)
+                continue
+            if target is None or isinstance(target, ReservationFailed):
+                # None: the router reserved nowhere, expecting it to end at its first token
+                error = (f"no reservation: {target.why}" if target is not None
+                         else "no decode worker holds room for this request")
                 engine.finish_handoff(handoff.request_id, error)
                 self._resolve(handoff.request_id, PrefillOutcome(handoff.request_id, False, error=error))
                 continue
@@ -240,7 +283,7 @@ class PrefillWorker(WorkerBase):
             engine.finish_handoff(result.request_id, result.error)
             if self.staging is not None:
                 self.staging.give_back(result.request_id)
-                self._ship(engine)  # a deferred hand-off may fit in the rows just freed
+                self._send_ready(engine)  # a deferred hand-off may fit in the rows just freed
 
         self.thread.call(finish)
         self.handoffs["count"] += 1

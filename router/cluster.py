@@ -1,8 +1,11 @@
 """The disaggregated cluster: prefill and decode worker actors behind the Backend protocol.
 
-Per request: pick a decode worker (most free slots and blocks, fewest running) and reserve
-its room first, then pick a prefill worker (fewest queued prompt tokens) and prefill there;
-the decode worker streams every token (the first arrives with the hand-off). Prompts of at
+Per request: pick a decode worker (most free slots and blocks, fewest running) and a prefill
+worker (fewest queued prompt tokens), then ask the one to reserve room and the other to
+prefill at once: the prefill's hand-off waits for the reservation only once its rows are ready
+(prefill_worker.PendingTarget), and a refused reservation calls the prefill off before the
+attempt is placed again. The decode worker streams every token (the first arrives with the
+hand-off). Prompts of at
 most `local_prefill_tokens` skip the split and prefill on the decode worker itself.
 When a worker dies or a hand-off breaks, the request runs again on live workers from the
 tokens the caller already has (router/tracking.py); Ray restarts the dead actor and the
@@ -28,6 +31,7 @@ from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
+from prefill_worker.worker import PendingTarget
 from kvtransfer.transport import check_transport
 from router.backend import ModelInfo, Overloaded, Unavailable
 from router.autoscaler import AutoscaleConfig
@@ -321,7 +325,16 @@ class Cluster(ElasticPools):
             try:
                 asked = time.monotonic()
                 tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume, prefill.name)
-                target = await tracked.placing
+                # The prefill starts now, not a round trip later: its hand-off waits for the
+                # reservation only once its rows are ready (PendingTarget).
+                call = prefill.handle.prefill.remote(wid, ids, params, PendingTarget(tracked.placing), resume)
+                try:
+                    await tracked.placing
+                except asyncio.CancelledError:
+                    raise  # _abort_once_placed aborts it everywhere, the prefill included
+                except BaseException:
+                    await self._call_off(prefill, wid, call)
+                    raise
                 tracked.note(f"reserve on {decode.name}", asked)
             except BaseException:
                 prefill.queued_tokens -= charge
@@ -332,8 +345,16 @@ class Cluster(ElasticPools):
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
         tracked.prefill_outcome = asyncio.get_running_loop().create_future()
-        self._spawn(self._prefill(prefill, decode, tracked, wid, target, resume, charge))
+        self._spawn(self._prefill(prefill, decode, tracked, wid, None, resume, charge, (call, asked)))
         return True
+
+    async def _call_off(self, prefill, wid: str, call) -> None:
+        """A prefill whose reservation failed: abort it and wait for its end, since the next
+        placement of the attempt uses the same id (its hand-off fails without a reservation)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(prefill.handle.abort.remote(wid), PLACING_WAIT_S)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(call, PLACING_WAIT_S)
 
     def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
         """The engine's block keys of `token_ids` when workers cache prefixes, else none."""
@@ -357,12 +378,15 @@ class Cluster(ElasticPools):
                 await asyncio.wait_for(placing, PLACING_WAIT_S)
         await self.workers.abort_everywhere(wid)
 
-    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int) -> None:
-        """Run the attempt's prefill; `decode` holds its reservation (None: it finishes here)."""
+    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int,
+                       issued=None) -> None:
+        """Run the attempt's prefill, or follow it where `issued` (call, when) says it runs
+        already; `decode` holds its reservation (None: it finishes here)."""
         waiter, life, outcome = tracked.prefill_outcome, prefill.incarnation, None
         try:
-            asked = time.monotonic()
-            call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
+            call, asked = issued or (None, time.monotonic())
+            if call is None:
+                call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             outcome = await self._while_prefill_queued(call, prefill, decode, wid)
             tracked.note(f"prefill call to {prefill.name}", asked)
             error, retryable = outcome.error, outcome.retryable
