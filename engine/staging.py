@@ -80,7 +80,7 @@ class HandoffStaging:
         # A GPU cache copied to and from host rows: asynchronously, on a stream of its own.
         host_side = engine.cache.device.type == "cuda" and device.type == "cpu" and self.group is None
         self.copy_stream = torch.cuda.Stream(engine.cache.device) if host_side else None
-        self._pinned: bool | None = None if host_side else False  # registered at the first copy
+        self._pinned: bool | None = None  # host rows page-locked: at the first copy (_pin)
         self.free_regions = list(range(requests))
         self.held: dict[str, Staged] = {}
         self._last_copy: dict[str, torch.cuda.Event] = {}  # a held region's latest asynchronous copy
@@ -121,7 +121,7 @@ class HandoffStaging:
                 still.append((region, copy))
         self._draining = still
 
-    def gather(self, staged: Staged, blocks: list[int], slot: int | None) -> list[tuple[int, torch.cuda.Event | None]]:
+    def gather(self, staged: Staged, blocks: list[int], slot: int | None) -> list[tuple[int, torch.cuda.Event]]:
         """Prefill side: the request's rows (from every rank) into its staging rows. Returns
         (layer, event) per layer, in order, while the copies still run: a layer's rows are in
         place once its event has fired. Empty: every row is in place already."""
@@ -233,7 +233,8 @@ class StagedSendPump:
         self._thread = threading.Thread(target=self._run, name=f"{name}-staged-sends", daemon=True)
         self._thread.start()
 
-    def submit(self, handoff, marks: list[tuple[int, object]], first_token: int) -> None:
+    def submit(self, handoff, marks: list[tuple[int, torch.cuda.Event]], first_token: int) -> None:
+        """marks: (layer, event) as HandoffStaging.gather returns them."""
         self._jobs.put((handoff, marks, first_token))
 
     def close(self) -> None:
@@ -245,8 +246,7 @@ class StagedSendPump:
             handoff, marks, first_token = job
             try:
                 for layer, copied in marks:
-                    if copied is not None:
-                        copied.synchronize()  # releases the GIL while the copy runs
+                    copied.synchronize()  # releases the GIL while the copy runs
                     handoff.layer_done(layer)
                 handoff.finish(first_token)
             except Exception as error:  # noqa: BLE001 - the hand-off fails; its result reports it

@@ -50,11 +50,18 @@ class StoreHost:
                 self._store = dist.TCPStore(self.host, 0, None, True, timeout=timeout, wait_for_workers=False)
             return self._store
 
-    def new_prefix(self, receiver: str, peer: str) -> str:
+    @staticmethod
+    def new_prefix(receiver: str, peer: str) -> str:
         return f"kvtransfer/{receiver}/{peer}/{uuid.uuid4().hex}/"
 
     def client(self, prefix: str) -> dist.Store:
         return store_client(self.host, self.port, prefix, self.timeout_s)
+
+    def doorbell(self, prefix: str, waiting_store: dist.Store | None = None) -> Doorbell:
+        """The receiver's side of a pair's doorbell: it waits on a connection of the pair's own
+        (`waiting_store`, else a new one); close() rings through the master's, never blocked on."""
+        return Doorbell(dist.PrefixStore(prefix, self.master()),
+                        waiting_store if waiting_store is not None else self.client(prefix))
 
 
 class Doorbell:

@@ -132,8 +132,7 @@ class GlooReceiver(HandoffReceiver):
             # close() rings here) go through the master's, which no one blocks on.
             waiting_store = self._stores.client(prefix)
             group = _pair_group(waiting_store, RECEIVER_RANK, self.config.advertise_host)
-            doorbell = Doorbell(dist.PrefixStore(prefix, self._stores.master()), waiting_store)
-            return GlooWire(group, doorbell, RECEIVER_RANK)
+            return GlooWire(group, self._stores.doorbell(prefix, waiting_store), RECEIVER_RANK)
 
         join_as_receiver(self, peer, make_wire)
 

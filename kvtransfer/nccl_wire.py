@@ -22,7 +22,6 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from kvtransfer.doorbell import Doorbell, StoreHost, store_client
 from kvtransfer.errors import WireError, WireTimeoutError
@@ -155,9 +154,8 @@ class NcclReceiver(HandoffReceiver):
 
     def _join(self, peer: str, unique_id: bytes, prefix: str) -> None:
         def make_wire():
-            # Doorbell waits on a connection of this pair's own; close() rings through the master's.
-            doorbell = Doorbell(dist.PrefixStore(prefix, self._stores.master()), self._stores.client(prefix))
-            return NcclWire(NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK, doorbell)
+            return NcclWire(NcclCommunicator(unique_id, RECEIVER_RANK, 2, self.cache.device), RECEIVER_RANK,
+                            self._stores.doorbell(prefix))
 
         join_as_receiver(self, peer, make_wire)
 

@@ -307,7 +307,9 @@ class Cluster(ElasticPools):
             # no hand-off, and nothing on a decode worker to race the request's end.
             prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
             tracked.prefill_outcome = asyncio.get_running_loop().create_future()
-            self._spawn(self._prefill(prefill, None, tracked, wid, None, resume, charge))
+            asked = time.monotonic()
+            call = prefill.handle.prefill.remote(wid, ids, params, None, resume)
+            self._spawn(self._prefill(prefill, None, tracked, wid, charge, call, asked))
             return True
         decode, cached = self.workers.pick_decode(tracked.num_tokens, hashes, self.config.local_prefill_tokens)
         life = decode.incarnation
@@ -330,9 +332,7 @@ class Cluster(ElasticPools):
                 call = prefill.handle.prefill.remote(wid, ids, params, PendingTarget(tracked.placing), resume)
                 try:
                     await tracked.placing
-                except asyncio.CancelledError:
-                    raise  # _abort_once_placed aborts it everywhere, the prefill included
-                except BaseException:
+                except Exception:  # (a cancel: _abort_once_placed aborts it everywhere, the prefill too)
                     await self._call_off(prefill, wid, call)
                     raise
                 tracked.note(f"reserve on {decode.name}", asked)
@@ -345,7 +345,7 @@ class Cluster(ElasticPools):
             self.workers.lost_if_dead(decode, e, life)  # so the next placement goes elsewhere at once
             raise
         tracked.prefill_outcome = asyncio.get_running_loop().create_future()
-        self._spawn(self._prefill(prefill, decode, tracked, wid, None, resume, charge, (call, asked)))
+        self._spawn(self._prefill(prefill, decode, tracked, wid, charge, call, asked))
         return True
 
     async def _call_off(self, prefill, wid: str, call) -> None:
@@ -378,15 +378,11 @@ class Cluster(ElasticPools):
                 await asyncio.wait_for(placing, PLACING_WAIT_S)
         await self.workers.abort_everywhere(wid)
 
-    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, target, resume, charge: int,
-                       issued=None) -> None:
-        """Run the attempt's prefill, or follow it where `issued` (call, when) says it runs
-        already; `decode` holds its reservation (None: it finishes here)."""
+    async def _prefill(self, prefill, decode, tracked: Tracked, wid: str, charge: int, call, asked: float) -> None:
+        """Follow the attempt's prefill `call` (made at `asked`); `decode` holds its reservation
+        (None: it finishes on the prefill worker)."""
         waiter, life, outcome = tracked.prefill_outcome, prefill.incarnation, None
         try:
-            call, asked = issued or (None, time.monotonic())
-            if call is None:
-                call = prefill.handle.prefill.remote(wid, tracked.prompt_ids, tracked.params, target, resume)
             outcome = await self._while_prefill_queued(call, prefill, decode, wid)
             tracked.note(f"prefill call to {prefill.name}", asked)
             error, retryable = outcome.error, outcome.retryable

@@ -137,8 +137,6 @@ def test_an_idle_nccl_receiver_waits_on_the_doorbell_not_in_a_receive(monkeypatc
     import threading
     import time
 
-    import torch.distributed as dist
-
     from kvtransfer.doorbell import Doorbell, StoreHost
     from kvtransfer.messages import WireHeader
     from kvtransfer.nccl_wire import RECEIVER_RANK, SENDER_RANK, NcclWire
@@ -154,7 +152,7 @@ def test_an_idle_nccl_receiver_waits_on_the_doorbell_not_in_a_receive(monkeypatc
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: None)  # the wire's streams are not used here
     stores = StoreHost("127.0.0.1", 5.0)
     prefix = stores.new_prefix("D", "P")
-    receiver = NcclWire(RecordingComm(), RECEIVER_RANK, Doorbell(dist.PrefixStore(prefix, stores.master()), stores.client(prefix)))
+    receiver = NcclWire(RecordingComm(), RECEIVER_RANK, stores.doorbell(prefix))
     sender = NcclWire(RecordingComm(), SENDER_RANK, Doorbell(stores.client(prefix)))
     headers: queue.Queue = queue.Queue()
     waiter = threading.Thread(target=lambda: [headers.put(receiver.await_announcement()) for _ in range(3)], daemon=True)

@@ -163,17 +163,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
 
 def chunk_gated_delta_rule_varlen(q, k, v, g, beta, h0, cu_seqlens):
     """Every prefill row of a step in one call, their tokens back to back: h0 [N, Hv, dk, dv],
-    cu_seqlens [N + 1] int64 on the device; (o [T, Hv, dv], S [N, Hv, dk, dv]) float32. None
-    where no one-call kernel serves these tensors (fla absent or refusing, CPU, the Triton A/B):
-    the caller then runs chunk_gated_delta_rule per row."""
-    if not gated_delta_varlen_available(v):
-        return None
+    cu_seqlens [N + 1] int64 on the device; (o [T, Hv, dv], S [N, Hv, dk, dv]) float32. Asked
+    only where gated_delta_varlen_available; None where fla turns the call down (the caller then
+    runs chunk_gated_delta_rule per row)."""
     return fla_rule.chunk_rule_varlen(q, k, v, g, beta, h0, cu_seqlens)
 
 
-def gated_delta_varlen_available(v) -> bool:
-    """Whether chunk_gated_delta_rule_varlen may serve tensors like v (asked before packing them)."""
-    return not _prefill_scan_on_triton(v) and fla_rule.available(v)
+def gated_delta_varlen_available(q, v, g) -> bool:
+    """Whether a one-call kernel may serve tensors like these (asked before packing a step's rows):
+    fla installed, on CUDA, not the Triton A/B, and not already refused for such tensors."""
+    return not _prefill_scan_on_triton(v) and fla_rule.available(v) and not fla_rule.refused(q, v, g, varlen=True)
 
 
 def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None):

@@ -60,8 +60,17 @@ def chunk_rule_varlen(q, k, v, g, beta, h0, cu_seqlens) -> tuple[torch.Tensor, t
     return _call(q, k, v, g, beta, h0, cu_seqlens)
 
 
+def refused(q, v, g, varlen: bool) -> bool:
+    """Whether fla already turned such a call down (asked before packing a step's rows for it)."""
+    return _key(q, v, g, varlen) in _refused
+
+
+def _key(q, v, g, varlen: bool) -> tuple:
+    return str(v.device), v.dtype, q.shape[-1], v.shape[-1], g.dim() == 3, varlen
+
+
 def _call(q, k, v, g, beta, h0, cu_seqlens):
-    key = (str(v.device), v.dtype, q.shape[-1], v.shape[-1], g.dim() == 3, cu_seqlens is not None)
+    key = _key(q, v, g, cu_seqlens is not None)
     if key in _refused:
         return None
     gated_delta_rule, kda = _load()

@@ -159,7 +159,7 @@ class GatedDeltaNetMixer(nn.Module):
     def _prefill_in_one_call(self, out, q, k, v, g, beta, batch: ForwardBatch, recurrent_state) -> bool:
         """Every prefill row of the step through one varlen call (fla on CUDA), each from its
         slot's state or zeros (a fresh prefill); False where none serves them (the caller loops)."""
-        if not gated_delta_varlen_available(v):
+        if not gated_delta_varlen_available(q, v, g):
             return False
         rows = PrefillRows(batch, q.device)
         cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device, non_blocking=True)
