@@ -5,7 +5,7 @@ receiver told to expect it), then the prefill worker's hand-off lands and the re
 decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
 rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows; a GPU worker
 on a host-side wire (shm, gloo) receives into host staging rows (engine.staging). Outputs of
-every step, for all requests, leave in one `poll` reply.
+every step, for all requests, go to the router as one item of its `outputs` stream.
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 
@@ -35,6 +35,7 @@ class DecodeWorker(WorkerBase):
         self.receiver = self.wire.receiver(name, self.cache_tensors, self.transfer_config)
         self._outbox: list[RequestOutput] = []
         self._outbox_ready = threading.Condition()
+        self._stream: _OutputStream | None = None  # the router's open `outputs` stream
         self.thread = EngineThread(self.engine, self._deliver, after_step=self._take_handoffs, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
@@ -56,8 +57,8 @@ class DecodeWorker(WorkerBase):
     async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       resume: Resume | None = None, peer: str | None = None) -> HandoffTarget:
         """Room for a request that prefill worker `peer` will send (None: any, un-sharded)."""
-        # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
-        await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+        if params.structured_output is not None:  # compiled here, off the engine loop (engine/structured.py)
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
         count, seconds = self._slow_reservations
         if count > 0:
             self._slow_reservations = (count - 1, seconds)
@@ -95,7 +96,8 @@ class DecodeWorker(WorkerBase):
 
     async def generate_local(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                              resume: Resume | None = None) -> None:
-        await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)  # as in reserve
+        if params.structured_output is not None:  # as in reserve
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
         await asyncio.wrap_future(self.thread.call(
             lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
 
@@ -124,8 +126,30 @@ class DecodeWorker(WorkerBase):
 
         await asyncio.wrap_future(self.thread.call(abort))
 
+    async def outputs(self):
+        """Every step's outputs as they happen, for the router: a Ray streaming generator that
+        yields what the engine delivered since its last item (one step's batch, or several if
+        the router fell behind). One stream at a time: a newer one ends this one."""
+        loop = asyncio.get_running_loop()
+        stream = _OutputStream(loop)
+        with self._outbox_ready:
+            if self._stream is not None:
+                self._stream.close()
+            self._stream = stream
+            if self._outbox:
+                stream.wake()
+        while True:
+            await stream.ready.wait()
+            stream.ready.clear()
+            if stream.closed:
+                return
+            batch = self._take_outbox(0)
+            if batch:
+                yield batch
+
     async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
-        """Every output since the last poll (one reply per step batch), waiting up to timeout_s."""
+        """Every output since the last poll, waiting up to timeout_s: for in-process callers
+        (tests, scripts/gpu_check_handoff.py); the router reads `outputs`."""
         return await asyncio.to_thread(self._take_outbox, timeout_s)
 
     def stats(self) -> dict:
@@ -173,6 +197,8 @@ class DecodeWorker(WorkerBase):
         # logprobs (Tracked.delivered), else each step would ship them all again (8k-token
         # prompts: 1.5 MB a step for 64).
         with self._outbox_ready:
+            if not self._outbox and self._stream is not None:  # else it was woken already
+                self._stream.wake()
             self._outbox.extend(outputs)
             self._outbox_ready.notify_all()
 
@@ -183,3 +209,22 @@ class DecodeWorker(WorkerBase):
             out, self._outbox = self._outbox, []
         return out
 
+
+
+class _OutputStream:
+    """The actor loop's side of one `outputs` stream: the engine thread wakes it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.ready.set)
+        except RuntimeError:  # the actor's loop closed: the worker is shutting down
+            pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.wake()

@@ -2,7 +2,8 @@
 
 The engine is not thread-safe: only this thread touches it. `call` queues a function to run
 on the loop thread between steps and returns a future. Outputs of each step are handed, all
-at once, to `on_outputs` (so a worker can ship one message per step for all its requests).
+at once, to `on_outputs` (so a worker can ship one message per step for all its requests),
+then `after_step` runs.
 """
 
 from __future__ import annotations
@@ -70,15 +71,16 @@ class EngineThread:
                 continue
             try:
                 outputs = self.engine.step()
+                # Outputs leave first: a prefill worker's first token goes to the caller before
+                # its hand-off starts (prefill_worker), not after.
+                if outputs:
+                    self.on_outputs(outputs)
                 if self.after_step is not None:
                     self.after_step(self.engine)
                 if self.step_delay_s:
                     self._stop.wait(self.step_delay_s)
             except Exception:  # the engine already failed the requests it could not run
                 log.exception("engine step failed")
-                continue
-            if outputs:
-                self.on_outputs(outputs)
 
     def stop(self) -> None:
         self._stop.set()

@@ -79,6 +79,7 @@ class PrefillWorker(WorkerBase):
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
         self._sent: dict[str, tuple] = {}  # request -> (its engine spans, when its send began)
         self._deferred: list[Handoff] = []  # waiting for staging rows
+        self._first_token_to: dict = {}  # request -> where its first token goes (prefill_stream)
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
         # GPU rows copied to host staging asynchronously: a thread feeds the wire as layers land
@@ -130,15 +131,43 @@ class PrefillWorker(WorkerBase):
         """Prefill one request and send it to `target` (a PendingTarget: once the reservation it
         awaits is granted); None: the router reserved nowhere, since the request ends at its first
         token (the outcome then carries its output)."""
+        return await self._prefill(request_id, prompt_token_ids, params, target, resume, None)
+
+    async def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                             target: HandoffTarget | PendingTarget | None, resume: Resume | None = None):
+        """prefill() as the router calls it, a Ray streaming generator: the first token (a
+        RequestOutput delta, with its logprobs and the prompt's) the moment it is sampled, so it
+        reaches the caller while the hand-off runs, then the PrefillOutcome. A request that ends
+        at its first token yields only the outcome, which carries its output."""
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future = loop.create_future()
+
+        def on_first(out: RequestOutput) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
+
+        outcome = asyncio.ensure_future(self._prefill(request_id, prompt_token_ids, params, target,
+                                                      resume, on_first))
+        try:
+            await asyncio.wait({first, outcome}, return_when=asyncio.FIRST_COMPLETED)
+            if first.done():
+                yield first.result()
+            yield await outcome
+        finally:
+            outcome.cancel()
+
+    async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       target, resume: Resume | None, on_first) -> PrefillOutcome:
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters[request_id] = waiter
         self._targets[request_id] = _AWAITED if isinstance(target, PendingTarget) else target
         self._queued_tokens[request_id] = len(prompt_token_ids) + len(resume.output_token_ids if resume else ())
+        if on_first is not None:
+            self._first_token_to[request_id] = on_first
         granting = (asyncio.ensure_future(self._await_target(request_id, target))
                     if isinstance(target, PendingTarget) else None)
         try:
-            # structured outputs: compile the grammar here, off the engine loop (engine/structured.py)
-            await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+            if params.structured_output is not None:  # compiled here, off the engine loop (engine/structured.py)
+                await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
             await asyncio.wrap_future(self.thread.call(
                 lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
             return await asyncio.wrap_future(waiter)
@@ -152,6 +181,7 @@ class PrefillWorker(WorkerBase):
             self._queued_tokens.pop(request_id, None)
             self._shipped.pop(request_id, None)
             self._sent.pop(request_id, None)
+            self._first_token_to.pop(request_id, None)
 
     async def _await_target(self, request_id: str, pending: PendingTarget) -> None:
         try:
@@ -309,6 +339,10 @@ class PrefillWorker(WorkerBase):
                 # Finished at its first token (max_tokens=1, EOS, stop) or failed: no hand-off.
                 self._resolve(out.request_id, PrefillOutcome(out.request_id, False, output=out,
                                                              error=out.error))
+            elif not out.finished and out.new_token_ids:  # its first token: the hand-off follows
+                on_first = self._first_token_to.pop(out.request_id, None)
+                if on_first is not None:
+                    on_first(out.delta())
 
     def _resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
         waiter = self._waiters.get(request_id)

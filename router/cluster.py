@@ -4,9 +4,10 @@ Per request: pick a decode worker (most free slots and blocks, fewest running) a
 worker (fewest queued prompt tokens), then ask the one to reserve room and the other to
 prefill at once: the prefill's hand-off waits for the reservation only once its rows are ready
 (prefill_worker.PendingTarget), and a refused reservation calls the prefill off before the
-attempt is placed again. The decode worker streams every token (the first arrives with the
-hand-off). Prompts of at
-most `local_prefill_tokens` skip the split and prefill on the decode worker itself.
+attempt is placed again. The first token comes from the prefill worker as soon as it is
+sampled, while the hand-off runs; the decode worker pushes every later one as its steps
+produce them (Ray streaming generators both). Prompts of at most `local_prefill_tokens` skip
+the split and prefill on the decode worker itself.
 When a worker dies or a hand-off breaks, the request runs again on live workers from the
 tokens the caller already has (router/tracking.py); Ray restarts the dead actor and the
 router pairs it up again. All cluster bookkeeping runs on one asyncio loop of its own
@@ -31,13 +32,13 @@ from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
-from prefill_worker.worker import PendingTarget
+from prefill_worker.worker import PendingTarget, PrefillOutcome
 from kvtransfer.transport import check_transport
 from router.backend import ModelInfo, Overloaded, Unavailable
 from router.autoscaler import AutoscaleConfig
 from router.placement import PlacementConfig
 from router.scaling import ElasticPools
-from router.tracking import Failure, Tracked
+from router.tracking import Failure, PrefillFirst, Tracked
 from router.workers import STATS_INTERVAL_S, WorkerSet
 
 PLACING_WAIT_S = 30.0  # the longest a cancelled attempt's abort waits for the call placing it
@@ -252,6 +253,8 @@ class Cluster(ElasticPools):
                 failure = tracked.classify(event)
                 if failure is None:
                     out = await tracked.delivered(event)
+                    if out is None:  # a first token the caller already has
+                        continue
                     if first_seen is None and tracked.tokens:
                         first_seen = time.monotonic()
                     if out.finished and out.error is None:
@@ -329,12 +332,14 @@ class Cluster(ElasticPools):
                 tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume, prefill.name)
                 # The prefill starts now, not a round trip later: its hand-off waits for the
                 # reservation only once its rows are ready (PendingTarget).
-                call = prefill.handle.prefill.remote(wid, ids, params, PendingTarget(tracked.placing), resume)
+                stream = prefill.handle.prefill_stream.remote(wid, ids, params, PendingTarget(tracked.placing), resume)
                 try:
                     await tracked.placing
                 except Exception:  # (a cancel: _abort_once_placed aborts it everywhere, the prefill too)
-                    await self._call_off(prefill, wid, call)
+                    await self._call_off(prefill, wid, self._prefill_report(stream, None))
                     raise
+                # Its first token goes to the caller as soon as it is sampled (PrefillFirst).
+                call = self._prefill_report(stream, lambda out: self._deliver(wid, PrefillFirst(out)))
                 tracked.note(f"reserve on {decode.name}", asked)
             except BaseException:
                 prefill.queued_tokens -= charge
@@ -347,6 +352,18 @@ class Cluster(ElasticPools):
         tracked.prefill_outcome = asyncio.get_running_loop().create_future()
         self._spawn(self._prefill(prefill, decode, tracked, wid, charge, call, asked))
         return True
+
+    @staticmethod
+    async def _prefill_report(stream, on_first):
+        """The PrefillOutcome at the end of a prefill_stream call; the first token it yields
+        before that goes to `on_first` (None: dropped)."""
+        async for ref in stream:
+            item = await ref
+            if isinstance(item, PrefillOutcome):
+                return item
+            if on_first is not None:
+                on_first(item)
+        raise RuntimeError("the prefill stream ended without an outcome")
 
     async def _call_off(self, prefill, wid: str, call) -> None:
         """A prefill whose reservation failed: abort it and wait for its end, since the next

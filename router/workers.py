@@ -32,7 +32,7 @@ class WorkerRef:
     prefixes: PrefixIndex = field(default_factory=lambda: PrefixIndex(1 << 16))  # what it likely caches
     draining: bool = False  # being removed: gets no new work (router/scaling.py)
     group: object = None  # its placement group (shared with its pair when packed)
-    poll_task: object = None  # decode: the task reading its outputs
+    poll_task: object = None  # decode: the task following its outputs
 
 
 class WorkerSet:
@@ -144,7 +144,7 @@ class WorkerSet:
         self.decode += new_decode
         await self.refresh_stats()
         for d in new_decode:
-            d.poll_task = asyncio.ensure_future(self._poll(d, self._route))
+            d.poll_task = asyncio.ensure_future(self._follow_outputs(d, self._route))
             self._tasks.append(d.poll_task)
         return new
 
@@ -165,19 +165,19 @@ class WorkerSet:
 
     # ---- watching ----
 
-    async def _poll(self, worker: WorkerRef, route) -> None:
+    async def _follow_outputs(self, worker: WorkerRef, route) -> None:
+        """Route the decode worker's outputs as its engine delivers them (its `outputs` stream,
+        pushed by Ray: no poll between steps); opened again when it breaks."""
         while True:
             life = worker.incarnation
             try:
-                outputs = await worker.handle.poll.remote(0.5)
+                async for ref in worker.handle.outputs.remote():
+                    await route(await ref)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self._lost(worker, e, life)
-                await asyncio.sleep(0.5)
-                continue
-            if outputs:
-                await route(outputs)
+            await asyncio.sleep(0.5)  # a dead worker: Ray restarts it meanwhile
 
     def lost_if_dead(self, worker: WorkerRef, error: BaseException, incarnation: str) -> None:
         """`error` came from a call made to `incarnation` of the worker."""

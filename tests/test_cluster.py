@@ -127,7 +127,7 @@ def test_a_stream_without_whole_outputs_sends_what_is_new_then_a_whole_final(clu
     assert [entry["token"] for entry in deltas[-1].logprobs] == logprobs
     # The final output says where the time went, as each process measured it (engine.trace).
     spans = {(s.where.split("-")[0], s.name.split(" on ")[0].split(" to ")[0]): s for s in final.spans}
-    assert set(spans) == {("router", "request"), ("router", "reserve"), ("router", "prefill call"),
+    assert set(spans) == {("router", "request"), ("router", "reserve"), ("router", "prefill call"), ("router", "first token"),
                           ("prefill", "queued"), ("prefill", "prefill"), ("prefill", "hand-off"),
                           ("decode", "awaiting hand-off"), ("decode", "decode")}, spans
     request = spans["router", "request"]
@@ -136,6 +136,8 @@ def test_a_stream_without_whole_outputs_sends_what_is_new_then_a_whole_final(clu
     # The reservation runs beside the prefill; the hand-off goes once both are done, and lands after.
     assert prefill.start_ns <= prefill.end_ns <= handoff.start_ns
     assert awaiting.start_ns <= handoff.start_ns <= awaiting.end_ns
+    # The first token comes from the prefill worker as it is sampled, not after the hand-off.
+    assert prefill.end_ns <= spans["router", "first token"].end_ns
     wait_idle(handle)
 
 

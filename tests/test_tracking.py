@@ -8,7 +8,7 @@ import asyncio
 from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from prefill_worker.worker import PrefillOutcome
-from router.tracking import Tracked
+from router.tracking import PrefillFirst, Tracked
 
 PROMPT = [5, 6, 7]
 
@@ -65,5 +65,50 @@ def test_a_prefill_that_did_not_hand_off_leaves_the_decode_workers_count():
         tracked = split_attempt()
         last = await delivered_after_report(tracked, decode_output(12, True), None)
         assert last.finished and last.num_cached_tokens == 0
+
+    asyncio.run(run())
+
+
+def early_first(token: int, logprob: dict | None = None) -> PrefillFirst:
+    """The prefill worker's copy of the first token, sent as it is sampled."""
+    return PrefillFirst(RequestOutput("r", [], [], "", False, None, new_token_ids=[token], new_text=f"<{token}>",
+                                      new_logprobs=[logprob] if logprob is not None else None,
+                                      num_cached_tokens=8))
+
+
+def test_the_prefill_workers_first_token_goes_out_at_once_and_the_decode_workers_copy_adds_nothing():
+    async def run():
+        tracked = split_attempt(logprobs=1)
+        logprob = {11: -0.5}
+        first = await tracked.delivered(early_first(11, logprob))  # no wait for the prefill report
+        assert first.token_ids == [11] and first.text == "<11>" and first.logprobs == [logprob]
+        assert first.num_cached_tokens == 8 and not tracked.prefill_outcome.done()
+        assert await tracked.delivered(decode_output(11, False)) is None  # the hand-off's repeat
+        last = await delivered_after_report(tracked, decode_output(12, True), PrefillOutcome("r", True))
+        assert last.token_ids == [11, 12] and last.text == "<11><12>"
+
+    asyncio.run(run())
+
+
+def test_a_first_token_the_decode_worker_delivered_first_is_not_repeated_by_the_prefill_workers():
+    async def run():
+        tracked = split_attempt()
+        first = await tracked.delivered(decode_output(11, False))
+        assert first.token_ids == [11]
+        assert await tracked.delivered(early_first(11)) is None
+        second = await tracked.delivered(decode_output(12, False))
+        assert second.token_ids == [11, 12]
+
+    asyncio.run(run())
+
+
+def test_a_hand_off_lost_after_the_early_first_token_is_retried_from_it():
+    async def run():
+        tracked = split_attempt()
+        await tracked.delivered(early_first(11))
+        lost = RequestOutput("r", [], [], "", True, "error", error="state hand-off failed: timed out")
+        failure = tracked.classify(lost)
+        assert failure is not None and failure.retryable  # the decode side never decoded
+        assert tracked.resume().output_token_ids == (11,)  # the retry goes on from the delivered token
 
     asyncio.run(run())
