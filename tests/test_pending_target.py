@@ -16,10 +16,15 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 OPTIONS = {"block_size": 4, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
 
 
+def worker_pair(path) -> tuple[PrefillWorker, DecodeWorker]:
+    """Real workers over shm, in this process (no Ray)."""
+    return (PrefillWorker("p0", str(path), OPTIONS, "shm", transfer_timeout_s=20),
+            DecodeWorker("d0", str(path), OPTIONS, "shm", transfer_timeout_s=20))
+
+
 def test_a_hand_off_waits_for_a_late_grant_and_a_refusal_frees_everything(model_factory):
     path, hf = model_factory("jamba")
-    prefill = PrefillWorker("p0", str(path), OPTIONS, "shm", transfer_timeout_s=20)
-    decode = DecodeWorker("d0", str(path), OPTIONS, "shm", transfer_timeout_s=20)
+    prefill, decode = worker_pair(path)
     prompt = list(range(7, 30))
 
     async def go():
@@ -59,8 +64,7 @@ def test_the_first_token_streams_before_the_outcome_and_decode_outputs_stream_as
     """prefill_stream yields the first token as it is sampled, then the outcome; the decode
     worker's `outputs` stream carries the rest (the router reads both, pushed by Ray)."""
     path, hf = model_factory("jamba")
-    prefill = PrefillWorker("p0", str(path), OPTIONS, "shm", transfer_timeout_s=20)
-    decode = DecodeWorker("d0", str(path), OPTIONS, "shm", transfer_timeout_s=20)
+    prefill, decode = worker_pair(path)
     prompt = list(range(7, 30))
 
     async def go():
