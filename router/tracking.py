@@ -55,6 +55,9 @@ class Tracked:
     placing: object = None  # the decode worker call placing the current attempt, until it returns
     whole: bool = True  # False: outputs are deltas until the final one (Cumulative.add)
     spans: list = field(default_factory=list)  # the router's own (engine.trace), every attempt's
+    # wall minus monotonic, read once: the router's spans of one request share one conversion,
+    # so two that start at one instant (request, first token) start at one wall time
+    clock_offset_ns: int = field(default_factory=lambda: time.time_ns() - time.monotonic_ns())
 
     def __post_init__(self):
         self.so_far = Cumulative(self.prompt_ids, self.params.logprobs is not None)
@@ -128,13 +131,13 @@ class Tracked:
             out.num_cached_tokens = prefill.num_cached_tokens
         out.arrival_time, out.first_token_time = self.arrival_time, self.first_token_time
         if out.finished:  # the whole story: the router's spans, the prefill worker's, the decode worker's
-            out.spans = (*span("request", self.arrival_time, time.monotonic(), "router"), *self.spans,
+            out.spans = (*span("request", self.arrival_time, time.monotonic(), "router", self.clock_offset_ns), *self.spans,
                          *(prefill.spans if prefill is not None else ()), *out.spans)
         return out
 
     def note(self, name: str, start_s: float) -> None:
         """A span of the router's own, from `start_s` (monotonic) to now."""
-        self.spans += span(name, start_s, time.monotonic(), "router")
+        self.spans += span(name, start_s, time.monotonic(), "router", self.clock_offset_ns)
 
     def failed(self, error: str) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt_ids, list(self.tokens), "", True, "error",

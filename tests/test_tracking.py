@@ -112,3 +112,16 @@ def test_a_hand_off_lost_after_the_early_first_token_is_retried_from_it():
         assert tracked.resume().output_token_ids == (11,)  # the retry goes on from the delivered token
 
     asyncio.run(run())
+
+
+def test_the_routers_spans_of_one_request_share_one_clock_conversion():
+    async def run():
+        tracked = split_attempt()
+        tracked.prefill_outcome.set_result(PrefillOutcome("r", True))
+        await tracked.delivered(early_first(11))
+        last = await tracked.delivered(decode_output(12, True))
+        spans = {s.name: s for s in last.spans if s.where == "router"}
+        assert spans["first token"].start_ns == spans["request"].start_ns  # both from arrival
+
+    for _ in range(20):  # a fresh conversion per span disagreed by some nanoseconds most times
+        asyncio.run(run())
