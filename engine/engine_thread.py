@@ -79,7 +79,8 @@ class EngineThread:
                     self.after_step(self.engine)
                 if self.step_delay_s:
                     self._stop.wait(self.step_delay_s)
-            except Exception:  # the engine already failed the requests it could not run
+            except Exception:  # the engine already failed the requests it could not run; a
+                # failing on_outputs or after_step is logged and the loop goes on
                 log.exception("engine step failed")
 
     def stop(self) -> None:

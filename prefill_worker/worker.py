@@ -142,18 +142,15 @@ class PrefillWorker(WorkerBase):
         loop = asyncio.get_running_loop()
         first: asyncio.Future = loop.create_future()
 
-        def on_first(out: RequestOutput) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(lambda: first.done() or first.set_result(out))
+        def on_first(out: RequestOutput) -> None:  # on the engine thread, once (_on_outputs pops it)
+            loop.call_soon_threadsafe(first.set_result, out)
 
         outcome = asyncio.ensure_future(self._prefill(request_id, prompt_token_ids, params, target,
                                                       resume, on_first))
-        try:
-            await asyncio.wait({first, outcome}, return_when=asyncio.FIRST_COMPLETED)
-            if first.done():
-                yield first.result()
-            yield await outcome
-        finally:
-            outcome.cancel()
+        await asyncio.wait({first, outcome}, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            yield first.result()
+        yield await outcome
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        target, resume: Resume | None, on_first) -> PrefillOutcome:
