@@ -85,7 +85,8 @@ MAX_REQUEST_ID_BYTES = 400
 HEADER_BYTES = 512
 TRAILER_BYTES = 16
 _MAGIC = 0x4B565846  # "KVXF"
-_HEADER = struct.Struct("<IHHqqqIH")
+_HEADER = struct.Struct("<IHHqqqqqIH")
+_PIPELINED, _PART = 1, 2
 _TRAILER = struct.Struct("<IIq")
 STATUS_OK = 0
 STATUS_ABORTED = 1
@@ -93,17 +94,34 @@ STATUS_ABORTED = 1
 
 @dataclass(frozen=True)
 class WireHeader:
+    """Announces one part of a hand-off. A part carries the block rows [first_row, end_row) of
+    every block tensor; the last part (final) also carries the slot rows and the trailer. A
+    hand-off begun after its prefill is one final part with first_row 0; one begun while the
+    prompt still prefills sends parts as chunks finish their rows, in order on the pair, so
+    other requests' parts may come between them."""
+
     request_id: str
     num_tokens: int
     num_rows: int  # block rows on the wire (kvtransfer/grid.py): the blocks, when both sides' sizes agree
     dst_slot: int | None
     dst_digest: int
-    pipelined: bool
+    pipelined: bool  # a final part whose rows go one message per layer
+    first_row: int = 0
+    end_row: int | None = None  # None: num_rows
+    final: bool = True
+
+    def __post_init__(self) -> None:
+        if self.end_row is None:
+            object.__setattr__(self, "end_row", self.num_rows)
+        if not 0 <= self.first_row <= self.end_row <= self.num_rows:
+            raise ValueError(f"part rows [{self.first_row}, {self.end_row}) outside the hand-off's {self.num_rows} rows")
 
     def encode(self) -> torch.Tensor:
         rid = self.request_id.encode()
-        head = _HEADER.pack(_MAGIC, 1, int(self.pipelined), self.num_tokens, self.num_rows,
-                            -1 if self.dst_slot is None else self.dst_slot, self.dst_digest, len(rid))
+        flags = (_PIPELINED if self.pipelined else 0) | (0 if self.final else _PART)
+        head = _HEADER.pack(_MAGIC, 1, flags, self.num_tokens, self.num_rows,
+                            -1 if self.dst_slot is None else self.dst_slot, self.first_row, self.end_row,
+                            self.dst_digest, len(rid))
         buf = bytearray(HEADER_BYTES)
         buf[: len(head) + len(rid)] = head + rid
         return torch.frombuffer(buf, dtype=torch.uint8).clone()
@@ -111,11 +129,12 @@ class WireHeader:
     @classmethod
     def decode(cls, data: torch.Tensor) -> WireHeader:
         raw = bytes(data.cpu().numpy())
-        magic, _version, flags, num_tokens, num_rows, slot, digest, rid_len = _HEADER.unpack_from(raw)
+        magic, _version, flags, num_tokens, num_rows, slot, first_row, end_row, digest, rid_len = _HEADER.unpack_from(raw)
         if magic != _MAGIC:
             raise ValueError(f"bad hand-off header magic {magic:#x}: the stream is out of sync")
         rid = raw[_HEADER.size : _HEADER.size + rid_len].decode()
-        return cls(rid, num_tokens, num_rows, None if slot < 0 else slot, digest, bool(flags & 1))
+        return cls(rid, num_tokens, num_rows, None if slot < 0 else slot, digest, bool(flags & _PIPELINED),
+                   first_row, end_row, not flags & _PART)
 
 
 def encode_trailer(status: int, first_token: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ class Incoming:
         self.channel = None
         self.num_tokens = 0
         self.dst_block_ids: list[int] = []  # the rows being written, set when landing starts
+        self.rows_landed = 0  # a hand-off streamed in parts: its block rows landed so far, in order
         self.compute_ready = compute_ready  # CUDA event: last use of these rows by the previous owner
         self.write_lock = threading.Lock()  # held by a channel while it writes this request's rows
         self.error: TransferError | None = None
@@ -177,6 +178,20 @@ class HandoffReceiver(Endpoint):
                 incoming.state, incoming.channel, incoming.num_tokens = LANDING, channel, num_tokens
                 incoming.dst_block_ids = list(target.dst_block_ids)[:blocks]
                 return incoming, ""
+        error = HandoffAbortedError(f"request {request_id}: refused by receiver {self.name}: {why}")
+        self._fail(request_id, error)
+        return None, str(error)
+
+    def _continue(self, request_id: str, first_row: int, channel) -> tuple[Incoming | None, str]:
+        """A later part of a hand-off streamed in parts; (incoming, "") if it may be written,
+        else (None, why): the request is gone (revoked, timed out, aborted) or out of step."""
+        with self._lock:
+            incoming = self._incoming.get(request_id)
+            if incoming is None or incoming.state != LANDING or incoming.channel is not channel:
+                return None, f"request {request_id} is not landing from this sender on receiver {self.name} (revoked, timed out or aborted)"
+            if incoming.rows_landed == first_row:
+                return incoming, ""
+            why = f"part starts at block row {first_row}, but {incoming.rows_landed} rows landed"
         error = HandoffAbortedError(f"request {request_id}: refused by receiver {self.name}: {why}")
         self._fail(request_id, error)
         return None, str(error)

@@ -63,14 +63,18 @@ class PackPlan:
     total_bytes: int
 
 
-def plan_packing(layout: CacheLayout, num_blocks: int, pipelined: bool) -> PackPlan:
-    """Where each tensor's rows of one request sit in the packed buffer; identical on both sides."""
+def plan_packing(layout: CacheLayout, num_blocks: int, pipelined: bool, with_slots: bool = True) -> PackPlan:
+    """Where each tensor's rows of one part of a request sit in the packed buffer (num_blocks
+    block rows each; the slot rows only with_slots, as the final part has them); identical on
+    both sides."""
     groups = [[layer] for layer in layout.layers] if pipelined else [layout.layers]
     segments, offset = [], 0
     for layers in groups:
         start, entries = offset, []
         for layer in layers:
             for spec in layout.specs_of_layer(layer):
+                if spec.role != BLOCK and not with_slots:
+                    continue
                 entry = PackedEntry(spec, offset, num_blocks if spec.role == BLOCK else 1)
                 entries.append(entry)
                 offset += -(-entry.nbytes // _ALIGN) * _ALIGN

@@ -1,4 +1,10 @@
-"""The prefill side: hand-offs queued per receiver, fed layer by layer as the prefill computes.
+"""The prefill side: hand-offs queued per receiver, fed as the prefill computes.
+
+A hand-off begun after its prompt's last layer ran goes whole (send()). One begun earlier is
+fed as the prefill goes: layer by layer (layer_done, a GPU copy landing in host staging) or,
+for a prompt prefilled in chunks, token by token (begin(..., computed_tokens=...) then
+tokens_done after each chunk: the KV rows of finished tokens go while later chunks compute,
+and what is left, the recurrent state with it, goes at finish()).
 
 A hand-off moves QUEUED -> ON_WIRE -> DONE, or to FAILED. One that fails while ON_WIRE
 goes through ABORTING until its channel stops reading the source rows; only then is the
@@ -36,6 +42,11 @@ class OutgoingHandoff:
         self.channel = None  # the channel that owns this hand-off
         self.ready_layer: float = -1  # every layer <= this one is computed
         self.ready_events: list = []  # (layer, CUDA event) in call order; empty on CPU
+        # Streaming by tokens: KV rows of the first ready_tokens tokens are final in every
+        # layer; tokens_event is the CUDA event of the latest such mark (None on CPU).
+        self.streaming = False
+        self.ready_tokens = 0
+        self.tokens_event = None
         self.first_token: int | None = None
         self.error: TransferError | None = None
 
@@ -46,6 +57,11 @@ class OutgoingHandoff:
     def layer_done(self, layer: int) -> None:
         """Layer `layer` (and every earlier one) is computed; its rows may be sent."""
         self.sender._mark_ready(self, layer, None)
+
+    def tokens_done(self, num_tokens: int) -> None:
+        """The prompt's first `num_tokens` tokens are computed in every layer (a chunk finished):
+        their KV rows may be sent. Only for a hand-off begun with computed_tokens."""
+        self.sender._mark_ready(self, -1, None, tokens=num_tokens)
 
     def finish(self, first_token: int) -> None:
         """The prompt is done and its first token sampled: send what is left and the token."""
@@ -96,8 +112,11 @@ class HandoffSender(Endpoint):
             self._channel_broken(channel, peer, ChannelClosedError(why))
 
     def begin(self, target: HandoffTarget, num_tokens: int, src_block_ids: list[int], src_slot: int | None, timeout_s: float | None = None,
-              *, first_token: int | None = None) -> OutgoingHandoff:
-        """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked done.
+              *, first_token: int | None = None, computed_tokens: int | None = None) -> OutgoingHandoff:
+        """Start a hand-off before (or while) the prefill runs; rows go out as layers are marked
+        done or, with computed_tokens (the prompt tokens already computed in every layer), as
+        tokens_done() reports chunks finished. A streaming hand-off's timeout counts from its
+        latest progress, since it spans the rest of the prefill.
 
         Moves the tokens in the first ceil(num_tokens / block_size) ids of src_block_ids to the
         first ceil(num_tokens / receiver's block size) of target.dst_block_ids (longer lists are
@@ -121,6 +140,8 @@ class HandoffSender(Endpoint):
             self.cache.check_rows(list(src_block_ids)[:blocks], src_slot, f"request {rid} (sender)")
             job = OutgoingHandoff(self, target, num_tokens, list(src_block_ids)[:blocks], list(target.dst_block_ids)[:dst_blocks],
                                   src_slot, timeout_s or self.config.timeout_s)
+            if computed_tokens is not None:
+                job.streaming, job.ready_tokens = True, max(0, min(int(computed_tokens), num_tokens))
             if first_token is not None:  # send(): the prefill is over; the channel must see it finished from the start
                 event = record_compute_event(self.cache)
                 job.ready_layer, job.first_token = ALL_LAYERS, int(first_token)
@@ -156,17 +177,28 @@ class HandoffSender(Endpoint):
     def _open_channel(self, peer: str, offer):
         raise NotImplementedError
 
-    def _mark_ready(self, job: OutgoingHandoff, layer: float, first_token: int | None) -> None:
+    def _mark_ready(self, job: OutgoingHandoff, layer: float, first_token: int | None, tokens: int | None = None) -> None:
         event = record_compute_event(self.cache)
         with self._lock:
             if layer < job.ready_layer:
                 raise ValueError(f"request {job.request_id}: layer {layer} marked done after layer {job.ready_layer}")
+            if tokens is not None and not job.streaming:
+                raise ValueError(f"request {job.request_id}: tokens_done() on a hand-off not begun with computed_tokens")
             job.ready_layer = layer
-            if event is not None:
+            if tokens is not None:
+                job.ready_tokens = max(job.ready_tokens, min(int(tokens), job.num_tokens))
+                job.tokens_event = event
+            elif event is not None:
                 job.ready_events.append((layer, event))
+            if layer == ALL_LAYERS:
+                job.ready_tokens = job.num_tokens
             if first_token is not None:
                 job.first_token = first_token
+            if job.streaming:
+                job.deadline = max(job.deadline, time.monotonic() + job.timeout_s)
             self._changed.notify_all()
+        if job.channel is not None:
+            job.channel.progress(job)
 
     def _fail(self, request_id: str, error: TransferError, only_if=None) -> None:
         with self._lock:
@@ -178,6 +210,8 @@ class HandoffSender(Endpoint):
             self._changed.notify_all()
         if was == QUEUED:
             self._finalize(job, ok=False)
+        elif job.streaming:  # the channel ends its stream, telling the receiver
+            job.channel.progress(job)
 
     def _finalize(self, job: OutgoingHandoff, ok: bool, why: str = "") -> None:
         with self._lock:

@@ -90,10 +90,6 @@ class ShmSender(HandoffSender):
         self._retired: list[GrantTable] = []
         super().__init__(*args, **kwargs)
 
-    def _mark_ready(self, job, layer, first_token) -> None:
-        super()._mark_ready(job, layer, first_token)
-        job.channel.write_ready(job)
-
     def _fail(self, request_id, error, only_if=None) -> None:
         with self._lock:
             job = self._outgoing.get(request_id)

@@ -15,7 +15,8 @@ from kvtransfer.errors import ChannelClosedError, HandoffAbortedError
 from kvtransfer.grid import Grid
 from kvtransfer.grant_table import (CLAIM, CLAIMER, DIGEST, GEN, KEY0, KEY1, NUM_BLOCKS, SLOT, STATUS_ABORTED,
                                     STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
-from kvtransfer.rows import byte_rows, copy_rows, request_maps
+from kvtransfer.layout import BLOCK
+from kvtransfer.rows import RowMap, byte_rows, copy_rows, request_maps
 from kvtransfer.sender import ALL_LAYERS, ON_WIRE
 
 
@@ -69,26 +70,32 @@ class ShmSenderChannel:
             return f"refused by receiver {self.peer}: sender's destination rows differ from the reservation"
         r[CLAIMER] = self.index
         r[CLAIM] = gen
-        job.row, job.gen, job.copied = row, gen, 0
+        job.row, job.gen, job.copied, job.rows_copied = row, gen, 0, 0
         grid, n = self.grid, job.num_tokens
-        job.maps = request_maps(
-            self.sender.layout,
-            grid.my_rows(job.src_block_ids, n),
-            job.src_slot,
-            grid.peer_rows(job.dst_block_ids, n),
-            slot,
-        )
+        job.src_rows, job.dst_rows = grid.my_rows(job.src_block_ids, n), grid.peer_rows(job.dst_block_ids, n)
+        # A streaming job's block rows go as its chunks finish them (_copy_finished_rows): what
+        # the layers copy at the end is its slot rows only.
+        job.maps = request_maps(self.sender.layout, [] if job.streaming else job.src_rows, job.src_slot,
+                                [] if job.streaming else job.dst_rows, slot)
         self._writing[rid] = job
         return ""
 
+    def progress(self, job) -> None:
+        self.write_ready(job)
+
     def write_ready(self, job) -> None:
-        """Copy every layer marked ready and not yet copied; after the last, mark the row done."""
+        """Copy every layer marked ready (a streaming job: every block row its finished chunks
+        wrote) and not yet copied; after the last, mark the row done."""
         layout, table = self.sender.layout, self.table
         revoked = done = False
         with self._write_lock:
             if self._writing.get(job.request_id) is not job or job.state != ON_WIRE:
                 return
+            if job.streaming and not self._copy_finished_rows(job):
+                revoked = True
             upto = job.ready_layer if self.sender.config.pipeline_layers or job.ready_layer == ALL_LAYERS else -1
+            if revoked:
+                upto = -1
             layers = layout.layers
             while job.copied < len(layers) and layers[job.copied] <= upto:
                 if table.rows[job.row, GEN] != job.gen:  # revoked: the receiver waits for our lock to go
@@ -106,6 +113,21 @@ class ShmSenderChannel:
             self._revoked(job)
         elif done:
             self.sender._finalize(job, ok=True)
+
+    def _copy_finished_rows(self, job) -> bool:
+        """A streaming job's block rows of the tokens computed so far (full wire rows only: the
+        next chunk still writes a partial one); False if the receiver revoked the grant."""
+        end = len(job.src_rows) if job.ready_layer == ALL_LAYERS else min(job.ready_tokens // self.grid.row_tokens, len(job.src_rows))
+        if end <= job.rows_copied:
+            return True
+        if self.table.rows[job.row, GEN] != job.gen:
+            return False
+        rows = RowMap(job.src_rows[job.rows_copied:end], job.dst_rows[job.rows_copied:end])
+        for spec in self.sender.layout.specs:
+            if spec.role == BLOCK:
+                copy_rows(self._src_rows[spec.name], self._dst_rows[spec.name], rows)
+        job.rows_copied = end
+        return True
 
     def release(self, job) -> None:
         """The job failed: stop writing it, tell the receiver, let go of its row, report it."""

@@ -5,6 +5,10 @@ checksum of the destination rows) rung on the pair's doorbell (kvtransfer.doorbe
 receiver never waits in a receive on the wire), then either one packed message per layer and
 a fixed trailer (status, first token), when the prefill was still running as the hand-off
 began and layers are pipelined, or else one message: all rows with the trailer at its end.
+A hand-off streamed while its prompt prefills in chunks goes as parts, each announced by its
+own header: block rows [first, end) as chunks finish them, then a final part with the rest,
+the slot rows and the trailer. Parts of other requests may come between, so a short prompt's
+hand-off never waits for a long prompt's prefill.
 Every message is a wait on each side, and under a busy engine thread each wait may cost a GIL
 hand-off. The sender packs its rows into a reused buffer; the receiver lands each segment in
 its own reused buffer and scatters it into the reserved rows only while the reservation is
@@ -26,17 +30,20 @@ import torch
 
 from kvtransfer.errors import ChannelClosedError
 from kvtransfer.grid import Grid
-from kvtransfer.layout import CacheLayout
+from kvtransfer.layout import BLOCK, CacheLayout
 from kvtransfer.messages import STATUS_ABORTED, STATUS_OK, TRAILER_BYTES, WireHeader, decode_trailer, encode_trailer
-from kvtransfer.rows import byte_rows, copy_rows, packed, packed_rows, plan_packing, request_maps
-from kvtransfer.sender import ALL_LAYERS
+from kvtransfer.rows import RowMap, byte_rows, copy_rows, packed, packed_rows, plan_packing, request_maps
+from kvtransfer.sender import ALL_LAYERS, ON_WIRE, QUEUED
 
 log = logging.getLogger(__name__)
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # The caller posts a hand-off itself only up to this size: Gloo writes a message whose receive
 # is already posted inside send(), which the caller's engine step pays. Bigger hand-offs are
 # about bandwidth, not latency: the channel thread posts them.
 INLINE_MAX_BYTES = 8 << 20
+# A part costs an announcement and a message wait on each side: rows a chunk finished wait to
+# go with the next chunk's until they are at least this big (the final part takes any rest).
+MIN_PART_BYTES = 256 << 10
 
 
 class Pending(Protocol):
@@ -90,6 +97,15 @@ class _Buffer:
         return self.tensor
 
 
+class _Part:
+    """A streaming hand-off's next piece for the channel thread: block rows [first, end) its
+    finished chunks wrote (event: the CUDA event of that mark), or its final part (end None),
+    which carries every row not posted before it."""
+
+    def __init__(self, job, first: int, end: int | None, event=None):
+        self.job, self.first, self.end, self.event = job, first, end, event
+
+
 class _Posted:
     """A job the caller's thread posted itself; the channel thread only waits for it."""
 
@@ -108,6 +124,8 @@ class StreamSenderChannel:
         self._wire_layout = grid.wire_layout(sender.layout)
         self._src_rows = grid.split_all({name: byte_rows(t) for name, t in sender.cache.tensors.items()}, sender.layout)
         self._buffer = _Buffer(wire.device)  # one job's at a time: a job is posted only once the one before is done
+        row_bytes = sum(spec.row_bytes for spec in self._wire_layout.specs if spec.role == BLOCK)
+        self._min_part_rows = max(1, MIN_PART_BYTES // row_bytes) if row_bytes else 0
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._active = 0  # jobs submitted and not yet done with the wire
@@ -118,6 +136,10 @@ class StreamSenderChannel:
         self._thread.start()
 
     def submit(self, job) -> None:
+        if job.streaming:
+            job.rows_queued, job.rows_posted, job.final_queued, job.parts_sent = 0, 0, False, 0
+            self.progress(job)  # rows computed before it began (a cached prefix, earlier chunks)
+            return
         with self._lock:
             inline = (self._active == 0 and job.ready_layer == ALL_LAYERS and not self._closing
                       and self.sender.layout.handoff_bytes(job.num_tokens) <= INLINE_MAX_BYTES)
@@ -146,6 +168,27 @@ class StreamSenderChannel:
             self.wire.fence()
             self.sender._finalize(job, ok=False, why=f"channel to {self.peer} closed")
 
+    def progress(self, job) -> None:
+        """A streaming job moved on: queue the block rows its chunks finished (once there are
+        enough for a part), or its final part once it is finished or failing."""
+        if not job.streaming:
+            return  # its one post waits for the layers itself (_post)
+        with self._lock:
+            if job.final_queued or self._closing:
+                return
+            if job.first_token is not None or job.state not in (QUEUED, ON_WIRE):
+                part, job.final_queued = _Part(job, job.rows_queued, None), True
+            else:
+                ready = min(job.ready_tokens // self.grid.row_tokens, self.grid.wire_rows(self.sender.layout, job.num_tokens))
+                if not self._min_part_rows or ready - job.rows_queued < self._min_part_rows:
+                    return
+                part, job.rows_queued = _Part(job, job.rows_queued, ready, job.tokens_event), ready
+            self._active += 1
+            if self._posting_inline:
+                self._held_back.append(part)
+            else:
+                self._queue.put(part)
+
     def close(self) -> None:
         with self._lock:  # after this no caller queues a job it posted (submit reports it itself)
             self._closing = True
@@ -162,6 +205,8 @@ class StreamSenderChannel:
                         raise item.error
                     if item.started:
                         self._complete(item.job, item.pending, item.ok)
+                elif isinstance(item, _Part):
+                    self._post_part(item)
                 elif self.sender._start(item, self):
                     self._complete(item, *self._post(item))
                 with self._lock:
@@ -172,20 +217,50 @@ class StreamSenderChannel:
             self.wire.abort()
             self.sender._channel_broken(self, self.peer, error)
 
-    def _post(self, job) -> tuple[list, bool]:
-        """Announce the job and post its messages; returns (what to wait for, whether it went out whole)."""
+    def _post_part(self, part: _Part) -> None:
+        """Post one part of a streaming job and wait for it (the buffer is reused by the next)."""
+        job = part.job
+        if job.parts_sent == 0 and not self.sender._start(job, self):
+            return  # failed before its first part: reported already, and the receiver saw nothing
+        if part.end is None:
+            job.parts_sent += 1
+            self._complete(job, *self._post(job, job.rows_posted))
+            return
+        if job.state != ON_WIRE:
+            return  # failing: its final part, queued by the failure, tells the receiver
+        rows, count = self.grid.wire_rows(self.sender.layout, job.num_tokens), part.end - part.first
+        target = job.target
+        header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), False,
+                            part.first, part.end, final=False)
+        self.wire.announce(header.encode())
+        plan = plan_packing(self._wire_layout, count, False, with_slots=False)
+        buffer = self._buffer.at_least(plan.total_bytes)
+        row_map = RowMap(self.grid.my_rows(job.src_block_ids, job.num_tokens)[part.first : part.end], packed(count))
+        with self.wire.on_stream():
+            if part.event is not None:
+                self.wire.wait_event(part.event)
+            for segment in plan.segments:
+                for entry in segment.entries:
+                    copy_rows(self._src_rows[entry.spec.name], packed_rows(buffer, entry), row_map)
+        job.parts_sent, job.rows_posted = job.parts_sent + 1, part.end
+        self.wire.send([buffer[: plan.total_bytes]]).wait(max(job.deadline - time.monotonic(), 1.0))
+
+    def _post(self, job, first_row: int = 0) -> tuple[list, bool]:
+        """Announce the job's final part (for a job not streamed: all of it) and post its
+        messages; returns (what to wait for, whether it went out whole)."""
         # A job whose prefill already finished goes as one message: fewer waits on both sides,
         # each of which may cost a GIL hand-off under a busy engine thread.
-        pipelined = self.sender.config.pipeline_layers and job.ready_layer != ALL_LAYERS
+        pipelined = self.sender.config.pipeline_layers and job.ready_layer != ALL_LAYERS and not job.streaming
         rows = self.grid.wire_rows(self.sender.layout, job.num_tokens)
-        plan = plan_packing(self._wire_layout, rows, pipelined)
+        count = rows - first_row
+        plan = plan_packing(self._wire_layout, count, pipelined)
         buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
         target = job.target
-        header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), pipelined)
+        header = WireHeader(job.request_id, job.num_tokens, rows, target.dst_slot, target.digest(), pipelined, first_row)
         self.wire.announce(header.encode())  # the doorbell: the receiver posts its receives once it reads this
         pending = []
-        src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens)  # none without blocks: no ids to split
-        maps = request_maps(self.sender.layout, src_rows, job.src_slot, packed(rows), 0 if job.src_slot is not None else None)
+        src_rows = self.grid.my_rows(job.src_block_ids, job.num_tokens)[first_row:]  # none without blocks
+        maps = request_maps(self.sender.layout, src_rows, job.src_slot, packed(count), 0 if job.src_slot is not None else None)
         ok = True
         for segment in plan.segments:
             if ok:
@@ -253,14 +328,21 @@ class StreamReceiverChannel:
         self.receiver._channel_broken(self, self.peer, error)
 
     def _receive(self, header: WireHeader) -> None:
-        incoming, why = self.receiver._claim(
-            header.request_id, header.num_tokens, header.num_rows, header.dst_digest, header.dst_slot, self
-        )
+        if header.first_row == 0:
+            incoming, why = self.receiver._claim(
+                header.request_id, header.num_tokens, header.num_rows, header.dst_digest, header.dst_slot, self
+            )
+        else:  # a later part of a streamed hand-off
+            incoming, why = self.receiver._continue(header.request_id, header.first_row, self)
         if incoming is None:
             log.warning("kvtransfer: draining hand-off: %s", why)
-        plan = plan_packing(self._wire_layout, header.num_rows, header.pipelined)
+        count = header.end_row - header.first_row
+        plan = plan_packing(self._wire_layout, count, header.pipelined, with_slots=header.final)
         buffer = self._buffer.at_least(plan.total_bytes + TRAILER_BYTES)
-        if header.pipelined:
+        if not header.final:  # block rows only, in one message; no trailer
+            whole = self.wire.recv([buffer[: plan.total_bytes]])
+            segments, trailer_pending, trailer = [(s, whole) for s in plan.segments], None, None
+        elif header.pipelined:
             segments = [(s, self.wire.recv([buffer[s.offset : s.offset + s.nbytes]])) for s in plan.segments]
             trailer = torch.empty(TRAILER_BYTES, dtype=torch.uint8, device=self.wire.device)
             trailer_pending = self.wire.recv([trailer])
@@ -273,8 +355,9 @@ class StreamReceiverChannel:
         maps = None
         if incoming is not None:
             slot = incoming.target.dst_slot
-            dst_rows = self.grid.my_rows(incoming.dst_block_ids, header.num_tokens)
-            maps = request_maps(self.receiver.layout, packed(header.num_rows), 0 if slot is not None else None, dst_rows, slot)
+            dst_rows = self.grid.my_rows(incoming.dst_block_ids, header.num_tokens)[header.first_row : header.end_row]
+            maps = (request_maps(self.receiver.layout, packed(count), 0 if slot is not None else None, dst_rows, slot)
+                    if header.final else {BLOCK: RowMap(packed(count), dst_rows)})
         for segment, pending in segments:
             pending.wait(stall_limit)
             if incoming is None:
@@ -288,6 +371,10 @@ class StreamReceiverChannel:
                     waited_for_compute = True
                     for entry in segment.entries:
                         copy_rows(packed_rows(buffer, entry), self._dst_rows[entry.spec.name], maps[entry.spec.role])
+        if not header.final:
+            if incoming is not None:
+                incoming.rows_landed = header.end_row
+            return
         if trailer_pending is not None:
             trailer_pending.wait(stall_limit)
         status, first_token = decode_trailer(trailer)
