@@ -47,6 +47,19 @@ class Handoff:
 
 
 @dataclass
+class PrefillProgress:
+    """Prefill side: a request still prefilling, its whole prompt's blocks and its slot held
+    (a prefill-only scheduler takes them at admission), so its hand-off may begin: KV rows of
+    its first num_computed_tokens tokens are final in every layer."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_tokens: int
+    block_ids: list[int]
+    slot: int
+
+
+@dataclass
 class Reservation:
     """Decode side: where an incoming request's KV blocks and Mamba state must be written."""
 
@@ -105,7 +118,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
             if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
-                                   prefix_cache=self.prefix_cache)
+                                   prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp)
         self.requests: dict[str, Request] = {}
@@ -351,6 +364,15 @@ class LLMEngine:
         """Prefill side: requests ready to send since the last call."""
         ready, self._handoffs = self._handoffs, []
         return ready
+
+    def prefill_progress(self, request_id: str) -> PrefillProgress | None:
+        """Prefill side: where a request admitted and not yet done prefilling stands; None if
+        it waits for admission, is done, or this engine does not hand off."""
+        request = self.requests.get(request_id)
+        if not self._hands_off or request is None or request.status is not RequestStatus.PREFILLING:
+            return None
+        return PrefillProgress(request_id, request.num_computed_tokens, request.num_tokens,
+                               list(self.blocks.table(request_id)), self.slots.slot_of[request_id])
 
     def finish_handoff(self, request_id: str, error: str | None = None) -> None:
         """Prefill side: the send completed (or failed): free the request's blocks and slot."""

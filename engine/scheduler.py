@@ -11,6 +11,10 @@ shared, the checkpoint is listed in `restores` for the engine to copy into the r
 slot before the step, and the rest runs as a CONTINUED_PREFILL. A prefill chunk that crosses a
 point of `request.save_points` (block boundaries whose state the engine checkpoints) runs in
 pieces, one pass of the step each (ScheduledSeq.num_later_tokens).
+
+A prefill-only scheduler (a prefill worker's) admits a request only with blocks for its whole
+prompt, taken at admission: its requests never grow afterwards, so none is ever preempted, and
+a hand-off may read a chunk's blocks while later chunks compute (prefill_worker streams them).
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ class Scheduler:
         self.slots = slots
         self.prefix_cache = prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefill_only = prefill_only
+        self.prefill_only = prefill_only  # whole prompts' blocks at admission (see above)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -142,7 +146,7 @@ class Scheduler:
             status = request.status
             request.start_prefill(hit.num_tokens if hit else 0)
             num_new = self._chunk(request, budget)
-            total = request.num_computed_tokens + num_new
+            total = request.num_tokens if self.prefill_only else request.num_computed_tokens + num_new
             reused_free = sum(b in self.blocks.evictable for b in hit.blocks) if hit else 0
             if self.blocks.blocks_needed(total) - hit_blocks > self.blocks.num_available_blocks - reused_free:
                 request.status, request.num_computed_tokens = status, 0

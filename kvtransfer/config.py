@@ -16,6 +16,10 @@ class TransferConfig:
     # Send layer i as soon as it is computed (overlaps the prefill of later layers),
     # instead of one message after the last layer.
     pipeline_layers: bool = True
+    # Prefill worker: begin the hand-off of a prompt prefilled in several chunks after its
+    # first chunk, sending each chunk's finished KV rows while later chunks compute, instead
+    # of all of it after the last chunk.
+    stream_prefill: bool = True
     # Gloo only: the address this process is reachable at from its peers.
     advertise_host: str = "127.0.0.1"
     # How often the deadline watcher looks for expired hand-offs.

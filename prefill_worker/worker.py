@@ -3,7 +3,10 @@
 Per request: the router passes the HandoffTarget (decode worker's reserved blocks and slot);
 the engine batches and chunks prompts like any engine; once a prompt's first token is
 sampled, its KV rows, recurrent state and the token go out through kvtransfer, and the blocks
-and slot are freed only when the transport reports it can no longer read them. A
+and slot are freed only when the transport reports it can no longer read them. A prompt
+prefilled in several chunks streams: its hand-off begins after its first chunk, each step's
+finished KV rows go while later chunks compute, and what is left after the last chunk is that
+chunk's rows and the recurrent state (TransferConfig.stream_prefill). A
 tensor-parallel worker sends to a decode worker of its own TP size rank to rank
 (engine.tp.rank_handoffs), to any other through rank 0's staging rows; a GPU worker on a
 host-side wire (shm, gloo) sends through host staging rows (engine.staging).
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import time
 from dataclasses import dataclass
 
@@ -26,6 +30,8 @@ from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankOffers
 from kvtransfer import HandoffResult, HandoffTarget
 from worker_base import WorkerBase
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,6 +85,7 @@ class PrefillWorker(WorkerBase):
         self._shipped: dict[str, Handoff] = {}  # what the outcome reports of a sent hand-off
         self._sent: dict[str, tuple] = {}  # request -> (its engine spans, when its send began)
         self._deferred: list[Handoff] = []  # waiting for staging rows
+        self._streaming: dict = {}  # request -> its hand-off begun while the prompt prefills
         self._first_token_to: dict = {}  # request -> where its first token goes (prefill_stream)
         self.handoffs = {"count": 0, "failures": 0, "bytes": 0, "seconds": 0.0, "by_rank": 0}
         self._stall_next = 0  # fault injection: hand-offs to start and never finish
@@ -179,6 +186,7 @@ class PrefillWorker(WorkerBase):
             self._shipped.pop(request_id, None)
             self._sent.pop(request_id, None)
             self._first_token_to.pop(request_id, None)
+            self._streaming.pop(request_id, None)
 
     async def _await_target(self, request_id: str, pending: PendingTarget) -> None:
         try:
@@ -233,6 +241,33 @@ class PrefillWorker(WorkerBase):
         """After each step, on the engine thread: send what is ready."""
         self._crash_point(engine.requests)
         self._send_ready(engine)
+        self._stream_prefills(engine)
+
+    def _stream_prefills(self, engine: LLMEngine) -> None:
+        """Prompts still prefilling whose reservation is granted: begin their hand-off after
+        their first chunk, then report each step's progress (the rows it finished go out).
+        Not for staged rows or rank-to-rank hand-offs, which go after the prefill."""
+        if not self.transfer_config.stream_prefill or self.staging is not None or self.rank_handoffs is not None \
+                or not self.cache_tensors.layout.has_blocks:  # without attention all of it is state, final at the end
+            return
+        for request_id, target in list(self._targets.items()):
+            if not isinstance(target, HandoffTarget) or target.ranks > 1:
+                continue
+            progress = engine.prefill_progress(request_id)
+            if progress is None:
+                continue
+            if request_id in self._streaming:
+                job = self._streaming[request_id]
+                if job is not None:
+                    job.tokens_done(progress.num_computed_tokens)
+                continue
+            slot = progress.slot if self.cache_tensors.num_slots else None
+            try:
+                self._streaming[request_id] = self.sender.begin(target, progress.num_tokens, progress.block_ids, slot,
+                                                                computed_tokens=progress.num_computed_tokens)
+            except Exception as e:  # no channel, say: it is sent whole after its prefill, and fails there
+                log.debug("%s: not streaming %s: %s", self.name, request_id, e)
+                self._streaming[request_id] = None
 
     def _send_ready(self, engine: LLMEngine) -> None:
         if self.rank_handoffs is not None:
@@ -255,6 +290,9 @@ class PrefillWorker(WorkerBase):
                 continue
             if target.ranks > 1 or target.receiver in self._rank_peers:
                 self._ship_by_rank(engine, handoff, target)
+                continue
+            if self._streaming.get(handoff.request_id) is not None:
+                self._finish_stream(engine, handoff)
                 continue
             blocks, slot, copying = handoff.block_ids, handoff.slot, []
             if self.staging is not None:  # the wire reads staging rows (engine.staging)
@@ -280,6 +318,20 @@ class PrefillWorker(WorkerBase):
                     self.sender.send(target, handoff.num_tokens, blocks, slot, handoff.first_token)
             except Exception as e:
                 self._ship_failed(engine, handoff.request_id, e)
+
+    def _finish_stream(self, engine: LLMEngine, handoff: Handoff) -> None:
+        """The last chunk ran: what is left of a streaming hand-off goes, the first token with it."""
+        rid = handoff.request_id
+        job = self._streaming.pop(rid)
+        self._shipped[rid] = handoff
+        self._sent[rid] = (engine_spans(engine.requests[rid], self.name), time.monotonic())
+        n = self.cache_tensors.layout.num_blocks_for(handoff.num_tokens)
+        if job.num_tokens != handoff.num_tokens or job.src_block_ids != handoff.block_ids[:n]:
+            # cannot happen while a prefill-only scheduler never moves a request's blocks
+            job.abort(f"the prompt's blocks changed while its hand-off streamed ({job.num_tokens} "
+                      f"tokens streamed, {handoff.num_tokens} computed)")
+            return
+        job.finish(handoff.first_token)
 
     def _ship_by_rank(self, engine: LLMEngine, handoff: Handoff, target: HandoffTarget) -> None:
         """Every rank sends its own shard (engine.tp.rank_handoffs); results come from poll()."""
@@ -336,6 +388,8 @@ class PrefillWorker(WorkerBase):
                 # Finished at its first token (max_tokens=1, EOS, stop) or failed: no hand-off.
                 self._resolve(out.request_id, PrefillOutcome(out.request_id, False, output=out,
                                                              error=out.error))
+                if self._streaming.get(out.request_id) is not None:  # its stream stops; the receiver frees
+                    self.sender.abort(out.request_id, f"the request ended on the prefill worker ({out.error or 'finished'})")
             elif not out.finished and out.new_token_ids:  # its first token: the hand-off follows
                 on_first = self._first_token_to.pop(out.request_id, None)
                 if on_first is not None:

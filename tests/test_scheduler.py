@@ -66,3 +66,38 @@ def test_the_decode_lane_plans_what_the_general_path_plans(seed):
         lane.slots.check_integrity()
     assert decodes_in_lane > 50
     assert lane.num_preemptions == general.num_preemptions
+
+
+def test_a_prefill_only_scheduler_takes_whole_prompts_at_admission_and_never_preempts():
+    """A prefill worker's request holds its whole prompt's blocks from its first chunk (its
+    hand-off streams from them while later chunks run) and keeps them until its hand-off is
+    done, two steps after its last chunk here; one that does not fit waits. Nothing is
+    preempted, while the general scheduler on the same arrivals grows tables chunk by chunk
+    and must preempt."""
+    runs = {}
+    for prefill_only in (True, False):
+        scheduler = Scheduler(BlockManager(num_blocks=10, block_size=4), StateSlotAllocator(4),
+                              max_num_batched_tokens=8, prefill_only=prefill_only)
+        for i, length in enumerate([6, 22, 22]):
+            scheduler.add(Request(f"r{i}", list(range(length)), SamplingParams(max_tokens=4)))
+        tables, sending = {}, []
+        for step in range(40):
+            for seq in scheduler.schedule().seqs:
+                request = seq.request
+                if prefill_only:
+                    tables.setdefault(request.request_id, list(seq.block_table))
+                    assert seq.block_table == tables[request.request_id]  # never grows or moves
+                    assert len(seq.block_table) == -(-request.num_tokens // 4)
+                request.num_computed_tokens += seq.num_new_tokens + seq.num_later_tokens
+                if request.num_computed_tokens == request.num_tokens:  # first token: handed off
+                    request.status = RequestStatus.HANDED_OFF
+                    scheduler.running.remove(request)
+                    sending.append((step + 2, request))
+            for due, request in [(d, r) for d, r in sending if d <= step]:
+                sending.remove((due, request))
+                request.finish(RequestStatus.FINISHED_STOPPED)
+                scheduler.release(request)
+            scheduler.blocks.check_integrity()
+        assert not scheduler.has_unfinished() and not sending
+        runs[prefill_only] = scheduler.num_preemptions
+    assert runs == {True: 0, False: 1}
