@@ -292,3 +292,18 @@ def test_bench_zoo_checkpoint_runs_exactly(tmp_path, name):
     assert len(output) == 4
     with torch.no_grad():
         judge_greedy(model, prompt, output)
+
+
+def test_handoff_overlap_measures_both_modes_side_by_side(tmp_path, capsys):
+    """bench.handoff_overlap on a prompt of three chunks: both modes hand off (one() asserts it),
+    every round is timed, and the report prints a row per length."""
+    import asyncio
+
+    from bench import handoff_overlap
+
+    model = handoff_overlap.long_context_model(tmp_path, 4096)
+    times = asyncio.run(handoff_overlap.sitting(model, "shm", [300], rounds=2, chunk=128))
+    assert set(times) == {(300, "whole"), (300, "streamed")}
+    assert all(len(t[k]) == 2 and min(t[k]) > 0 for t in times.values() for k in ("exposed", "prefill"))
+    handoff_overlap.report("shm", times, lambda n: 2048 * n)
+    assert "     300         0.6 |" in capsys.readouterr().out
