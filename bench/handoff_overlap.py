@@ -57,8 +57,9 @@ async def sitting(model: str, transport: str, lengths: list[int], rounds: int, c
     pairs, taken, accepted = {}, {}, {}
     try:
         for mode in MODES:
-            prefill = PrefillWorker(f"p-{mode}", model, options, transport)
-            decode = DecodeWorker(f"d-{mode}", model, options, transport)
+            # no router renews the reservation here while a 32k prompt prefills: a timeout to match
+            prefill = PrefillWorker(f"p-{mode}", model, options, transport, transfer_timeout_s=600)
+            decode = DecodeWorker(f"d-{mode}", model, options, transport, transfer_timeout_s=600)
             prefill.transfer_config.stream_prefill = mode == "streamed"
             await prefill.connect(decode.name, await decode.accept(prefill.name, 1))
             stamp(prefill, "take_handoffs", taken, lambda args, handoffs: [h.request_id for h in handoffs])

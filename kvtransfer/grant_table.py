@@ -31,7 +31,8 @@ import os
 import numpy as np
 
 (KEY0, KEY1, GEN, DIGEST, NUM_BLOCKS, SLOT,  # receiver's half
- CLAIM, CLAIMER, STATUS, NUM_TOKENS, FIRST_TOKEN, DONE_NS, DONE) = range(13)  # sender's half
+ CLAIM, CLAIMER, STATUS, NUM_TOKENS, FIRST_TOKEN, DONE_NS, DONE,  # sender's half
+ PROGRESS) = range(14)  # sender's: block rows written so far by a hand-off streamed while its prompt prefills
 ROW_WORDS = 16
 ROW_BYTES = ROW_WORDS * 8
 STATUS_OK, STATUS_ABORTED, STATUS_REFUSED = 1, 2, 3

@@ -31,6 +31,7 @@ class Incoming:
         self.num_tokens = 0
         self.dst_block_ids: list[int] = []  # the rows being written, set when landing starts
         self.rows_landed = 0  # a hand-off streamed in parts: its block rows landed so far, in order
+        self.rows_renewed = 0  # rows landed when keep_waiting last renewed it
         self.compute_ready = compute_ready  # CUDA event: last use of these rows by the previous owner
         self.write_lock = threading.Lock()  # held by a channel while it writes this request's rows
         self.error: TransferError | None = None
@@ -73,14 +74,25 @@ class HandoffReceiver(Endpoint):
             self._incoming[target.request_id] = incoming
 
     def keep_waiting(self, request_id: str) -> bool:
-        """Restart the timeout of a reservation whose hand-off has not begun (the router's word
-        that the sender is alive and still has the request queued); False if it is not waiting."""
+        """Restart the timeout of a reservation whose hand-off has not begun, or streams while
+        its prompt prefills and has landed more rows since the last renewal (the router's word
+        that the sender is alive and still working on the request); False otherwise: a hand-off
+        that stalled keeps its deadline."""
         with self._lock:
             incoming = self._incoming.get(request_id)
-            if incoming is None or incoming.state != WAITING:
+            if incoming is None or incoming.state not in (WAITING, LANDING):
                 return False
+            if incoming.state == LANDING:
+                landed = self._rows_landed(incoming)
+                if landed <= incoming.rows_renewed:
+                    return False
+                incoming.rows_renewed = landed
             incoming.deadline = max(incoming.deadline, time.monotonic() + incoming.timeout_s)
             return True
+
+    def _rows_landed(self, incoming: Incoming) -> int:
+        """Block rows of a streamed hand-off landed so far (called under the lock)."""
+        return incoming.rows_landed
 
     def abort(self, request_id: str, reason: str = "aborted by the caller") -> bool:
         """Revoke a hand-off not yet landed; False when there is none (never reserved here, or all

@@ -17,8 +17,8 @@ import uuid
 
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError, HandoffAbortedError, LayoutMismatchError, TransferError
-from kvtransfer.grant_table import (CLAIM, CLAIMER, DONE, DONE_NS, FIRST_TOKEN, MAX_ROWS, NUM_TOKENS, STATUS,
-                                    STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
+from kvtransfer.grant_table import (CLAIM, CLAIMER, DONE, DONE_NS, FIRST_TOKEN, MAX_ROWS, NUM_TOKENS, PROGRESS,
+                                    STATUS, STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
 from kvtransfer.layout import CacheLayout
 from kvtransfer.messages import HandoffResult, ShmOffer
 from kvtransfer.receiver import DONE as DONE_STATE
@@ -60,6 +60,10 @@ class ShmReceiver(HandoffReceiver):
         return ShmOffer(self.name, self._socket_name, token)
 
     # ---- grants and sweeps ----
+
+    def _rows_landed(self, incoming: Incoming) -> int:
+        row = self._table.rows[incoming.row]
+        return int(row[PROGRESS]) if row[CLAIM] == incoming.gen else 0
 
     def _reserve(self, incoming: Incoming) -> None:
         if not self._free_rows:

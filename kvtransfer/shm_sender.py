@@ -13,8 +13,8 @@ import time
 from kvtransfer.control import ControlSocket
 from kvtransfer.errors import ChannelClosedError, HandoffAbortedError
 from kvtransfer.grid import Grid
-from kvtransfer.grant_table import (CLAIM, CLAIMER, DIGEST, GEN, KEY0, KEY1, NUM_BLOCKS, SLOT, STATUS_ABORTED,
-                                    STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
+from kvtransfer.grant_table import (CLAIM, CLAIMER, DIGEST, GEN, KEY0, KEY1, NUM_BLOCKS, PROGRESS, SLOT,
+                                    STATUS_ABORTED, STATUS_OK, STATUS_REFUSED, GrantTable, request_key)
 from kvtransfer.layout import BLOCK
 from kvtransfer.rows import RowMap, byte_rows, copy_rows, request_maps
 from kvtransfer.sender import ALL_LAYERS, ON_WIRE
@@ -69,6 +69,7 @@ class ShmSenderChannel:
             table.unlock(row)
             return f"refused by receiver {self.peer}: sender's destination rows differ from the reservation"
         r[CLAIMER] = self.index
+        r[PROGRESS] = 0
         r[CLAIM] = gen
         job.row, job.gen, job.copied, job.rows_copied = row, gen, 0, 0
         grid, n = self.grid, job.num_tokens
@@ -127,6 +128,7 @@ class ShmSenderChannel:
             if spec.role == BLOCK:
                 copy_rows(self._src_rows[spec.name], self._dst_rows[spec.name], rows)
         job.rows_copied = end
+        self.table.rows[job.row, PROGRESS] = end  # the receiver renews a reservation that moves (keep_waiting)
         return True
 
     def release(self, job) -> None:

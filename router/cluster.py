@@ -426,9 +426,11 @@ class Cluster(ElasticPools):
 
     async def _while_prefill_queued(self, call, prefill, decode, wid: str):
         """Await the prefill call. The decode worker's reservation waits transfer_timeout_s for
-        its hand-off; while the prefill worker is making progress (its step count moves) but has
-        not begun this hand-off, a long prefill queue is not a stalled hand-off, so the router
-        restarts that wait. A stuck prefill worker or a hand-off that began times out as before."""
+        its hand-off; while the prefill worker is making progress (its step count moves) and has
+        not begun this hand-off, or streams it as its prompt prefills and has landed more rows
+        since the last renewal, a long prefill is not a stalled hand-off, so the router restarts
+        that wait (the receiver decides which, kvtransfer keep_waiting). A stuck prefill worker or
+        a hand-off that stopped moving times out as before."""
         if decode is None:  # no reservation to keep
             return await call
         task = asyncio.ensure_future(call)

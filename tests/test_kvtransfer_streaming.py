@@ -181,3 +181,41 @@ def test_tokens_done_needs_a_streaming_hand_off_and_part_headers_round_trip():
     assert WireHeader("r", 40, 10, None, 77, True).end_row == 10
     with pytest.raises(ValueError, match="outside"):
         WireHeader("r", 40, 10, None, 77, False, 4, 11)
+
+
+def landed(receiver, rid: str) -> int:
+    """Block rows of a streamed hand-off landed so far, once the receiver sees it landing."""
+    incoming = receiver._incoming[rid]
+    return receiver._rows_landed(incoming) if incoming.state == "landing" else -1
+
+
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+def test_a_streaming_reservation_is_renewed_only_while_rows_keep_landing(transport):
+    """The router renews reservations while the prefill worker steps (keep_waiting): a hand-off
+    streamed through a prefill longer than the receiver's timeout lands, because each renewal
+    finds more rows landed; one whose rows stop coming is refused renewal and times out."""
+    with connected(transport) as (prefill, decode, sender, receiver):
+        target, blocks, slot = start(prefill, decode, receiver, "long", num_tokens=40, receiver_timeout=0.5)
+        handle = sender.begin(target, 40, blocks, slot, computed_tokens=0)
+        for done in range(4, 40, 4):  # 1.4 s of prefill, nearly three receiver timeouts long
+            handle.tokens_done(done)
+            wait_until(lambda done=done: landed(receiver, "long") == done // 4, timeout_s=0.4)
+            assert receiver.keep_waiting("long")
+            time.sleep(0.15)
+        assert not receiver.keep_waiting("long")  # nothing landed since the last renewal
+        handle.finish(6)
+        wait_until(lambda: "long" in decode.results and "long" in prefill.results)
+        assert decode.results["long"].ok, decode.results["long"]
+        target, blocks, slot = start(prefill, decode, receiver, "stuck", num_tokens=40, receiver_timeout=0.5)
+        handle = sender.begin(target, 40, blocks, slot, computed_tokens=0)
+        handle.tokens_done(8)
+        wait_until(lambda: landed(receiver, "stuck") == 2, timeout_s=0.4)
+        assert receiver.keep_waiting("stuck")  # its first part landed
+        deadline = time.monotonic() + 5
+        while "stuck" not in decode.results:  # the router goes on asking; nothing more lands
+            assert time.monotonic() < deadline
+            assert not receiver.keep_waiting("stuck") or "stuck" in decode.results
+            time.sleep(0.05)
+        assert "timed out" in decode.results["stuck"].error
+        handle.abort("the test is over")
+        wait_until(lambda: prefill.all_free() and decode.all_free())
