@@ -117,13 +117,19 @@ def test_a_short_hand_off_is_not_held_behind_a_long_streaming_prefill():
                               long_target.dst_slot, 24) == []
 
 
+def landing_stream(prefill, decode, sender, receiver, rid: str):
+    """A 24-token hand-off streamed through its first 8 tokens, landing on the receiver."""
+    target, blocks, slot = start(prefill, decode, receiver, rid, num_tokens=24)
+    handle = sender.begin(target, 24, blocks, slot, computed_tokens=4)
+    handle.tokens_done(8)
+    wait_until(lambda: receiver._incoming[rid].state == "landing")
+    return handle
+
+
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_a_sender_abort_mid_stream_fails_both_sides_and_the_channel_goes_on(transport):
     with connected(transport) as (prefill, decode, sender, receiver):
-        target, blocks, slot = start(prefill, decode, receiver, "cut", num_tokens=24)
-        handle = sender.begin(target, 24, blocks, slot, computed_tokens=4)
-        handle.tokens_done(12)
-        wait_until(lambda: receiver._incoming["cut"].state == "landing")
+        handle = landing_stream(prefill, decode, sender, receiver, "cut")
         handle.abort("prefill hit an error")
         wait_until(lambda: "cut" in decode.results and "cut" in prefill.results)
         assert not decode.results["cut"].ok and "prefill hit an error" in prefill.results["cut"].error
@@ -134,10 +140,7 @@ def test_a_sender_abort_mid_stream_fails_both_sides_and_the_channel_goes_on(tran
 @pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_a_receiver_abort_mid_stream_stops_writes_before_reporting(transport):
     with connected(transport) as (prefill, decode, sender, receiver):
-        target, blocks, slot = start(prefill, decode, receiver, "gone", num_tokens=24)
-        handle = sender.begin(target, 24, blocks, slot, computed_tokens=0)
-        handle.tokens_done(8)
-        wait_until(lambda: receiver._incoming["gone"].state == "landing")
+        handle = landing_stream(prefill, decode, sender, receiver, "gone")
         receiver.abort("gone", "client went away")
         wait_until(lambda: "gone" in decode.results)
         after_failure = decode.snapshot()
