@@ -130,6 +130,11 @@ def rate_tag(rate: float) -> str:
     return f"{rate:g}rps"
 
 
+def split_name(split: str) -> str:
+    p, d = parse_split(split)
+    return f"disagg-{p}P{d}D"
+
+
 def sweep_rates(cfg: ServingConfig, attainment_at) -> list[float]:
     """The given rates, then each the last times sweep_factor while colocated meets its SLO
     (attainment_at(rate): its attainment, measuring that rate), up to max_rates."""
@@ -145,7 +150,7 @@ def sweep_summary(runs: dict, rates: list[float], splits: tuple[str, ...]) -> di
     """Per rate, colocated against the sweep's split and the best other split (the most goodput
     over the sweep): TTFT/TPOT p50/p99, SLO attainment, goodput; and the rates where the split
     wins on goodput, with the largest ratio."""
-    names = [f"disagg-{p}P{d}D" for p, d in map(parse_split, splits)]
+    names = [split_name(s) for s in splits]
     others = [n for n in names[1:] if all(f"{n}@{rate_tag(r)}" in runs for r in rates)]
     best_other = max(others, key=lambda n: sum(runs[f"{n}@{rate_tag(r)}"]["metrics"]["goodput"] for r in rates),
                      default=None)
@@ -234,13 +239,11 @@ def run_serving_scenario(scenario: str, model: Path, cfg: ServingConfig) -> dict
         result["runs"].update(colocated)
         workloads = {rate_tag(rate): at(rate) for rate in rates}
         for split in cfg.splits:
-            p, d = parse_split(split)
-            result["runs"].update(_run_cluster(model, split, 0, workloads, cfg, f"disagg-{p}P{d}D"))
+            result["runs"].update(_run_cluster(model, split, 0, workloads, cfg, split_name(split)))
         result["sweep"] = sweep_summary(result["runs"], rates, cfg.splits)
-        first = f"{cfg.rates[0]:g}rps"
+        first = rate_tag(cfg.rates[0])
         colocated = result["runs"][f"colocated@{first}"]["metrics"]
-        split_run = result["runs"].get(f"disagg-{parse_split(cfg.splits[0])[0]}P"
-                                       f"{parse_split(cfg.splits[0])[1]}D@{first}")
+        split_run = result["runs"].get(f"{split_name(cfg.splits[0])}@{first}")
         if split_run is not None and split_run["metrics"]["p99_tpot_ms"] > 0:
             result["p99_tpot_ratio"] = colocated["p99_tpot_ms"] / split_run["metrics"]["p99_tpot_ms"]
             result["p99_tpot_ratio_rate"] = cfg.rates[0]
@@ -249,7 +252,7 @@ def run_serving_scenario(scenario: str, model: Path, cfg: ServingConfig) -> dict
             "sharegpt", cfg.conditional_requests, cfg.conditional_input_len, cfg.conditional_output_len,
             vocab_size=vocab, first_token_id=SPECIAL_TOKENS, max_model_len=2048,
             request_rate=cfg.conditional_rate, burstiness=cfg.burstiness, seed=cfg.seed))
-        workloads = {f"{cfg.conditional_rate:g}rps": requests}
+        workloads = {rate_tag(cfg.conditional_rate): requests}
         result["short_prompt_share"] = sum(r.prompt_len <= cfg.local_prefill_tokens
                                            for r in requests) / len(requests)
         result["runs"].update(_run_colocated(model, workloads, cfg))
