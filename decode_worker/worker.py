@@ -5,22 +5,23 @@ receiver told to expect it), then the prefill worker's hand-off lands and the re
 decoding. A tensor-parallel worker receives from a prefill worker of its own TP size rank to
 rank (engine.tp.rank_handoffs), from any other through rank 0's staging rows; a GPU worker
 on a host-side wire (shm, gloo) receives into host staging rows (engine.staging). Outputs of
-every step, for all requests, go to the router as one item of its `outputs` stream.
+every step, for all requests, go to the router as one batch (decode_worker.outbox: over the
+router's direct connection, else its Ray `outputs` stream).
 Short prompts can skip the split and prefill right here (`generate_local`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 
+from decode_worker.outbox import Outbox
 from engine.engine_thread import EngineThread
 from engine.llm_engine import LLMEngine, Reservation
 from engine.output import RequestOutput
 from engine.request import RequestStatus, Resume
 from engine.sampling_params import SamplingParams
 from kvtransfer import HandoffTarget
-from worker_base import WorkerBase
+from worker_base import WorkerBase, node_ip
 
 
 class DecodeWorker(WorkerBase):
@@ -33,9 +34,7 @@ class DecodeWorker(WorkerBase):
         # No on_done: the engine loop polls the receiver after every step (_take_handoffs), which
         # is where shm finds its landings, and applies results on its own thread.
         self.receiver = self.wire.receiver(name, self.cache_tensors, self.transfer_config)
-        self._outbox: list[RequestOutput] = []
-        self._outbox_ready = threading.Condition()
-        self._stream: _OutputStream | None = None  # the router's open `outputs` stream
+        self.outbox = Outbox(node_ip(), name)
         self.thread = EngineThread(self.engine, self._deliver, after_step=self._take_handoffs, name=f"{name}-loop")
 
     # ---- router-facing (Ray actor methods) ----
@@ -126,31 +125,21 @@ class DecodeWorker(WorkerBase):
 
         await asyncio.wrap_future(self.thread.call(abort))
 
+    def output_address(self) -> tuple[str, int, bytes]:
+        """Where the router connects for this worker's outputs, and the token both ends prove
+        they hold (decode_worker.outbox)."""
+        return (*self.outbox.address, self.outbox.token)
+
     async def outputs(self):
-        """Every step's outputs as they happen, for the router: a Ray streaming generator that
-        yields what the engine delivered since its last item (one step's batch, or several if
-        the router fell behind). One stream at a time: a newer one ends this one."""
-        loop = asyncio.get_running_loop()
-        stream = _OutputStream(loop)
-        with self._outbox_ready:
-            if self._stream is not None:
-                self._stream.close()
-            self._stream = stream
-            if self._outbox:
-                stream.wake()
-        while True:
-            await stream.ready.wait()
-            stream.ready.clear()
-            if stream.closed:
-                return
-            batch = self._take_outbox(0)
-            if batch:
-                yield batch
+        """Every step's outputs as they happen, as a Ray streaming generator: for a router that
+        cannot reach output_address. One consumer at a time: a newer one ends this one."""
+        async for batch in self.outbox.stream():
+            yield batch
 
     async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
         """Every output since the last poll, waiting up to timeout_s: for in-process callers
-        (tests, scripts/gpu_check_handoff.py); the router reads `outputs`."""
-        return await asyncio.to_thread(self._take_outbox, timeout_s)
+        (tests, scripts/gpu_check_handoff.py); the router reads `output_address`."""
+        return await asyncio.to_thread(self.outbox.take, timeout_s)
 
     def stats(self) -> dict:
         stats = self.engine.stats()
@@ -160,6 +149,7 @@ class DecodeWorker(WorkerBase):
 
     def shutdown(self) -> None:
         self.thread.stop()
+        self.outbox.close()
         self.receiver.close()
         if self.rank_handoffs is not None:
             self.rank_handoffs.close()
@@ -196,35 +186,4 @@ class DecodeWorker(WorkerBase):
         # Deltas (the engine's output_kind): the router rebuilds the prompt, tokens, text and
         # logprobs (Tracked.delivered), else each step would ship them all again (8k-token
         # prompts: 1.5 MB a step for 64).
-        with self._outbox_ready:
-            if not self._outbox and self._stream is not None:  # else it was woken already
-                self._stream.wake()
-            self._outbox.extend(outputs)
-            self._outbox_ready.notify_all()
-
-    def _take_outbox(self, timeout_s: float) -> list[RequestOutput]:
-        with self._outbox_ready:
-            if not self._outbox:
-                self._outbox_ready.wait(timeout_s)
-            out, self._outbox = self._outbox, []
-        return out
-
-
-
-class _OutputStream:
-    """The actor loop's side of one `outputs` stream: the engine thread wakes it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.ready = asyncio.Event()
-        self.closed = False
-
-    def wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.ready.set)
-        except RuntimeError:  # the actor's loop closed: the worker is shutting down
-            pass
-
-    def close(self) -> None:
-        self.closed = True
-        self.wake()
+        self.outbox.put(outputs)

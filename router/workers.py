@@ -9,6 +9,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from decode_worker.outbox import connect_outputs
 from kvtransfer.transport import choose_transport
 from router.backend import Unavailable
 from router.placement import check_capacity, place_workers, remove_groups, resolve_auto_resources
@@ -33,6 +34,7 @@ class WorkerRef:
     draining: bool = False  # being removed: gets no new work (router/scaling.py)
     group: object = None  # its placement group (shared with its pair when packed)
     poll_task: object = None  # decode: the task following its outputs
+    outputs_over_ray: bool = False  # decode: the router cannot reach its output_address
 
 
 class WorkerSet:
@@ -166,18 +168,33 @@ class WorkerSet:
     # ---- watching ----
 
     async def _follow_outputs(self, worker: WorkerRef, route) -> None:
-        """Route the decode worker's outputs as its engine delivers them (its `outputs` stream,
-        pushed by Ray: no poll between steps); opened again when it breaks."""
+        """Route the decode worker's outputs as its engine delivers them, pushed, no poll
+        between steps: over a direct connection to the worker (decode_worker.outbox), or its
+        Ray `outputs` stream where that connection cannot be made; opened again when it breaks.
+        A break may have lost outputs in flight, so it is handled as the worker's loss: its
+        requests fail over and resume from what their callers have."""
         while True:
             life = worker.incarnation
             try:
-                async for ref in worker.handle.outputs.remote():
-                    await route(await ref)
+                async for batch in await self._outputs_of(worker):
+                    await route(batch)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
                 self._lost(worker, e, life)
             await asyncio.sleep(0.5)  # a dead worker: Ray restarts it meanwhile
+
+    @staticmethod
+    async def _outputs_of(worker: WorkerRef):
+        if not worker.outputs_over_ray:
+            host, port, token = await worker.handle.output_address.remote()
+            try:
+                return await connect_outputs(host, port, token)
+            except (OSError, asyncio.TimeoutError) as e:
+                log.warning("%s: no direct connection to %s:%s (%s); its outputs come over Ray",
+                            worker.name, host, port, e)
+                worker.outputs_over_ray = True
+        return _resolved(worker.handle.outputs.remote())
 
     def lost_if_dead(self, worker: WorkerRef, error: BaseException, incarnation: str) -> None:
         """`error` came from a call made to `incarnation` of the worker."""
@@ -353,3 +370,9 @@ def engine_options(config, kind: str) -> dict:
     if block_size is not None:
         options["block_size"] = block_size
     return options
+
+
+async def _resolved(stream):
+    """The values of a Ray streaming generator's items."""
+    async for ref in stream:
+        yield await ref
