@@ -292,6 +292,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-factor", type=float, default=None, help="each swept rate is the last times this (1: off)")
     g.add_argument("--max-rates", type=int, default=None)
     g.add_argument("--splits", default=None, help="comma-separated P:D splits, e.g. 1:1,2:1")
+    g.add_argument("--colocated-cores", type=int, default=None,
+                   help="the colocated engine's threads (default: the total, 2); 1 gives it a split worker's share")
     g.add_argument("--serving-requests", type=int, default=None)
     g.add_argument("--conditional-rate", type=float, default=None)
     g.add_argument("--local-prefill-tokens", type=int, default=None)
@@ -309,6 +311,7 @@ def config_from_args(args) -> CompareConfig:
             serving[key] = tuple(float(v) if key == "rates" else v for v in value.split(","))
     for key, value in (("num_requests", args.serving_requests), ("conditional_rate", args.conditional_rate),
                        ("sweep_factor", args.sweep_factor), ("max_rates", args.max_rates),
+                       ("colocated_cores", args.colocated_cores),
                        ("local_prefill_tokens", args.local_prefill_tokens),
                        ("slo_ttft_s", None if args.slo_ttft_ms is None else args.slo_ttft_ms / 1000),
                        ("slo_tpot_s", None if args.slo_tpot_ms is None else args.slo_tpot_ms / 1000)):

@@ -1,8 +1,8 @@
 """Serving under Poisson arrivals: colocated vs disaggregated, conditional disaggregation, hand-off.
 
 Equal total cores: the colocated engine runs with `total_cores` torch threads in this
-process; a disaggregated cluster gets `total_cores / workers` CPUs per worker (Ray sets each
-actor's OMP_NUM_THREADS from it). Scenarios:
+process (or `colocated_cores`); a disaggregated cluster gets `total_cores / workers` CPUs per
+worker (Ray sets each actor's OMP_NUM_THREADS from it). Scenarios:
 - serving:     a prefill-heavy mix (long prompts, short outputs) at each rate, colocated vs
                every P:D split with the split always on; the rates go on doubling from the
                last one given until colocated misses its SLO (attainment below
@@ -39,6 +39,10 @@ class ServingConfig:
     burstiness: float = 1.0
     splits: tuple[str, ...] = ("1:1",)  # "P:D"; the first is the sweep's split, the best of the rest its rival
     total_cores: int = 2
+    # The colocated engine's torch threads (None: total_cores). The prefill worker's share
+    # (total_cores / workers) gives both systems' prefills the same cores, which separates the
+    # split's own cost from the cost of prefilling on fewer of them.
+    colocated_cores: int | None = None
     slo_ttft_s: float = 4.0
     slo_tpot_s: float = 0.1
     conditional_requests: int = 48
@@ -62,6 +66,8 @@ class ServingConfig:
             parse_split(split)
         if self.total_cores < 2:
             raise ValueError("total_cores: a disaggregated pair needs at least 2")
+        if self.colocated_cores is not None and self.colocated_cores < 1:
+            raise ValueError(f"colocated_cores: must be >= 1, got {self.colocated_cores}")
         for name in ("num_requests", "input_len", "output_len", "conditional_requests",
                      "conditional_input_len", "conditional_output_len", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
@@ -178,7 +184,7 @@ def _run_colocated(model: Path, workloads: dict[str, list], cfg: ServingConfig, 
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(cfg.total_cores)
+    torch.set_num_threads(cfg.colocated_cores or cfg.total_cores)
     runs = {}
 
     def run(tag: str, requests) -> dict:

@@ -3,6 +3,7 @@ one tiny offline run end to end."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -343,3 +344,28 @@ def test_the_serving_sweep_doubles_until_colocated_misses_its_slo_and_names_wher
     assert [set(row) for row in sweep["table"]] == [{"rate", "colocated", "disagg-1P1D", "disagg-1P2D"}] * 3
     text = sweep_text(sweep)
     assert "beats colocated's at 1, 2 req/s (at most 1.60x)" in text and text.count("disagg-1P2D") == 3
+
+
+def test_the_colocated_engine_can_get_a_split_workers_share_of_the_cores(monkeypatch):
+    import contextlib
+
+    import torch
+
+    from bench import serving
+    from bench.compare import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--colocated-cores", "1"]))
+    assert cfg.serving["colocated_cores"] == 1
+    with pytest.raises(ValueError, match="colocated_cores"):
+        serving.ServingConfig(colocated_cores=0)
+
+    threads = []
+    monkeypatch.setattr(serving, "open_target", lambda *a, **k: contextlib.nullcontext(None))
+    monkeypatch.setattr(serving, "run_benchmark",
+                        lambda target, requests, run_cfg: threads.append(torch.get_num_threads()) or {"metrics": {}})
+    before = torch.get_num_threads()
+    serving._run_colocated("model", {"x": []}, serving.ServingConfig(colocated_cores=1, total_cores=4))
+    serving._run_colocated("model", {"x": []}, serving.ServingConfig(total_cores=3))
+    assert threads == [1, 3] and torch.get_num_threads() == before
