@@ -45,7 +45,10 @@ class Outbox:
         self._ready = threading.Condition()
         self._consumer: _Consumer | None = None
         self._closed = False
-        self._listener = socket.create_server((host, 0))
+        try:
+            self._listener = socket.create_server((host, 0))
+        except OSError:  # an advertised address that is not this host's own (NAT): listen on all
+            self._listener = socket.create_server(("", 0))
         self.address = (host, self._listener.getsockname()[1])
         threading.Thread(target=self._accept, name=f"{name}-outbox", daemon=True).start()
 
