@@ -4,7 +4,9 @@ The engine thread puts each step's outputs here (`put`); one consumer at a time 
 and a newer consumer ends the one before it:
 - the router's direct connection, which the cluster uses: the router connects over TCP to
   `address` (this node's address, a port of the worker's own), both ends prove they hold
-  `token` (which the router got from the worker over Ray) without sending it, and from then on
+  `token` (which the router got from the worker over Ray) without sending it, each over a
+  nonce of its own and one of the other's (so a hello seen on the wire cannot be replayed),
+  and from then on
   each batch goes as one length-prefixed pickle, written by the connection's own thread as soon
   as the engine puts it. Between a step and the router there is one thread wake and one socket
   write; a Ray streaming generator adds the actor's event loop and Ray's object path, each a
@@ -123,11 +125,13 @@ class Outbox:
         with conn:
             try:
                 conn.settimeout(HELLO_TIMEOUT_S)
-                nonce = _recv_exactly(conn, NONCE_BYTES)
-                if not hmac.compare_digest(_recv_exactly(conn, 32), _proof(self.token, nonce, b"router")):
+                ours = secrets.token_bytes(NONCE_BYTES)  # so a hello seen on the wire cannot be replayed
+                conn.sendall(ours)
+                theirs = _recv_exactly(conn, NONCE_BYTES)
+                if not hmac.compare_digest(_recv_exactly(conn, 32), _proof(self.token, ours + theirs, b"router")):
                     log.warning("%s: an outputs connection without the token; closed", self.name)
                     return
-                conn.sendall(_proof(self.token, nonce, b"worker"))
+                conn.sendall(_proof(self.token, theirs + ours, b"worker"))
                 conn.settimeout(None)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
@@ -199,14 +203,16 @@ async def connect_outputs(host: str, port: int, token: bytes, timeout_s: float =
     when whatever answers at that port does not hold the token."""
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     try:
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        writer.write(nonce + _proof(token, nonce, b"router"))
-        await writer.drain()
         try:
+            theirs = await asyncio.wait_for(reader.readexactly(NONCE_BYTES), timeout_s)
+            ours = secrets.token_bytes(NONCE_BYTES)
+            writer.write(ours + _proof(token, theirs + ours, b"router"))
+            await writer.drain()
             answer = await asyncio.wait_for(reader.readexactly(32), timeout_s)
         except asyncio.IncompleteReadError:
             answer = b""
-        if not hmac.compare_digest(answer, _proof(token, nonce, b"worker")):
+            ours = theirs = b""
+        if not hmac.compare_digest(answer, _proof(token, ours + theirs, b"worker")):
             raise ConnectionError(f"{host}:{port} is not the worker that gave this address")
     except BaseException:
         writer.close()

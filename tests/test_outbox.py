@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from decode_worker.outbox import Outbox, connect_outputs
+from decode_worker.outbox import Outbox, _proof, connect_outputs
 from router.workers import WorkerRef, WorkerSet
 
 
@@ -60,11 +60,32 @@ def test_a_router_without_the_token_gets_nothing_and_the_outputs_wait(outbox):
     outbox.put(["secret"])
     with pytest.raises(ConnectionError):
         read(outbox, 1, token=b"x" * 32)
-    # raw: the hello is refused and nothing is written back
+    # raw: the hello is refused and nothing but the worker's nonce is written back
     with socket.create_connection(outbox.address, timeout=5) as raw:
         raw.sendall(b"\0" * 48)
-        assert raw.recv(100) == b""
+        received = b""
+        while chunk := raw.recv(100):
+            received += chunk
+        assert len(received) == 16
     assert read(outbox, 1) == [["secret"]]
+
+
+def test_a_hello_seen_on_the_wire_cannot_be_replayed(outbox):
+    """A router's hello answers the worker's nonce of that connection, which the next differs from."""
+    outbox.put(["secret"])
+    with socket.create_connection(outbox.address, timeout=5) as first:
+        nonce = first.recv(16)
+        ours = b"r" * 16
+        hello = ours + _proof(outbox.token, nonce + ours, b"router")
+        first.sendall(hello)
+        assert len(first.recv(32)) == 32  # accepted, as the real router would be
+    with socket.create_connection(outbox.address, timeout=5) as replay:
+        replay.recv(16)
+        replay.sendall(hello)
+        received = b""
+        while chunk := replay.recv(100):
+            received += chunk
+        assert received == b""  # refused: no proof, no outputs
 
 
 def test_an_impostor_at_the_port_is_refused_before_anything_is_unpickled():
@@ -74,6 +95,7 @@ def test_an_impostor_at_the_port_is_refused_before_anything_is_unpickled():
     def impostor():
         conn, _ = server.accept()
         with conn:
+            conn.sendall(b"n" * 16)
             conn.recv(48)
             conn.sendall(b"\1" * 32 + b"\x05\0\0\0" + b"junk!")
 
