@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.hub import resolve_model
+from engine.speculative import SpeculativeConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")
@@ -53,8 +54,12 @@ class EngineConfig:
     # a consumer that rebuilds the rest (the decode worker's router): no per-step copy that grows
     # with the output.
     output_kind: str = "cumulative"
+    # vLLM's speculative_config: a dict such as {"method": "ngram", "num_speculative_tokens": 4}
+    # (engine.speculative), made a SpeculativeConfig here; None: no speculation.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         self.model, self.revision = resolve_model(str(self.model), self.revision)  # Hub id -> folder
         if not Path(self.model).is_dir():
             raise ValueError(f"model: {self.model!r} is not a directory")

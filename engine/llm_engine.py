@@ -18,7 +18,8 @@ from engine.prefix_cache import PrefixCache, block_hashes
 from engine.prompts import check_prompt_length, prompt_token_ids
 from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
-from engine.scheduler import Scheduler, ScheduledSeq
+from engine.scheduler import Scheduler, ScheduledSeq, scratch_owner
+from engine.speculative import NgramProposer, SpeculationStats, accepted_prefix
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -118,7 +119,12 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
             if config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
-                                   prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache)
+                                   prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
+                                   verify_needs_scratch=bool(self.spec.state_layers))
+        # Speculative decoding (engine.speculative): a prefill worker's requests never decode here.
+        speculative = config.speculative_config if config.mode != "prefill" else None
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = SpeculationStats()
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp)
         self.requests: dict[str, Request] = {}
@@ -240,17 +246,30 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        if self.proposer is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return outputs
+        scratch = [s for s in plan.seqs if s.scratch_slot is not None]
+        if scratch:
+            try:
+                return self._step(plan, outputs, scratch)
+            finally:
+                for seq in scratch:
+                    self.slots.free(scratch_owner(seq.request.request_id))
+        return self._step(plan, outputs)
+
+    def _step(self, plan, outputs: list[RequestOutput], scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
         self.num_steps += 1
         seqs = plan.seqs
         now = time.monotonic()
         for seq in seqs:  # a request handed in decodes first: it was never prefilled here
-            if seq.request.scheduled_time is None and seq.phase is not Phase.DECODE:
+            if seq.request.scheduled_time is None and seq.phase not in (Phase.DECODE, Phase.VERIFY):
                 seq.request.scheduled_time = now
         try:
             self._restore_checkpoints(plan.restores)
+            self._keep_state(scratch)
             while seqs:  # one pass, or more when a prefill chunk stops at a save point
                 outputs += self._run_pass(seqs)
                 seqs = [later for later in (s.then() for s in seqs) if later is not None]
@@ -265,19 +284,91 @@ class LLMEngine:
 
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
         logits = self.runner.execute(seqs)
+        verified = []
+        if any(s.phase is Phase.VERIFY for s in seqs):
+            logits, verified, seqs = self._split_verify_rows(logits, seqs)
         done = [i for i, s in enumerate(seqs)
                 if not s.num_later_tokens and s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
         for seq in seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
         if self.prefix_cache is not None:
             self._cache_prefixes(seqs)
+        outputs = [self._verified(seq, rows) for seq, rows in verified]
         if not done:
-            return []
+            return outputs
         rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy
         sampled = self.runner.sample(rows, [seqs[i] for i in done])
         accept = self._accept
-        return [accept(seqs[i].request, token_id, logprob)
-                for i, token_id, logprob in zip(done, sampled.token_ids, sampled.logprobs)]
+        return outputs + [accept(seqs[i].request, token_id, logprob)
+                          for i, token_id, logprob in zip(done, sampled.token_ids, sampled.logprobs)]
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _propose(self) -> None:
+        """Drafts for each decoding request that can use them: greedy without a grammar,
+        logprobs or penalties (engine.speculative verifies by the argmax), within its length."""
+        proposer = self.proposer
+        for request in self.scheduler.running:
+            if request.status is not DECODING or not request.argmax_only or request.grammar is not None:
+                continue
+            limit = min(request.sampling_params.max_tokens, self.max_model_len - request.num_prompt_tokens) \
+                - request.num_output_tokens - 1
+            request.draft_token_ids = proposer.propose(request.request_id, request.prompt_token_ids,
+                                                       request.output_token_ids, limit)
+
+    def _keep_state(self, seqs: list[ScheduledSeq]) -> None:
+        """Before a VERIFY step: each row's state, copied to its scratch slot to roll back to."""
+        if seqs:
+            self.runner.copy_state([(seq.slot, seq.scratch_slot) for seq in seqs])
+            for seq in seqs:
+                self.slots.mark_written(scratch_owner(seq.request.request_id))
+
+    def _split_verify_rows(self, logits, seqs: list[ScheduledSeq]):
+        """(the other rows' logits, [(verify seq, its 1 + len(drafts) logits rows)], the other seqs)."""
+        plain, verified, rows, at = [], [], [], 0
+        for seq in seqs:
+            if seq.phase is Phase.VERIFY:
+                width = 1 + len(seq.request.draft_token_ids)
+                verified.append((seq, logits[at:at + width]))
+                at += width
+            else:
+                plain.append(seq)
+                rows.append(at)
+                at += 1
+        return logits[rows], verified, plain
+
+    def _verified(self, seq: ScheduledSeq, logits) -> RequestOutput:
+        """Keep the drafts the target picks itself, then the target's own next token. Where a
+        draft is rejected and state layers folded it in, the slot's state goes back to what the
+        scratch slot kept, and the accepted tokens run again first in the next step."""
+        request = seq.request
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        targets = self.runner.sampler.greedy(logits).token_ids  # the plain decode's own argmax
+        accepted = accepted_prefix(drafts, targets)
+        pending = seq.num_new_tokens - len(drafts)
+        if accepted == len(drafts) or seq.scratch_slot is None:
+            request.num_computed_tokens += pending + accepted
+            request.num_replay_tokens = 0
+        else:
+            self.slots.check_readable(scratch_owner(request.request_id), seq.scratch_slot)
+            self.runner.copy_state([(seq.scratch_slot, seq.slot)])
+            request.num_replay_tokens = pending + accepted
+        if drafts:
+            self.spec_stats.record(len(drafts), accepted, self.proposer.config.num_speculative_tokens)
+        if request.status is not DECODING:
+            request.status = DECODING
+        tracker = self.trackers[request.request_id]
+        for token_id in drafts[:accepted] + [targets[accepted]]:
+            tracker.append(token_id, None)
+            if request.finished:
+                break
+        # Index the blocks the accepted tokens filled (not past a stop among the drafts).
+        if self.prefix_cache is not None and request.num_computed_tokens <= request.num_tokens:
+            self._cache_prefixes([seq])
+        out = tracker.output()
+        if out.finished:
+            self._retire(request)
+        return out
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -306,12 +397,15 @@ class LLMEngine:
             if not self.prefix_cache.needs_state or computed % size:
                 continue
             key = request.block_hashes[full - 1]
-            if computed in request.save_points or (seq.phase is Phase.DECODE and not self.prefix_cache.has_checkpoint(key)):
+            # After a VERIFY step the slot holds the state after exactly `computed` tokens too:
+            # rejected drafts were rolled back (_verified runs this after that).
+            decoded = seq.phase in (Phase.DECODE, Phase.VERIFY)
+            if computed in request.save_points or (decoded and not self.prefix_cache.has_checkpoint(key)):
                 row = self.prefix_cache.take_checkpoint_row(key)
                 if row is None:
                     continue
                 saves.append((seq.slot, self.cache.checkpoint_row(row)))
-                if seq.phase is Phase.DECODE:
+                if decoded:
                     if request.rolling_checkpoint is not None:
                         self.prefix_cache.drop_checkpoint(request.rolling_checkpoint)
                     request.rolling_checkpoint = key
@@ -350,6 +444,8 @@ class LLMEngine:
         """Free every resource of a finished request; queue its final output if not yet sent."""
         slot = self.slots.slot_of.get(request.request_id)
         self.scheduler.release(request)
+        if self.proposer is not None:
+            self.proposer.forget(request.request_id)
         if slot is not None:
             self.runner.on_slot_freed(slot)
         tracker = self.trackers.pop(request.request_id, None)
@@ -436,5 +532,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
+            **(self.spec_stats.as_dict() if self.proposer is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

@@ -42,6 +42,9 @@ class HostBatch:
     # steps), so the ForwardBatch's lists need no conversion back.
     row_lists: tuple[list[int], list[int], list[int]] | None = None
     prompt_logprobs: PromptLogprobPlan | None = None  # rows whose prompt logprobs this step scores
+    # The flat indices whose logits the step returns, where a VERIFY row wants more than its
+    # last token's (its last token's and each draft's, in order); None: each row's last token.
+    logits_indices: torch.Tensor | None = None
 
 
 class SlotBlockTables:
@@ -77,7 +80,10 @@ def int64(values: list[int]) -> torch.Tensor:
 
 
 def token_slice(request: Request, begin: int, end: int) -> list[int]:
-    """request.all_token_ids[begin:end] without building the whole list."""
+    """request.all_token_ids[begin:end] without building the whole list; past the request's
+    tokens, its drafts (a VERIFY step's)."""
+    if end > request.num_tokens:
+        return token_slice(request, begin, request.num_tokens) + request.draft_token_ids[:end - request.num_tokens]
     prompt, outputs = request.prompt_token_ids, request.output_token_ids
     if end <= len(prompt):
         return prompt[begin:end]
@@ -113,7 +119,19 @@ def general_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBl
         write_index = table[row, positions // block_size]
     return HostBatch(int64(token_ids), positions, write_index * block_size + positions % block_size,
                      torch.cat((torch.zeros(1, dtype=torch.long), ends)), begins + lens, slots, counts,
-                     table, [s.phase for s in seqs])
+                     table, [s.phase for s in seqs], logits_indices=scored_indices(seqs, ends))
+
+
+def scored_indices(seqs: list[ScheduledSeq], ends: torch.Tensor) -> torch.Tensor | None:
+    """HostBatch.logits_indices: a VERIFY row's last 1 + len(drafts) tokens, every other row's
+    last token; None when no row verifies."""
+    if not any(seq.phase is Phase.VERIFY for seq in seqs):
+        return None
+    scored = int64([1 + len(s.request.draft_token_ids) if s.phase is Phase.VERIFY else 1 for s in seqs])
+    total = int(scored.sum())
+    row = torch.repeat_interleave(torch.arange(len(seqs)), scored, output_size=total)
+    first = torch.cumsum(scored, 0) - scored
+    return ends[row] - scored[row] + torch.arange(total) - first[row]
 
 
 def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables) -> HostBatch:
@@ -206,7 +224,7 @@ class ModelRunner:
         else:
             rows = torch.tensor([i for i, p in enumerate(host.phases) if p is Phase.DECODE], dtype=torch.long)
             extra = (starts[rows], host.slots[rows], host.context_lens[rows], host.block_tables[rows])
-            last_tokens = host.query_starts[1:] - 1
+            last_tokens = host.query_starts[1:] - 1 if host.logits_indices is None else host.logits_indices
         tensors = [host.input_ids, host.positions, host.kv_write_index, host.block_tables, last_tokens, *extra]
         if self.device.type != "cpu":  # one host-to-device copy for the whole step
             flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.device, non_blocking=True)

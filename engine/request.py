@@ -75,6 +75,10 @@ class Request:
     # sampling_params.prompt_logprobs: an entry per prompt token as far as computed (the first
     # None); a resumed request's caller has them already, so it gets None here.
     prompt_logprobs: list[dict | None] | None = None
+    # Speculative decoding (engine.speculative): drafts to verify after the last token this step,
+    # and outputs accepted in a verify whose state was rolled back, to run again first.
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_replay_tokens: int = 0
     # Greedy, without logprobs or penalties: its token is the logits' argmax unless a grammar
     # masks them (engine.model_runner's sampling fast path; sampling_params do not change).
     argmax_only: bool = field(init=False)
@@ -108,12 +112,14 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     def phase(self) -> Phase:
-        return classify(self.num_computed_tokens, self.num_prefill_tokens, self.num_tokens)
+        return classify(self.num_computed_tokens, self.num_prefill_tokens, self.num_tokens,
+                        self.num_replay_tokens, len(self.draft_token_ids))
 
     def start_prefill(self, num_cached_tokens: int = 0) -> None:
         """(Re)start from nothing, or from a cached prefix: every other token must be computed."""
         self.num_computed_tokens = num_cached_tokens
         self.num_prefill_tokens = self.num_tokens
+        self.num_replay_tokens, self.draft_token_ids = 0, []
         self.status = RequestStatus.PREFILLING
 
     def finish(self, status: RequestStatus, error: str | None = None) -> None:

@@ -40,6 +40,9 @@ class ScheduledSeq:
     # prefill chunk that crosses a save point stops there so the state can be checkpointed
     # (engine.LLMEngine.step), then goes on without waiting for the next step.
     num_later_tokens: int = 0
+    # VERIFY (engine.speculative): the slot its state is copied to before the step, to copy
+    # back if a draft is rejected; None where nothing needs rolling back.
+    scratch_slot: int | None = None
 
     def then(self) -> ScheduledSeq | None:
         """This sequence's next pass within the step, after the engine advanced its counters."""
@@ -48,6 +51,11 @@ class ScheduledSeq:
         piece = first_piece(self.request, self.num_later_tokens)
         return ScheduledSeq(self.request, self.request.phase(), piece, self.slot, self.block_table,
                             self.num_later_tokens - piece)
+
+
+def scratch_owner(request_id: str) -> str:
+    """Who holds a verify step's scratch slot (engine.speculative), for the ownership guard."""
+    return f"{request_id}#verify"
 
 
 def first_piece(request: Request, num_tokens: int) -> int:
@@ -73,12 +81,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, slots: StateSlotAllocator, max_num_batched_tokens: int,
-                 prefill_only: bool = False, prefix_cache: PrefixCache | None = None):
+                 prefill_only: bool = False, prefix_cache: PrefixCache | None = None,
+                 verify_needs_scratch: bool = False):
         self.blocks = blocks
         self.slots = slots
         self.prefix_cache = prefix_cache
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_only = prefill_only  # whole prompts' blocks at admission (see above)
+        # Recurrent layers: a step verifying drafts needs a scratch slot to roll back (see _verify).
+        self.verify_needs_scratch = verify_needs_scratch
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -105,6 +116,7 @@ class Scheduler:
         """Drop everything `request` holds; safe to call in any state, more than once."""
         self.blocks.free(request.request_id)
         self.slots.free(request.request_id)
+        self.slots.free(scratch_owner(request.request_id))
         if request in self.running:
             self.running.remove(request)
         if request in self.waiting:
@@ -119,7 +131,18 @@ class Scheduler:
             if request.status not in (RequestStatus.PREFILLING, RequestStatus.DECODING):
                 index += 1
                 continue
-            decode = self._decode_in_place(request) if request.status is RequestStatus.DECODING else None
+            decoding = request.status is RequestStatus.DECODING
+            if decoding and (request.draft_token_ids or request.num_replay_tokens):
+                if not self._fit_drafts(request, budget):  # its replayed tokens wait for a roomier step
+                    index += 1
+                    continue
+                if request.draft_token_ids:  # else a replay alone: the general path below runs it
+                    verify = self._verify(request)
+                    out.seqs.append(verify)
+                    budget -= verify.num_new_tokens
+                    index += 1
+                    continue
+            decode = self._decode_in_place(request) if decoding else None
             if decode is not None:
                 out.seqs.append(decode)
                 budget -= 1
@@ -193,6 +216,33 @@ class Scheduler:
         if table is None or request.num_computed_tokens >= len(table) * self.blocks.block_size:
             return None
         return ScheduledSeq(request, phase, 1, self.slots.slot_of[request.request_id], table)
+
+    def _fit_drafts(self, request: Request, budget: int) -> bool:
+        """Keep as many of a decoding request's drafts as the budget, the blocks and (where
+        state must roll back) a free slot for scratch allow, after its pending tokens; False
+        when the pending tokens themselves do not fit the budget."""
+        pending = request.num_tokens - request.num_computed_tokens
+        drafts = request.draft_token_ids[:max(0, budget - pending)]
+        # A free slot goes to a waiting request before it goes to a draft.
+        if drafts and self.verify_needs_scratch and self.slots.num_free_slots <= len(self.waiting):
+            drafts = []
+        if drafts and not self.blocks.can_allocate(request.request_id, request.num_tokens + len(drafts)):
+            drafts = []
+        request.draft_token_ids = drafts
+        return budget >= pending
+
+    def _verify(self, request: Request) -> ScheduledSeq:
+        """The VERIFY step of a request whose drafts fit (_fit_drafts, blocks included): its
+        pending tokens (the last one, and any replayed) and its drafts, with a scratch slot where
+        state may roll back."""
+        drafts = request.draft_token_ids
+        table = self.blocks.allocate(request.request_id, request.num_tokens + len(drafts))
+        scratch = None
+        if drafts and self.verify_needs_scratch:
+            scratch = self.slots.allocate(scratch_owner(request.request_id))
+        pending = request.num_tokens - request.num_computed_tokens
+        return ScheduledSeq(request, Phase.VERIFY, pending + len(drafts), self.slots.slot_of[request.request_id],
+                            table, scratch_slot=scratch)
 
     @staticmethod
     def _chunk(request: Request, budget: int) -> int:

@@ -108,6 +108,8 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
                                         ("prefix_checkpoints", args.prefix_checkpoints)) if v is not None}
     if args.enable_prefix_caching:
         engine_options["enable_prefix_caching"] = True
+    if args.speculative_config is not None:
+        engine_options["speculative_config"] = args.speculative_config
     launch_options = dict(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
                           decode_tp=args.decode_tp, transport=args.transport,
                           address=args.address, local_prefill_tokens=args.local_prefill_tokens,
@@ -157,6 +159,19 @@ def _cmd_bench(args, rest: list[str]) -> int:
     return bench_main([args.what, *rest])
 
 
+def json_object(text: str) -> dict:
+    """An argparse type: a JSON object (argparse turns the ValueError into a usage error)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """The options of `splitserve serve`, shared with the Ray Serve application builder."""
     serve.add_argument("--model", default=None, help="HF-format folder or Hugging Face Hub id (default: the bundled demo model)")
@@ -191,6 +206,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable-prefix-caching", action="store_true",
                        help="reuse the KV blocks and recurrent state of repeated prefixes; the router "
                             "sends each request where its prefix likely is (docs/prefix-caching.md)")
+    serve.add_argument("--speculative-config", type=json_object, default=None,
+                       help='speculative decoding on the decode workers, as vLLM takes it: JSON such as '
+                            '\'{"method": "ngram", "num_speculative_tokens": 4}\' (docs/speculative.md)')
     serve.add_argument("--prefix-checkpoints", type=int, default=None,
                        help="recurrent-state checkpoint rows per worker (default: --max-num-seqs)")
     serve.add_argument("--cpus-per-worker", type=float, default=1.0,

@@ -14,6 +14,7 @@ servicer of router/grpc_server.py); the cluster behind it lives in router/serve_
 from __future__ import annotations
 
 import argparse
+import json
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -61,8 +62,8 @@ def parse_options(args: dict | None):
             if str(value).lower() not in ("true", "false", "1", "0", "yes", "no"):
                 raise ValueError(f"{key}: true or false, got {value!r}")
             argv += [flag] if str(value).lower() in ("true", "1", "yes") else []
-        elif value is not None:
-            argv += [flag, str(value)]
+        elif value is not None:  # a mapping (speculative_config in a config file) as the flag's JSON
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     try:
         namespace = parser.parse_args(argv)
     except argparse.ArgumentError as e:

@@ -31,7 +31,7 @@ def reference_build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardB
         request = seq.request
         begin = request.num_computed_tokens
         end = begin + seq.num_new_tokens
-        input_ids += request.all_token_ids[begin:end]
+        input_ids += (request.all_token_ids + request.draft_token_ids)[begin:end]
         positions += range(begin, end)
         table = seq.block_table
         write_index += [table[p // block_size] * block_size + p % block_size for p in range(begin, end)]
@@ -44,11 +44,14 @@ def reference_build_batch(seqs: list[ScheduledSeq], block_size: int) -> ForwardB
         input_ids=torch.tensor(input_ids), positions=torch.tensor(positions), query_starts=starts,
         context_lens=context_lens, phases=[s.phase for s in seqs], state_slots=[s.slot for s in seqs],
         block_tables=tables, kv_write_index=torch.tensor(write_index), block_size=block_size,
-        logits_indices=torch.tensor(starts[1:]) - 1)
+        logits_indices=torch.tensor([end - 1 - back for seq, end in zip(seqs, starts[1:])
+                                     for back in reversed(range(1 + len(seq.request.draft_token_ids)))]))
 
 
-def random_schedule(rng: random.Random, block_size: int, kinds=("fresh", "chunk", "decode")) -> list[ScheduledSeq]:
-    """Fresh prefills (1-token prompts too), later chunks and decodes; tables non-contiguous."""
+def random_schedule(rng: random.Random, block_size: int, kinds=("fresh", "chunk", "decode", "verify")
+                    ) -> list[ScheduledSeq]:
+    """Fresh prefills (1-token prompts too), later chunks, decodes and verifies (drafts, and
+    tokens replayed after a rollback); tables non-contiguous."""
     seqs, free_blocks, slots = [], rng.sample(range(500), 500), rng.sample(range(64), 64)
     for i in range(rng.randint(1, 9)):
         prompt = [rng.randrange(320) for _ in range(rng.choice([1, 2, block_size, block_size + 1, 23, 40]))]
@@ -59,6 +62,13 @@ def random_schedule(rng: random.Random, block_size: int, kinds=("fresh", "chunk"
             request.num_prefill_tokens = len(prompt)
             request.num_computed_tokens = request.num_tokens - 1
             new = 1
+        elif kind == "verify":
+            request.output_token_ids = [rng.randrange(320) for _ in range(rng.randint(1, 9))]
+            request.num_prefill_tokens = len(prompt)
+            request.num_replay_tokens = rng.randrange(len(request.output_token_ids))
+            request.draft_token_ids = [rng.randrange(320) for _ in range(rng.randint(not request.num_replay_tokens, 5))]
+            request.num_computed_tokens = request.num_tokens - 1 - request.num_replay_tokens
+            new = 1 + request.num_replay_tokens + len(request.draft_token_ids)
         else:
             request.num_prefill_tokens = len(prompt)
             done = rng.randrange(len(prompt)) if kind == "chunk" else 0

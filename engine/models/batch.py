@@ -26,7 +26,7 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [B, max_blocks] paged KV block ids (padding: 0)
     kv_write_index: torch.Tensor  # [T] flat cache row (block * block_size + offset) per token
     block_size: int
-    logits_indices: torch.Tensor  # [B] flat index of each sequence's last token
+    logits_indices: torch.Tensor  # [B] flat index of each sequence's last token (a VERIFY row: its drafts' too)
     # Over the decode rows only, in row order; derived from the lists above when not given.
     decode_token_index: torch.Tensor | None = None  # [D] flat index of the row's one token
     decode_slots: torch.Tensor | None = None  # [D]

@@ -1,0 +1,143 @@
+"""Speculative decoding: the configuration, the n-gram proposer and the greedy acceptance rule.
+No torch.
+
+A speculating request feeds its pending token and k drafted tokens in one VERIFY step
+(engine.phase) and keeps the drafts the target model would have produced itself. Attention
+drops a rejected draft's KV simply by not counting it (the rows are overwritten later). A
+recurrent layer has already folded the rejected drafts into its state, so the engine copies
+the slot's state into a scratch slot before the step and copies it back after a rejection;
+the accepted tokens are then run again, first thing in the request's next step
+(`Request.num_replay_tokens`), and their outputs are already final. One scratch slot per
+speculating request in the step, taken from the free slots and given back after it (a
+request finds none free: it decodes plainly that step), rather than a state row per
+position, which would be k extra slots per request.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+NOT_YET = {  # methods vLLM users name that this engine refuses with a reason, not a KeyError
+    "draft_model": "draft models are not supported yet",
+    "mtp": "multi-token-prediction heads are not supported yet",
+}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` dict, as far as the methods built here go."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5  # ngram: the longest suffix looked up in the request's context
+    prompt_lookup_min: int = 2  # ngram: the shortest; a 1-token match drafts too eagerly
+
+    def __post_init__(self):
+        if self.method in NOT_YET:
+            raise ValueError(f"speculative_config.method: {self.method!r}: {NOT_YET[self.method]}; "
+                             f"supported: {list(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method: {self.method!r} not in {list(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"speculative_config.{name}: must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min {self.prompt_lookup_min} is above "
+                             f"prompt_lookup_max {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> SpeculativeConfig | None:
+        """From a dict (as `--speculative-config` JSON parses), an instance, or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: must be a dict, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise ValueError(f"speculative_config.{name}: required")
+        return cls(**value)
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+class NgramProposer:
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest
+    n first) and draft the tokens that followed it. The context is kept per request as packed
+    int32 bytes, so a lookup is a C-speed `bytes.rfind`, not a Python loop over the tokens."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._contexts: dict[str, array] = {}
+
+    def propose(self, request_id: str, prompt: list[int], outputs: list[int], limit: int) -> list[int]:
+        """Up to min(k, limit) drafts to follow the request's prompt and outputs."""
+        k = min(self.config.num_speculative_tokens, limit)
+        context = self._context(request_id, prompt, outputs)
+        if k <= 0:
+            return []
+        data, count = context.tobytes(), len(context)
+        for n in range(min(self.config.prompt_lookup_max, count - 1), self.config.prompt_lookup_min - 1, -1):
+            pattern = data[(count - n) * 4:]
+            end = (count - 1) * 4  # an earlier occurrence, with at least one token after it
+            while (at := data.rfind(pattern, 0, end)) >= 0:
+                if at % 4 == 0:  # on a token boundary
+                    start = at // 4 + n
+                    return context[start:start + k].tolist()
+                end = at + len(pattern) - 1  # the next candidate starts further left
+        return []
+
+    def _context(self, request_id: str, prompt: list[int], outputs: list[int]) -> array:
+        """The request's tokens so far: outputs only grow, so each call appends the new ones."""
+        context = self._contexts.get(request_id)
+        have = -1 if context is None else len(context) - len(prompt)
+        if not 0 <= have <= len(outputs):
+            context = self._contexts[request_id] = array("i", prompt)
+            have = 0
+        if have < len(outputs):
+            context.extend(outputs[have:])
+        return context
+
+    def forget(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+
+def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the target's own tokens at their positions (greedy
+    verification: targets[i] is the token the target model picks after drafts[:i])."""
+    for i, draft in enumerate(drafts):
+        if targets[i] != draft:
+            return i
+    return len(drafts)
+
+
+@dataclass
+class SpeculationStats:
+    """Counters in the sense vLLM's metrics give them: a draft is one proposal of a step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] | None = None
+
+    def record(self, num_draft_tokens: int, num_accepted: int, k: int) -> None:
+        if self.accepted_per_position is None:
+            self.accepted_per_position = [0] * k
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def as_dict(self) -> dict:
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
+                "spec_accepted_tokens": self.num_accepted_tokens, "spec_acceptance_rate": rate,
+                "spec_accepted_per_position": list(self.accepted_per_position or [])}

@@ -1,0 +1,243 @@
+"""Speculative decoding (engine.speculative): the n-gram proposer, the VERIFY phase, state
+rollback, and greedy outputs token-identical to plain decoding for every family."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.phase import Phase, PhaseError, classify
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler, scratch_owner
+from engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix
+from engine.state_slots import StateSlotAllocator
+from tests.oracle import judge_greedy
+from tests.test_handoff_engine import run_disaggregated
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+# ---------------------------------------------------------------- configuration and proposer
+
+@pytest.mark.parametrize("value, names", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "ngram"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_tokens": 3}, "speculative_tokens"),
+    ("ngram", "dict"),
+])
+def test_bad_speculative_config_is_refused_naming_the_field(value, names, tmp_path):
+    with pytest.raises(ValueError, match=names):
+        SpeculativeConfig.of(value)
+    with pytest.raises(ValueError, match=names):
+        EngineConfig("engine/demo_model", speculative_config=value)
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    proposer = NgramProposer(SpeculativeConfig("ngram", 3, prompt_lookup_max=3, prompt_lookup_min=1))
+    # the 3-gram (1, 2, 3) occurred at 0 and at 4: the latest earlier one wins
+    assert proposer.propose("a", [1, 2, 3, 9, 1, 2, 3, 7, 8], [1, 2, 3], 10) == [7, 8, 1]
+    assert proposer.propose("a", [1, 2, 3, 9, 1, 2, 3, 7, 8], [1, 2, 3, 7], 10) == [8, 1, 2]  # appended
+    assert proposer.propose("b", [5, 6, 7], [], 10) == []  # nothing repeats
+    assert proposer.propose("c", [4, 5, 4, 5], [4], 1) == [5]  # the limit (max_tokens left)
+    assert proposer.propose("d", [4, 5, 4], [], 0) == []
+    # token 256's bytes contain token 1's: a match must start on a token boundary
+    assert proposer.propose("e", [256, 1, 0, 0, 0, 7, 1], [], 2) == [0, 0]
+    proposer.forget("a")
+    assert "a" not in proposer._contexts
+
+
+def test_accepted_prefix():
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 7]) == 3
+    assert accepted_prefix([4, 5, 6], [4, 9, 6, 7]) == 1
+    assert accepted_prefix([], [3]) == 0
+
+
+def test_verify_phase_is_derived_from_the_counters():
+    assert classify(10, 8, 11, 0, 3) is Phase.VERIFY
+    assert classify(8, 8, 11, 2, 0) is Phase.VERIFY  # a replay alone
+    assert classify(10, 8, 11, 0, 0) is Phase.DECODE
+    with pytest.raises(PhaseError, match="exactly 3"):
+        classify(9, 8, 11, 2, 1)  # counters that disagree on what is pending
+    assert classify(4, 8, 11, 0, 3) is Phase.CONTINUED_PREFILL  # drafts never reach a prefill
+
+
+def decoding(request_id: str, prompt: int, outputs: int) -> Request:
+    request = Request(request_id, list(range(prompt)), GREEDY)
+    request.start_prefill()
+    request.output_token_ids = list(range(outputs))
+    request.num_computed_tokens = prompt + outputs - 1
+    request.status = RequestStatus.DECODING
+    return request
+
+
+def test_scheduler_fits_drafts_to_budget_blocks_and_free_slots():
+    blocks, slots = BlockManager(16, 4), StateSlotAllocator(3)
+    scheduler = Scheduler(blocks, slots, max_num_batched_tokens=4, verify_needs_scratch=True)
+    request = decoding("a", 6, 2)
+    blocks.allocate("a", 8)
+    slots.allocate("a")
+    scheduler.running.append(request)
+    request.draft_token_ids = [1, 2, 3, 4, 5]
+    (seq,) = scheduler.schedule().seqs
+    assert seq.phase is Phase.VERIFY and seq.num_new_tokens == 4  # 1 pending + 3 drafts: the budget
+    assert request.draft_token_ids == [1, 2, 3] and slots.slot_of[scratch_owner("a")] == seq.scratch_slot
+    assert len(seq.block_table) == 3  # the drafts' KV rows have blocks
+    scheduler.release(request)
+    assert slots.num_free_slots == 3  # the scratch slot went back with the request's own
+
+    # A free slot goes to a waiting request before it goes to a draft.
+    request = decoding("b", 6, 2)
+    blocks.allocate("b", 8)
+    slots.allocate("b")
+    slots.allocate("c")
+    scheduler.running.append(request)
+    scheduler.add(Request("w", [1, 2], GREEDY))
+    request.draft_token_ids = [1, 2]
+    seqs = scheduler.schedule().seqs
+    assert seqs[0].phase is Phase.DECODE and request.draft_token_ids == []
+
+
+# ---------------------------------------------------------------- exactness, every family
+
+def prompts_for(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 6, 11, 30)] + [[5, 6, 5, 6, 5]]
+
+
+class ScriptedProposer:
+    """Drafts that are the plain decode's own next tokens, each replaced by a wrong one with
+    probability `miss`: tiny random models rarely repeat their context, so n-gram drafts
+    would almost never hit them, and the verify and rollback paths need both outcomes."""
+
+    def __init__(self, prompts, plain, k: int = 4, miss: float = 0.3):
+        self.config = SpeculativeConfig("ngram", k)
+        self.script = {tuple(p): out for p, out in zip(prompts, plain)}
+        self.rng = random.Random(0)
+        self.miss = miss
+
+    def propose(self, request_id, prompt, outputs, limit):
+        ahead = self.script[tuple(prompt)][len(outputs):len(outputs) + min(self.config.num_speculative_tokens, limit)]
+        return [t if self.rng.random() > self.miss else (t + 1) % 300 for t in ahead]
+
+    def forget(self, request_id):
+        pass
+
+
+def scripted(path, prompts, params=None, plain=None, **options):
+    """generate() with ScriptedProposer drafts, against the plain decode's outputs."""
+    params = params or GREEDY
+    plain = plain or generate(path, prompts, params, **options)[0]
+    llm = LLM(str(path), block_size=4, speculative_config=NGRAM, **options)
+    llm.engine.proposer = ScriptedProposer(prompts, plain)
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    llm.engine.check_integrity()
+    assert llm.engine.slots.num_free_slots == llm.engine.slots.num_slots  # scratch slots included
+    return outs, plain, llm.engine.stats()
+
+
+def generate(path, prompts, params=GREEDY, **options):
+    llm = LLM(str(path), block_size=4, **options)
+    outs = llm.generate(prompts, params)
+    llm.engine.check_integrity()
+    assert llm.engine.slots.num_free_slots == llm.engine.slots.num_slots  # scratch slots included
+    return [o.token_ids for o in outs], llm.engine.stats()
+
+
+def test_greedy_with_speculation_is_token_identical_for_every_family(family_model):
+    family, path, hf = family_model
+    prompts = prompts_for(3)
+    speculated, plain, stats = scripted(path, prompts)
+    assert speculated == plain
+    for prompt, output in zip(prompts, speculated):
+        judge_greedy(hf, prompt, output)
+    # drafts were accepted, and rejected ones rolled back
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2"])
+def test_a_rejected_draft_left_in_the_state_changes_the_output(name, model_factory, monkeypatch):
+    """The stale-state mutation: skip the copy back from the scratch slot and the outputs go
+    wrong, so the parity above depends on the rollback."""
+    path, _ = model_factory(name)
+    prompts = prompts_for(3)
+    original = LLMEngine._verified
+
+    def without_rollback(self, seq, logits):
+        copy = self.runner.copy_state
+        self.runner.copy_state = lambda pairs: None
+        try:
+            return original(self, seq, logits)
+        finally:
+            self.runner.copy_state = copy
+
+    plain = generate(path, prompts)[0]
+    monkeypatch.setattr(LLMEngine, "_verified", without_rollback)
+    speculated, _, _ = scripted(path, prompts, plain=plain)
+    assert speculated != plain
+
+
+@pytest.mark.parametrize("name", ["jamba", "llama"])
+def test_speculation_with_preemption_prefix_caching_and_plain_rows(name, model_factory):
+    """Speculating rows beside sampled ones, under preemption and with the prefix cache: the
+    greedy outputs stay the plain decode's, the seeded sampled ones stay theirs."""
+    path, _ = model_factory(name)
+    prompts = prompts_for(8) * 2
+    params = [GREEDY if i % 2 == 0 else SamplingParams(max_tokens=40, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    options = dict(num_kv_blocks=40, max_num_batched_tokens=24, enable_prefix_caching=True)
+    speculated, plain, stats = scripted(path, prompts, params, **options)
+    assert speculated == plain
+    assert stats["preemptions"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+
+
+def test_ngram_speculation_end_to_end_on_the_demo_model():
+    """The real proposer on a model that repeats: most drafts hit, and outputs are unchanged."""
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+    prompts = [prompt, "hello world " * 20, "x"]
+    plain, _ = generate("engine/demo_model", prompts)
+    speculated, stats = generate("engine/demo_model", prompts, speculative_config=NGRAM)
+    assert speculated == plain
+    assert stats["spec_accepted_tokens"] > stats["spec_draft_tokens"] / 2, stats
+
+
+def test_stops_inside_the_accepted_drafts(model_factory):
+    path, _ = model_factory("jamba")
+    prompts = prompts_for(3)
+    stop = generate(path, prompts)[0][1][5]
+    params = SamplingParams(max_tokens=13, temperature=0.0, stop_token_ids=[stop])
+    got, expected, _ = scripted(path, prompts, params)
+    assert got == expected and expected[1][-1] == stop
+    assert all(len(out) <= 13 for out in got)
+
+
+def test_decode_worker_speculates_after_the_handoff(model_factory):
+    path, hf = model_factory("jamba")
+    prompts = prompts_for(3)
+    plain, _ = generate(path, prompts)
+    engines = (LLMEngine(EngineConfig(str(path), block_size=4, mode="prefill", max_num_batched_tokens=16)),
+               LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", speculative_config=NGRAM)))
+    engines[1].proposer = ScriptedProposer(prompts, plain)
+    outs = run_disaggregated(path, prompts, GREEDY, engines=engines)
+    assert [o.token_ids for o in outs] == plain
+    assert engines[1].stats()["spec_accepted_tokens"] > 0
+    assert engines[0].proposer is None  # a prefill worker never speculates
+
+
+def test_tensor_parallel_ranks_verify_and_roll_back_together(model_factory):
+    """Every rank runs the VERIFY rows and copies its state shard back on a rejection."""
+    path, hf = model_factory("jamba")
+    prompts = prompts_for(4)
+    speculated, plain, stats = scripted(path, prompts, tensor_parallel_size=2)
+    assert speculated == plain
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
