@@ -305,11 +305,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ speculative decoding
 
     def _propose(self) -> None:
-        """Drafts for each decoding request that can use them: greedy without a grammar,
-        logprobs or penalties (engine.speculative verifies by the argmax), within its length."""
+        """Drafts for each decoding request without a grammar, within its length."""
         proposer = self.proposer
         for request in self.scheduler.running:
-            if request.status is not DECODING or not request.argmax_only or request.grammar is not None:
+            if request.status is not DECODING or request.grammar is not None:
                 continue
             limit = min(request.sampling_params.max_tokens, self.max_model_len - request.num_prompt_tokens) \
                 - request.num_output_tokens - 1
@@ -337,13 +336,26 @@ class LLMEngine:
                 at += 1
         return logits[rows], verified, plain
 
+    def _targets(self, request: Request, drafts: list[int], logits) -> tuple[list[int], list]:
+        """The token the plain decode would draw at each of the verified positions, had the
+        drafts before it been its own outputs, with its logprob entry. The sampler's noise for
+        an output depends only on its (seed, index), so a seeded request keeps its tokens, and
+        a draft is kept exactly when the draw at its position picks it: for a draft proposed
+        with certainty (n-gram) that is rejection sampling's acceptance, with probability p(draft)."""
+        if request.argmax_only:
+            return self.runner.sampler.greedy(logits).token_ids, [None] * logits.shape[0]
+        outputs, rows = request.output_token_ids, logits.shape[0]
+        sampled = self.runner.sampler(logits, [request.sampling_params] * rows, [request.prompt_token_ids] * rows,
+                                      [outputs + drafts[:j] for j in range(rows)])
+        return sampled.token_ids, sampled.logprobs
+
     def _verified(self, seq: ScheduledSeq, logits) -> RequestOutput:
         """Keep the drafts the target picks itself, then the target's own next token. Where a
         draft is rejected and state layers folded it in, the slot's state goes back to what the
         scratch slot kept, and the accepted tokens run again first in the next step."""
         request = seq.request
         drafts, request.draft_token_ids = request.draft_token_ids, []
-        targets = self.runner.sampler.greedy(logits).token_ids  # the plain decode's own argmax
+        targets, logprobs = self._targets(request, drafts, logits)
         accepted = accepted_prefix(drafts, targets)
         pending = seq.num_new_tokens - len(drafts)
         if accepted == len(drafts) or seq.scratch_slot is None:
@@ -358,8 +370,8 @@ class LLMEngine:
         if request.status is not DECODING:
             request.status = DECODING
         tracker = self.trackers[request.request_id]
-        for token_id in drafts[:accepted] + [targets[accepted]]:
-            tracker.append(token_id, None)
+        for token_id, logprob in zip(targets[:accepted + 1], logprobs):
+            tracker.append(token_id, logprob)
             if request.finished:
                 break
         # Index the blocks the accepted tokens filled (not past a stop among the drafts).

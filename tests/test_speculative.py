@@ -16,7 +16,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
 from engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix
 from engine.state_slots import StateSlotAllocator
-from tests.oracle import judge_greedy
+from tests.oracle import hf_logits, judge_greedy
 from tests.test_handoff_engine import run_disaggregated
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -241,3 +241,64 @@ def test_tensor_parallel_ranks_verify_and_roll_back_together(model_factory):
     speculated, plain, stats = scripted(path, prompts, tensor_parallel_size=2)
     assert speculated == plain
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_keeps_its_tokens(model_factory):
+    """A seeded draw depends only on (seed, output index): verified positions draw what the
+    plain decode draws, penalties see the drafts before them, logprobs come out the same."""
+    path, _ = model_factory("jamba")
+    prompts = prompts_for(5)
+    params = SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=7, logprobs=2,
+                            presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)
+    plain = LLM(str(path), block_size=4).generate(prompts, params)
+    llm = LLM(str(path), block_size=4, speculative_config=NGRAM)
+    llm.engine.proposer = ScriptedProposer(prompts, [o.token_ids for o in plain])
+    speculated = llm.generate(prompts, params)
+    assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
+    for ours, theirs in zip(speculated, plain):
+        assert [lp["token"] for lp in ours.logprobs] == pytest.approx([lp["token"] for lp in theirs.logprobs], abs=1e-4)
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
+def test_sampled_outputs_keep_the_target_distribution(model_factory):
+    """Chi-square over the joint (first, second) token of unseeded draws at top_k=3: the
+    second is drawn in a verify step against a draft of the greedy token, and must follow the
+    target's distribution, computed here from transformers' logits."""
+    import torch
+
+    path, hf = model_factory("llama")
+    prompt, top_k, samples = [11, 42, 7, 99], 3, 2000
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
+
+    class GreedyDrafts:
+        config = SpeculativeConfig("ngram", 1)
+
+        def propose(self, request_id, prompt_ids, outputs, limit):
+            return [int(hf_logits(hf, prompt_ids + outputs)[-1].argmax())][:limit]
+
+        def forget(self, request_id):
+            pass
+
+    def top(ids):
+        logits = hf_logits(hf, ids)[-1]
+        values, tokens = logits.topk(top_k)
+        return dict(zip(tokens.tolist(), torch.softmax(values, -1).tolist()))
+
+    expected = {(a, b): pa * pb for a, pa in top(prompt).items() for b, pb in top(prompt + [a]).items()}
+    drafts = GreedyDrafts()
+    cached = {}
+    drafts.propose = lambda rid, p, o, limit: cached.setdefault(tuple(o), GreedyDrafts.propose(drafts, rid, p, o, limit))
+    torch.manual_seed(0)
+    llm = LLM(str(path), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+              max_num_seqs=256)
+    llm.engine.proposer = drafts
+    counts: dict = {}
+    for out in llm.generate([prompt] * samples, params):
+        key = tuple(out.token_ids[:2])  # the third follows an accepted draft or a rejection's redraw
+        counts[key] = counts.get(key, 0) + 1
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(key, 0) - samples * p) ** 2 / (samples * p) for key, p in expected.items())
+    assert chi2 < 26.12, (chi2, counts, expected)  # chi-square, 8 degrees of freedom, p = 0.001
