@@ -67,6 +67,12 @@ class SpeculativeConfig:
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
+    def canonical(self) -> str:
+        """The setting as one string two workers compare (kvtransfer's layout handshake)."""
+        import json
+
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest

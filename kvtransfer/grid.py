@@ -41,7 +41,7 @@ class Grid:
         """`layout` as the wire sees it: block rows of row_tokens tokens. Identical on both sides."""
         g = self.row_tokens
         specs = tuple(replace(s, row_shape=(g, *s.row_shape[1:])) if s.role == BLOCK else s for s in layout.specs)
-        return CacheLayout(g, specs, layout.shard)
+        return CacheLayout(g, specs, layout.shard, layout.speculative)
 
     def wire_rows(self, layout: CacheLayout, num_tokens: int) -> int:
         """Block rows on the wire for a prompt of num_tokens (0 for a cache without blocks)."""

@@ -62,6 +62,10 @@ class CacheLayout:
     # (un-sharded) cache, else "rank r of N" (engine.tp.rank_handoffs). Two sides must agree:
     # equal shapes alone would let rank 1's heads land in rank 0's.
     shard: str = ""
+    # The speculative decoding setting (engine.speculative) of the worker, as canonical JSON; ""
+    # without one. What a hand-off must carry for it (a draft model's cache, an MTP head's hidden
+    # state) depends on it, so the two sides of a pair must agree, as vLLM's split requires.
+    speculative: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -105,6 +109,7 @@ class CacheLayout:
         return {
             "block_size": self.block_size,
             "shard": self.shard,
+            "speculative": self.speculative,
             "specs": [
                 [s.name, s.layer, s.layer_kind, s.role, list(s.row_shape), s.dtype] for s in self.specs
             ],
@@ -113,13 +118,15 @@ class CacheLayout:
     @classmethod
     def from_dict(cls, data: dict) -> CacheLayout:
         specs = tuple(TensorSpec(n, lay, kind, role, tuple(shape), dt) for n, lay, kind, role, shape, dt in data["specs"])
-        return cls(int(data["block_size"]), specs, str(data.get("shard", "")))
+        return cls(int(data["block_size"]), specs, str(data.get("shard", "")), str(data.get("speculative", "")))
 
     def differences(self, other: CacheLayout) -> list[str]:
         """Human-readable list of what differs; empty when the two can exchange state."""
         diffs = []  # block sizes may differ: kvtransfer/grid.py re-blocks
         if self.shard != other.shard:
             diffs.append(f"shard {self.shard or 'whole cache'!r} vs {other.shard or 'whole cache'!r}")
+        if self.speculative != other.speculative:
+            diffs.append(f"speculative_config {self.speculative or 'none'} vs {other.speculative or 'none'}")
         kinds = [{layer: "+".join(sorted({s.layer_kind for s in layout.specs if s.layer == layer}))
                   for layer in layout.layers} for layout in (self, other)]
         other_kind = set()
@@ -166,7 +173,7 @@ class CacheEntry:
 class CacheTensors:
     """The live cache tensors of one worker, validated, with their layout."""
 
-    def __init__(self, block_size: int, entries: list[CacheEntry], shard: str = ""):
+    def __init__(self, block_size: int, entries: list[CacheEntry], shard: str = "", speculative: str = ""):
         if not entries:
             raise ValueError("a cache needs at least one tensor")
         self.layout = CacheLayout(
@@ -176,6 +183,7 @@ class CacheTensors:
                 for e in entries
             ),
             shard,
+            speculative,
         )
         self.tensors = {e.name: e.tensor for e in entries}
         self.device = entries[0].tensor.device
@@ -214,7 +222,8 @@ class CacheTensors:
         return cls(block_size, entries)
 
     @classmethod
-    def from_named(cls, block_size: int, named: list[tuple[str, int, str, str, torch.Tensor]], shard: str = "") -> CacheTensors:
+    def from_named(cls, block_size: int, named: list[tuple[str, int, str, str, torch.Tensor]], shard: str = "",
+                   speculative: str = "") -> CacheTensors:
         """From engine.cache.ModelCache.handoff_tensors(): (name, layer, kind, role, tensor) rows,
         whatever kinds of state the model's layers declared."""
         entries = []
@@ -222,7 +231,7 @@ class CacheTensors:
             if re.fullmatch(rf"layer{layer}\.\w+", name) is None:
                 raise ValueError(f"cache tensor name {name!r} is not of the form 'layer{layer}.<part>'")
             entries.append(CacheEntry(name, layer, kind, role, tensor))
-        return cls(block_size, entries, shard)
+        return cls(block_size, entries, shard, speculative)
 
     def check_rows(self, block_ids: list[int], slot: int | None, what: str) -> None:
         """Refuse ids outside this cache before any byte moves."""

@@ -87,13 +87,18 @@ def _used(total: int, free: int) -> str:
     return f"{used}/{total} ({100 * used / total:.0f}%)"
 
 
+def _acceptance(accepted: int, drafted: int) -> str:
+    """Speculative decoding's acceptance: draft tokens kept of those verified."""
+    return f"{accepted}/{drafted} ({100 * accepted / drafted:.0f}%)" if drafted else "-"
+
+
 def format_status(status) -> str:
     m = status.model
     lines = [f"model {m.model_name} ({m.model_type}, max_model_len {m.max_model_len})   "
              f"ready: {'yes' if status.ready else 'NO'}   "
              f"in flight: {status.requests_in_flight}/{status.max_queued}", ""]
     rows = [["WORKER", "KIND", "NODE", "ALIVE", "KV BLOCKS USED", "STATE SLOTS USED", "WAITING",
-             "RUNNING", "PREEMPTED", "HANDOFFS (fail)", "HANDOFF MB"]]
+             "RUNNING", "PREEMPTED", "HANDOFFS (fail)", "HANDOFF MB", "SPEC ACCEPTED"]]
     nodes: dict[str, list] = {}
     for w in status.workers:
         rows.append([w.id, w.kind, w.node, "yes" if w.alive else "NO",
@@ -101,7 +106,8 @@ def format_status(status) -> str:
                      _used(w.state_slots_total, w.state_slots_free), str(w.waiting), str(w.running),
                      str(w.preemptions), f"{w.handoff_count} ({w.handoff_failures})" if w.handoff_count
                      or w.handoff_failures else "-",
-                     f"{w.handoff_bytes / 1e6:.1f}" if w.handoff_bytes else "-"])
+                     f"{w.handoff_bytes / 1e6:.1f}" if w.handoff_bytes else "-",
+                     _acceptance(w.spec_accepted_tokens, w.spec_draft_tokens)])
         nodes.setdefault(w.node, []).append(w)
     lines.append(_table(rows) if status.workers else "no workers")
     if nodes:

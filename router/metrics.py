@@ -153,6 +153,13 @@ class WorkerStatusCollector:
                                   "Recurrent-state checkpoint rows (bounded, carved from the cache)")
         checkpoint_bytes = gauge("splitserve_worker_prefix_cache_checkpoint_bytes",
                                  "Bytes reserved for recurrent-state checkpoints")
+        spec_drafts = counter("splitserve_worker_spec_drafts", "Speculative proposals verified")
+        spec_draft_tokens = counter("splitserve_worker_spec_draft_tokens", "Draft tokens verified")
+        spec_accepted = counter("splitserve_worker_spec_accepted_tokens",
+                                "Draft tokens the target kept (acceptance: accepted / draft tokens)")
+        spec_per_position = CounterMetricFamily("splitserve_worker_spec_accepted_tokens_per_position",
+                                                "Draft tokens kept, by position in the proposal",
+                                                labels=[*WORKER_LABELS, "position"])
         handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
                                               "Hand-off latency (count and sum)", labels=WORKER_LABELS)
         for w in workers:
@@ -174,6 +181,12 @@ class WorkerStatusCollector:
                 checkpoints_used.add_metric(labels, w.get("prefix_cache_checkpoints_used", 0))
                 checkpoints_total.add_metric(labels, w.get("prefix_cache_checkpoints_total", 0))
                 checkpoint_bytes.add_metric(labels, w.get("prefix_cache_checkpoint_bytes", 0))
+            if "spec_drafts" in w:
+                spec_drafts.add_metric(labels, w["spec_drafts"])
+                spec_draft_tokens.add_metric(labels, w.get("spec_draft_tokens", 0))
+                spec_accepted.add_metric(labels, w.get("spec_accepted_tokens", 0))
+                for position, count in enumerate(w.get("spec_accepted_per_position", [])):
+                    spec_per_position.add_metric([*labels, str(position)], count)
             if "handoff_bytes" in w or "handoff_count" in w:
                 handoff_bytes.add_metric(labels, w.get("handoff_bytes", 0))
                 handoff_failures.add_metric(labels, w.get("handoff_failures", 0))
@@ -181,7 +194,8 @@ class WorkerStatusCollector:
                                            sum_value=w.get("handoff_seconds_sum", 0.0))
         yield from (alive, waiting, running, blocks_used, blocks_free, slots_used, slots_free,
                     preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
-                    cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes)
+                    cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes,
+                    spec_drafts, spec_draft_tokens, spec_accepted, spec_per_position)
 
 
 class VllmWorkerAliases:
@@ -215,3 +229,23 @@ class VllmWorkerAliases:
         preempted = CounterMetricFamily("vllm:num_preemptions", "Requests preempted", labels=["model_name"])
         preempted.add_metric([self._model], sum(w.get("preemptions", 0) for w in workers))
         yield preempted
+        speculating = [w for w in workers if "spec_drafts" in w]
+        if speculating:  # vLLM's speculative-decoding counters, which its benchmark client reads
+            for name, key, doc in (("vllm:spec_decode_num_drafts", "spec_drafts", "Speculative proposals"),
+                                   ("vllm:spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens"),
+                                   ("vllm:spec_decode_num_accepted_tokens", "spec_accepted_tokens",
+                                    "Draft tokens accepted")):
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self._model], sum(w.get(key, 0) for w in speculating))
+                yield family
+            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens accepted, by position",
+                                               labels=["model_name", "position"])
+            width = max(len(w.get("spec_accepted_per_position", [])) for w in speculating)
+            totals = [0] * width
+            for w in speculating:
+                for position, count in enumerate(w.get("spec_accepted_per_position", [])):
+                    totals[position] += count
+            for position, count in enumerate(totals):
+                per_position.add_metric([self._model, str(position)], count)
+            yield per_position

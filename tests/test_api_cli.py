@@ -46,8 +46,10 @@ def test_status_table_for_a_cluster():
     status = pb.ServerStatus(ready=False, max_queued=8, model=pb.ModelInfo(model_name="m"), workers=[
         pb.WorkerStatus(id="prefill-0", kind="prefill", node="n1", alive=True, kv_blocks_total=100,
                         kv_blocks_free=25, waiting=3, handoff_count=7, handoff_bytes=5_000_000),
-        pb.WorkerStatus(id="decode-0", kind="decode", node="n2", alive=False, running=2)])
+        pb.WorkerStatus(id="decode-0", kind="decode", node="n2", alive=False, running=2,
+                        spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=15)])
     text = format_status(status)
+    assert "SPEC ACCEPTED" in text and "15/20 (75%)" in text
     assert "ready: NO" in text and "75/100 (75%)" in text and "7 (0)" in text and "5.0" in text
     assert text.count("n1") == 2 and text.count("n2") == 2  # a worker row and a node row each
 

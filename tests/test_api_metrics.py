@@ -23,6 +23,13 @@ def value(samples: dict, name: str, **labels) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def rendered(status: dict) -> dict:
+    """The front door's /metrics for `status`, as {(sample name, labels): value}."""
+    text = FrontDoorMetrics(lambda: status).render().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def worker_labels(backend) -> list[dict]:
     return [dict(worker=w["id"], kind=w["kind"], node=w["node"]) for w in backend.status()["workers"]]
 
@@ -86,9 +93,7 @@ def test_handoff_and_cluster_worker_metrics():
          "prefix_cache_hit_tokens": 600, "prefix_cache_blocks": 40, "prefix_cache_checkpoints_used": 3,
          "prefix_cache_checkpoints_total": 8, "prefix_cache_checkpoint_bytes": 65536},
         {"id": "decode-0", "kind": "decode", "node": "n2", "alive": False}], "retries": 7}
-    text = FrontDoorMetrics(lambda: status).render().decode()
-    samples = {(s.name, frozenset(s.labels.items())): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = rendered(status)
     p = dict(worker="prefill-0", kind="prefill", node="n1")
     assert value(samples, "splitserve_worker_kv_blocks_used", **p) == 3
     assert value(samples, "splitserve_worker_state_slots_used", **p) == 1
@@ -105,6 +110,29 @@ def test_handoff_and_cluster_worker_metrics():
     assert value(samples, "splitserve_worker_prefix_cache_checkpoints_used", **p) == 3
     assert value(samples, "splitserve_worker_prefix_cache_checkpoint_bytes", **p) == 65536
     assert value(samples, "splitserve_worker_prefix_cache_blocks", **p) == 40
+
+
+def test_speculative_decoding_counters_by_worker_and_as_vllm_names_them():
+    from router.metrics import VllmWorkerAliases
+
+    status = {"workers": [
+        {"id": "decode-0", "kind": "decode", "node": "n1", "spec_drafts": 10, "spec_draft_tokens": 40,
+         "spec_accepted_tokens": 25, "spec_accepted_per_position": [9, 7, 5, 4]},
+        {"id": "decode-1", "kind": "decode", "node": "n2", "spec_drafts": 2, "spec_draft_tokens": 8,
+         "spec_accepted_tokens": 1, "spec_accepted_per_position": [1, 0, 0, 0]},
+        {"id": "prefill-0", "kind": "prefill", "node": "n1"}]}
+    samples = rendered(status)
+    d = dict(worker="decode-0", kind="decode", node="n1")
+    assert value(samples, "splitserve_worker_spec_drafts_total", **d) == 10
+    assert value(samples, "splitserve_worker_spec_draft_tokens_total", **d) == 40
+    assert value(samples, "splitserve_worker_spec_accepted_tokens_total", **d) == 25
+    assert value(samples, "splitserve_worker_spec_accepted_tokens_per_position_total", position="1", **d) == 7
+    aliases = {(s.name, frozenset(s.labels.items())): s.value
+               for f in VllmWorkerAliases(lambda: status, "m").collect() for s in f.samples}
+    assert value(aliases, "vllm:spec_decode_num_drafts_total", model_name="m") == 12
+    assert value(aliases, "vllm:spec_decode_num_draft_tokens_total", model_name="m") == 48
+    assert value(aliases, "vllm:spec_decode_num_accepted_tokens_total", model_name="m") == 26
+    assert value(aliases, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position="0") == 10
 
 
 def test_a_failing_status_still_scrapes():

@@ -186,6 +186,29 @@ def test_packed_pair_shares_a_node_and_uses_shared_memory(cluster):
         packed.shutdown()
 
 
+def test_decode_workers_speculate_across_the_split(cluster):
+    """ngram speculation on the decode side of a pair: the outputs are the plain decode's, and
+    the decode worker reports its drafts (the prefill worker has none)."""
+    from router.cluster import launch
+
+    handle, path, hf, (nodes, _, _) = cluster
+    speculating = launch(path, prefill=1, decode=1, address=nodes.address, pack_pairs=True,
+                         prefill_resource=None, decode_resource=None, block_size=4, num_kv_blocks=200,
+                         max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    try:
+        prompts = [[9, 8, 7] * 5, [1], [4] * 17, [5, 6, 7, 8] * 4]
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        local = LLM(path, block_size=4).generate(prompts, params)
+        for prompt, out, ref in zip(prompts, speculating.generate(prompts, params), local):
+            assert out.error is None, out.error
+            assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+        workers = {w["kind"]: w for w in speculating.status()["workers"]}
+        assert 0 < workers["decode"]["spec_accepted_tokens"] < workers["decode"]["spec_draft_tokens"]
+        assert "spec_drafts" not in workers["prefill"]
+    finally:
+        speculating.shutdown()
+
+
 def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
     import os
     import signal

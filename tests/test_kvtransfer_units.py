@@ -67,6 +67,23 @@ def test_shards_of_a_tensor_parallel_cache_must_match():
     assert CacheLayout.from_dict(rank1.to_dict()) == rank1 and rank0.differences(rank0) == []
 
 
+def test_speculative_settings_of_a_pair_must_match():
+    """A decode worker that speculates and a prefill worker set otherwise refuse each other,
+    naming both settings; the setting survives the wire's re-blocking."""
+    from dataclasses import replace
+
+    from engine.speculative import SpeculativeConfig
+    from kvtransfer.grid import Grid
+
+    layout = make_cache("hybrid", 4, 10, 3, seed=0).layout
+    ngram = replace(layout, speculative=SpeculativeConfig("ngram", 4).canonical())
+    with pytest.raises(LayoutMismatchError, match='speculative_config none vs {"method":"ngram","num_speculative_tokens":4'):
+        layout.check_compatible(ngram, "sender P", "receiver D")
+    assert CacheLayout.from_dict(ngram.to_dict()) == ngram
+    assert Grid(4, 8).wire_layout(ngram).speculative == ngram.speculative
+    assert ngram.differences(replace(ngram)) == []
+
+
 def test_block_sizes_alone_may_differ():
     mine = make_cache("hybrid", 4, 10, 3, seed=0).layout
     for size in (1, 6, 16):

@@ -57,7 +57,9 @@ class WorkerBase:
         where = staging_device(engine, self.wire.devices)  # None: the wire moves the engine's own rows
         self.staging = HandoffStaging(engine, where) if where is not None else None
         cache = self.staging.cache if self.staging is not None else engine.cache
-        self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors())
+        speculative = engine.config.speculative_config
+        self.cache_tensors = CacheTensors.from_named(engine.config.block_size, cache.handoff_tensors(),
+                                                     speculative=speculative.canonical() if speculative else "")
         self.transfer_config = TransferConfig(timeout_s=transfer_timeout_s, advertise_host=node_ip())
         self.ranks = engine.tp.group.size if engine.tp is not None else 1
         # Equal TP sizes on both sides hand off rank to rank (engine.tp.rank_handoffs)

@@ -279,7 +279,7 @@ class ScaleResponse(_message.Message):
     def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "kind", "node", "alive", "kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free", "waiting", "running", "preemptions", "handoff_bytes", "handoff_count", "handoff_failures", "handoff_seconds_sum")
+    __slots__ = ("id", "kind", "node", "alive", "kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free", "waiting", "running", "preemptions", "handoff_bytes", "handoff_count", "handoff_failures", "handoff_seconds_sum", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +295,9 @@ class WorkerStatus(_message.Message):
     HANDOFF_COUNT_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FAILURES_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     node: str
@@ -310,7 +313,10 @@ class WorkerStatus(_message.Message):
     handoff_count: int
     handoff_failures: int
     handoff_seconds_sum: float
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_count: _Optional[int] = ..., handoff_failures: _Optional[int] = ..., handoff_seconds_sum: _Optional[float] = ...) -> None: ...
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_count: _Optional[int] = ..., handoff_failures: _Optional[int] = ..., handoff_seconds_sum: _Optional[float] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
     __slots__ = ("ready", "requests_in_flight", "max_queued", "workers", "model")
