@@ -19,7 +19,7 @@ from engine.prompts import check_prompt_length, prompt_token_ids
 from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq, scratch_owner
-from engine.speculative import NgramProposer, SpeculationStats, accepted_prefix
+from engine.speculative import NgramProposer, SpeculationGovernor, SpeculationStats, accepted_prefix
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -124,6 +124,7 @@ class LLMEngine:
         # Speculative decoding (engine.speculative): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
         self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.governor = SpeculationGovernor() if speculative is not None and speculative.adaptive else None
         self.spec_stats = SpeculationStats()
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp)
@@ -246,19 +247,23 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        if self.proposer is not None:
+        started = time.perf_counter()
+        drafted = self.proposer is not None and (self.governor is None or self.governor.drafting())
+        if drafted:
             self._propose()
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return outputs
         scratch = [s for s in plan.seqs if s.scratch_slot is not None]
-        if scratch:
-            try:
-                return self._step(plan, outputs, scratch)
-            finally:
-                for seq in scratch:
-                    self.slots.free(scratch_owner(seq.request.request_id))
-        return self._step(plan, outputs)
+        try:
+            stepped = self._step(plan, [], scratch)
+        finally:
+            for seq in scratch:
+                self.slots.free(scratch_owner(seq.request.request_id))
+        if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
+            self.governor.record(drafted, time.perf_counter() - started,
+                                 sum(len(out.new_token_ids) for out in stepped))
+        return outputs + stepped
 
     def _step(self, plan, outputs: list[RequestOutput], scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
         self.num_steps += 1
@@ -545,5 +550,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             **(self.spec_stats.as_dict() if self.proposer is not None else {}),
+            **({f"spec_{'drafting' if mode else 'plain'}_tokens_per_s": rate
+                for mode, rate in self.governor.rates.items()} if self.governor is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

@@ -33,6 +33,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 5  # ngram: the longest suffix looked up in the request's context
     prompt_lookup_min: int = 2  # ngram: the shortest; a 1-token match drafts too eagerly
+    # Draft only while drafting measures faster than plain decoding (SpeculationGovernor);
+    # False drafts in every step (tests, and measuring speculation itself).
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method in NOT_YET:
@@ -44,6 +47,8 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"speculative_config.{name}: must be a positive integer, got {value!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config.adaptive: must be a bool, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min {self.prompt_lookup_min} is above "
                              f"prompt_lookup_max {self.prompt_lookup_max}")
@@ -113,6 +118,39 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._contexts.pop(request_id, None)
+
+
+class SpeculationGovernor:
+    """Whether drafting pays on this engine now, measured rather than assumed: a verify step
+    costs more than a decode step (on the CPU it leaves the one-call decode stack; on a GPU its
+    rows outgrow the captured graphs), and drafts that miss only add that cost. So the engine
+    drafts in some steps and not in others, keeps the output tokens per second of each kind of
+    step as a moving average, and drafts where that is the faster: each `period` steps begin
+    with `probe_steps` of the slower kind, to notice when the workload changes. Only steps in
+    which every row decodes count. Outputs never depend on it: only speed does."""
+
+    def __init__(self, probe_steps: int = 4, period: int = 64, smoothing: float = 0.2):
+        self.probe_steps, self.period, self.smoothing = probe_steps, period, smoothing
+        self.rates: dict[bool, float] = {}  # drafting? -> output tokens per second
+        self.samples = {True: 0, False: 0}
+        self.steps = 0
+
+    def drafting(self) -> bool:
+        for mode in (True, False):  # measure both first, drafting first
+            if self.samples[mode] < self.probe_steps:
+                return mode
+        faster = self.rates[True] >= self.rates[False]
+        return (not faster) if self.steps % self.period < self.probe_steps else faster
+
+    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
+        """A step of decoding rows only: whether it drafted, how long it took, tokens it emitted."""
+        if seconds <= 0:
+            return
+        self.steps += 1
+        rate = tokens / seconds
+        old = self.rates.get(drafted)
+        self.rates[drafted] = rate if old is None else old + self.smoothing * (rate - old)
+        self.samples[drafted] += 1
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:

@@ -194,7 +194,8 @@ def test_decode_workers_speculate_across_the_split(cluster):
     handle, path, hf, (nodes, _, _) = cluster
     speculating = launch(path, prefill=1, decode=1, address=nodes.address, pack_pairs=True,
                          prefill_resource=None, decode_resource=None, block_size=4, num_kv_blocks=200,
-                         max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+                         max_num_seqs=8, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                             "adaptive": False})
     try:
         prompts = [[9, 8, 7] * 5, [1], [4] * 17, [5, 6, 7, 8] * 4]
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -14,12 +14,12 @@ from engine.llm_engine import LLMEngine
 from engine.phase import Phase, PhaseError, classify
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
-from engine.speculative import NgramProposer, SpeculativeConfig, accepted_prefix
+from engine.speculative import NgramProposer, SpeculationGovernor, SpeculativeConfig, accepted_prefix
 from engine.state_slots import StateSlotAllocator
 from tests.oracle import hf_logits, judge_greedy
 from tests.test_handoff_engine import run_disaggregated
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}  # drafts every step
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 
@@ -55,6 +55,24 @@ def test_ngram_drafts_follow_the_latest_longest_match():
     assert proposer.propose("e", [256, 1, 0, 0, 0, 7, 1], [], 2) == [0, 0]
     proposer.forget("a")
     assert "a" not in proposer._contexts
+
+
+def test_the_governor_drafts_where_drafting_is_faster_and_keeps_probing():
+    governor = SpeculationGovernor(probe_steps=2, period=10)
+    modes = []
+    for _ in range(40):
+        drafting = governor.drafting()
+        modes.append(drafting)
+        governor.record(drafting, 1.0, 3 if drafting else 1)  # drafting emits 3x the tokens
+    assert modes[:4] == [True, True, False, False]  # both measured first
+    assert modes[4:].count(False) == 6 and modes[4:].count(True) == 30  # 2 probes each period of 10
+    slow, modes = SpeculationGovernor(probe_steps=2, period=10), []
+    for _ in range(40):
+        modes.append(slow.drafting())
+        slow.record(modes[-1], 2.0 if modes[-1] else 1.0, 1)  # drafts that never hit: slower steps
+    assert modes[4:].count(True) == 6 and slow.rates[False] > slow.rates[True]
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeConfig("ngram", 2, adaptive="yes")
 
 
 def test_accepted_prefix():
@@ -290,8 +308,8 @@ def test_sampled_outputs_keep_the_target_distribution(model_factory):
     cached = {}
     drafts.propose = lambda rid, p, o, limit: cached.setdefault(tuple(o), GreedyDrafts.propose(drafts, rid, p, o, limit))
     torch.manual_seed(0)
-    llm = LLM(str(path), block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 1},
-              max_num_seqs=256)
+    llm = LLM(str(path), block_size=4, max_num_seqs=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 1, "adaptive": False})
     llm.engine.proposer = drafts
     counts: dict = {}
     for out in llm.generate([prompt] * samples, params):
