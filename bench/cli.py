@@ -1,4 +1,4 @@
-"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix|elastic` (`bench transfer`: bench.transfer)."""
+"""`splitserve bench serve|offline|compare|plan|roofline|structured|prefix|spec|elastic` (`bench transfer`: bench.transfer)."""
 
 from __future__ import annotations
 
@@ -189,6 +189,18 @@ def cmd_prefix(args) -> int:
     return 0
 
 
+def cmd_spec(args) -> int:
+    from bench.spec import format_rows, run_spec
+
+    batches = tuple(int(b) for b in args.batches.split(","))
+    with _model_dir(args) as model:
+        rows = run_spec(model, batches, args.max_tokens, args.num_speculative_tokens, args.rounds, args.seed)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def cmd_elastic(args) -> int:
     from bench.elastic import format_report, plot_worker_counts, run_elastic
     from bench.metrics import dump_json
@@ -267,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(prefix)
     add_prefix_arguments(prefix)
     prefix.set_defaults(func=cmd_prefix)
+
+    from bench.spec import add_spec_arguments
+
+    spec = sub.add_parser("spec", help="speculative decoding (n-gram, always and adaptive) vs plain decoding")
+    _model_args(spec)
+    add_spec_arguments(spec)
+    spec.set_defaults(func=cmd_spec)
 
     elastic = sub.add_parser("elastic", help="autoscaler vs the best fixed split when decode-heavy traffic "
                                              "turns prefill-heavy half-way")

@@ -80,6 +80,7 @@ class SegmentedPlan:
 
     def __init__(self, segments: list[tuple[int, DecodeLayersPlan | None]]):
         self.segments = segments  # (first layer, its run's plan, or None for that one layer)
+        self.whole = all(plan is not None for _, plan in segments)  # every layer in the one-call kernels
 
     def run(self, h: torch.Tensor, batch: ForwardBatch, run_layer,
             embeddings: torch.Tensor | None = None) -> torch.Tensor:

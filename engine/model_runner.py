@@ -256,11 +256,15 @@ class ModelRunner:
         host = None
         if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
+        logits = None
         if host is not None and self.static.fits(host):
             if self.tp is not None:  # every rank replays its own graph of this size
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
-        else:
+        elif self.decode_stack is not None and any(s.phase is Phase.VERIFY for s in seqs) \
+                and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs):
+            logits = self._verify_on_decode_stack(seqs)
+        if logits is None:
             if self.tp is None:
                 batch = self.build_batch(seqs)
             else:  # the other ranks build the same batch from the same host tensors
@@ -274,6 +278,27 @@ class ModelRunner:
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
         return logits
+
+    def _verify_on_decode_stack(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
+        """A CPU step of decodes and verifies as the one-call decode stack runs decodes: each
+        VERIFY row's tokens become consecutive decode rows of its slot, each attending over the
+        KV up to its own position (every row's K and V are stored before any row attends), and
+        the state kernels update a slot that adjacent rows share in row order
+        (engine/kernels/cpu_kernels.cpp state_threads): the plain decode's kernels, a token at a
+        time, with the step's GEMMs over all the tokens at once. The scored rows' logits, as
+        execute returns them; None where some layer is not in the one-call stack (its torch path
+        would read a shared slot's state once for all its rows)."""
+        host = general_host_batch(seqs, self.cache.block_size, self.block_tables)
+        tokens = host.input_ids.shape[0]
+        row = torch.repeat_interleave(torch.arange(len(seqs)), host.query_starts.diff(), output_size=tokens)
+        rows = HostBatch(host.input_ids, host.positions, host.kv_write_index, torch.arange(tokens + 1),
+                         host.positions + 1, host.slots[row], host.block_counts[row], host.block_tables[row],
+                         [Phase.DECODE] * tokens)
+        batch = self.device_batch(rows)
+        plan = self.decode_stack.plan(batch, self.cache.layers)
+        if plan is None or not plan.whole:
+            return None
+        return self.model(batch, self.cache.layers, plan).index_select(0, host.logits_indices)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SampleResult:

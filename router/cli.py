@@ -139,6 +139,7 @@ BENCHMARKS = {
     "roofline": "model FLOP utilisation against this machine's GEMM rate, next to transformers",
     "structured": "throughput of JSON-schema-constrained vs free sampling, side by side",
     "prefix": "prefix caching on vs off: multi-turn chat, shared system prompt, no reuse",
+    "spec": "speculative decoding (n-gram) vs plain decoding: decode tokens/s, TPOT, acceptance",
     "elastic": "autoscaler vs the best fixed P:D split on traffic that shifts from decode- to prefill-heavy",
 }
 

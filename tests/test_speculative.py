@@ -11,6 +11,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.phase import Phase, PhaseError, classify
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
@@ -21,6 +22,9 @@ from tests.test_handoff_engine import run_disaggregated
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}  # drafts every step
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+# Families whose every layer runs in the CPU's one-call decode stack, where a verify does too;
+# the others verify on the layer path, as a prefill chunk.
+ON_STACK = {"jamba", "mamba", "llama", "mamba2", "bamba", "granitemoehybrid", "lfm2", "qwen3_next"}
 
 
 # ---------------------------------------------------------------- configuration and proposer
@@ -172,10 +176,20 @@ def generate(path, prompts, params=GREEDY, **options):
     return [o.token_ids for o in outs], llm.engine.stats()
 
 
-def test_greedy_with_speculation_is_token_identical_for_every_family(family_model):
+def test_greedy_with_speculation_is_token_identical_for_every_family(family_model, monkeypatch):
     family, path, hf = family_model
     prompts = prompts_for(3)
+    on_stack, original = [], ModelRunner._verify_on_decode_stack
+
+    def recorded(self, seqs):
+        logits = original(self, seqs)
+        on_stack.append(logits is not None)
+        return logits
+
+    monkeypatch.setattr(ModelRunner, "_verify_on_decode_stack", recorded)
     speculated, plain, stats = scripted(path, prompts)
+    if family in ON_STACK:  # each VERIFY ran as consecutive decode rows (ModelRunner._verify_on_decode_stack)
+        assert on_stack and all(on_stack)
     assert speculated == plain
     for prompt, output in zip(prompts, speculated):
         judge_greedy(hf, prompt, output)
@@ -183,7 +197,7 @@ def test_greedy_with_speculation_is_token_identical_for_every_family(family_mode
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 
-@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2", "kimi_linear", "nemotron_h"])
 def test_a_rejected_draft_left_in_the_state_changes_the_output(name, model_factory, monkeypatch):
     """The stale-state mutation: skip the copy back from the scratch slot and the outputs go
     wrong, so the parity above depends on the rollback."""

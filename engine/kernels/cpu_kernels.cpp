@@ -134,6 +134,16 @@ inline void delta_rule_step(float* S, const float* q, const float* k, const floa
   }
 }
 
+// The threads a decode state update runs on: all of them where each row has a slot of its own;
+// one where neighbouring rows share a slot (a verify step's tokens of one sequence, engine.phase
+// VERIFY: rows that share a slot are adjacent), so that each of those rows reads the state the
+// row before it wrote: the loops below go row by row, and on one thread in that order.
+inline int state_threads(const int64_t* slots, int64_t batch, int threads) {
+  for (int64_t b = 1; b < batch; ++b)
+    if (slots[b] == slots[b - 1]) return 1;
+  return threads;
+}
+
 }  // namespace
 
 extern "C" {
@@ -149,6 +159,7 @@ extern "C" {
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                       const float* A, const float* B, const float* C, float* y, int64_t batch,
                       int64_t d_inner, int64_t d_state, int threads) {
+  threads = state_threads(slots, batch, threads);
   if (d_state % kLanes16 != 0 || d_inner % kLanes16 != 0) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < batch * d_inner; ++i) {
@@ -190,6 +201,7 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
                  int64_t silu, int threads) {
+  threads = state_threads(slots, batch, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
     float* w = state + slots[b] * channels * width;
@@ -260,6 +272,7 @@ void selective_scan(const float* x, const float* dt, const float* A, const float
 void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                          const float* A, const float* B, const float* C, float* y, int64_t batch,
                          int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
+  threads = state_threads(slots, batch, threads);
   const int64_t per_group = heads / groups;
   if (head_dim % kLanes16 == 0 && d_state % kLanes16 == 0) {
     const int64_t blocks = head_dim / kLanes16;
@@ -384,6 +397,7 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
 void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k,
                       const float* v, const float* g, const float* beta, float* o, int64_t batch,
                       int64_t heads, int64_t k_dim, int64_t v_dim, int64_t g_per_channel, int threads) {
+  threads = state_threads(slots, batch, threads);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> delta(v_dim);

@@ -1,0 +1,128 @@
+"""`splitserve bench spec`: speculative decoding against plain decoding, side by side in one run.
+
+Two workloads on the colocated engine:
+- hit: greedy continuations of code that repeats itself (the prompt holds the same functions
+  several times, and ends where one of them begins again): n-gram drafts can hit;
+- miss: seeded sampling at temperature 1 from distinct random prompts: drafts rarely hit.
+Each at batch 1, 4 and 16 on three engines that differ only in `speculative_config`: none,
+n-gram drafting in every step ("always"), and n-gram with the governor that drafts only where
+it measures faster ("adaptive"). Rounds alternate the engines so that a shared box's noise
+falls on all of them. Reported: decode tokens/s (output tokens after the first over the time
+after the first token), TPOT p50/p99 over requests, acceptance, each speculating engine's
+decode tokens/s over plain's. Both speculating engines must produce plain's tokens (greedy, and
+seeded draws): the run checks that too.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+CODE = '''def area(width, height):
+    return width * height
+
+
+def perimeter(width, height):
+    return 2 * (width + height)
+
+
+def scale(width, height, factor):
+    return width * factor, height * factor
+
+'''
+ENGINES = ("plain", "always", "adaptive")
+
+
+def _prompts(workload: str, batch: int, vocab: int, seed: int) -> list:
+    if workload == "hit":
+        heads = ["def area(", "def perimeter(", "def scale("]
+        return [CODE * 3 + heads[i % len(heads)] for i in range(batch)]
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(batch)]
+
+
+def _params(workload: str, max_tokens: int, batch: int):
+    from engine import SamplingParams
+
+    if workload == "hit":
+        return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * batch
+    return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(batch)]
+
+
+def _run(llm, prompts, params) -> dict:
+    before = dict(llm.engine.stats())
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    after = llm.engine.stats()
+    decode_s = max(o.finish_time for o in outs) - min(o.first_token_time for o in outs)
+    return {"outs": [o.token_ids for o in outs], "seconds": seconds, "decode_s": decode_s,
+            "decode_tokens": sum(len(o.token_ids) - 1 for o in outs),
+            "tpot": [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1],
+            "drafted": after.get("spec_draft_tokens", 0) - before.get("spec_draft_tokens", 0),
+            "accepted": after.get("spec_accepted_tokens", 0) - before.get("spec_accepted_tokens", 0)}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_spec(model: str, batches=(1, 4, 16), max_tokens: int = 128, k: int = 4, rounds: int = 3,
+             seed: int = 0, engine_options: dict | None = None) -> list[dict]:
+    from engine import LLM
+
+    options = dict(engine_options or {})
+    ngram = {"method": "ngram", "num_speculative_tokens": k}
+    llms = {"plain": LLM(model, **options),
+            "always": LLM(model, speculative_config={**ngram, "adaptive": False}, **options),
+            "adaptive": LLM(model, speculative_config=ngram, **options)}
+    vocab = llms["plain"].engine.spec.vocab_size
+    rows = []
+    for workload in ("hit", "miss"):
+        for batch in batches:
+            prompts, params = _prompts(workload, batch, vocab, seed), _params(workload, max_tokens, batch)
+            for llm in llms.values():  # warm: kernels built, the governor past its first probes
+                llm.generate(prompts, params)
+            runs = {name: [] for name in ENGINES}
+            for _ in range(rounds):
+                for name in ENGINES:
+                    runs[name].append(_run(llms[name], prompts, params))
+            for name in ENGINES:
+                if any(r["outs"] != runs["plain"][0]["outs"] for r in runs[name]):
+                    raise AssertionError(f"{workload} batch {batch}: {name} changed the outputs")
+                rows.append(_row(workload, batch, name, runs[name]))
+    return rows
+
+
+def _row(workload: str, batch: int, engine: str, runs: list[dict]) -> dict:
+    decode_s = sum(r["decode_s"] for r in runs)
+    tpot = [t for r in runs for t in r["tpot"]]
+    drafted = sum(r["drafted"] for r in runs)
+    return {"workload": workload, "batch": batch, "engine": engine,
+            "decode_tokens_per_s": sum(r["decode_tokens"] for r in runs) / decode_s,
+            "tpot_p50_ms": 1000 * statistics.median(tpot), "tpot_p99_ms": 1000 * _percentile(tpot, 0.99),
+            "draft_tokens": drafted, "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None}
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'workload':<8} {'batch':>5} {'engine':>9} {'decode tok/s':>12} {'TPOT p50 ms':>11} "
+             f"{'TPOT p99 ms':>11} {'drafted':>8} {'accepted':>8} {'vs plain':>8}"]
+    plain = {(r["workload"], r["batch"]): r for r in rows if r["engine"] == "plain"}
+    for r in rows:
+        base = plain[(r["workload"], r["batch"])]
+        accepted = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
+        lines.append(f"{r['workload']:<8} {r['batch']:>5} {r['engine']:>9} {r['decode_tokens_per_s']:>12.1f} "
+                     f"{r['tpot_p50_ms']:>11.2f} {r['tpot_p99_ms']:>11.2f} {r['draft_tokens']:>8} {accepted:>8} "
+                     f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:>7.2f}x")
+    return "\n".join(lines)
+
+
+def add_spec_arguments(p) -> None:
+    p.add_argument("--batches", default="1,4,16", help="comma-separated batch sizes")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON rows here")
