@@ -34,11 +34,14 @@ def scale(width, height, factor):
 ENGINES = ("plain", "always", "adaptive")
 
 
-def _prompts(workload: str, batch: int, vocab: int, seed: int) -> list:
-    if workload == "hit":
+def _prompts(workload: str, batch: int, vocab: int, seed: int, has_tokenizer: bool) -> list:
+    rng = random.Random(seed)
+    if workload == "hit" and has_tokenizer:
         heads = ["def area(", "def perimeter(", "def scale("]
         return [CODE * 3 + heads[i % len(heads)] for i in range(batch)]
-    rng = random.Random(seed)
+    if workload == "hit":  # a checkpoint without a tokenizer: a random "file" of ids, repeated
+        text = [rng.randrange(3, vocab) for _ in range(60)]
+        return [text * 3 + text[:3 + i] for i in range(batch)]
     return [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(batch)]
 
 
@@ -82,7 +85,8 @@ def run_spec(model: str, batches=(1, 4, 16), max_tokens: int = 128, k: int = 4, 
     rows = []
     for workload in ("hit", "miss"):
         for batch in batches:
-            prompts, params = _prompts(workload, batch, vocab, seed), _params(workload, max_tokens, batch)
+            prompts = _prompts(workload, batch, vocab, seed, llms["plain"].engine.tokenizer is not None)
+            params = _params(workload, max_tokens, batch)
             for llm in llms.values():  # warm: kernels built, the governor past its first probes
                 llm.generate(prompts, params)
             runs = {name: [] for name in ENGINES}

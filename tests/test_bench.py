@@ -369,3 +369,18 @@ def test_the_colocated_engine_can_get_a_split_workers_share_of_the_cores(monkeyp
     serving._run_colocated("model", {"x": []}, serving.ServingConfig(colocated_cores=1, total_cores=4))
     serving._run_colocated("model", {"x": []}, serving.ServingConfig(total_cores=3))
     assert threads == [1, 3] and torch.get_num_threads() == before
+
+
+def test_spec_bench_runs_three_engines_alike(tmp_path):
+    """bench spec: plain, always-drafting and adaptive engines give the same tokens (the run
+    raises otherwise), and the rows carry what the table prints."""
+    from bench.checkpoints import build_checkpoint
+    from bench.spec import format_rows, run_spec
+
+    build_checkpoint("jamba", tmp_path)
+    rows = run_spec(str(tmp_path), batches=(1, 2), max_tokens=12, rounds=1, engine_options={"block_size": 4})
+    assert {(r["workload"], r["batch"], r["engine"]) for r in rows} == {
+        (w, b, e) for w in ("hit", "miss") for b in (1, 2) for e in ("plain", "always", "adaptive")}
+    assert all(r["draft_tokens"] == 0 for r in rows if r["engine"] == "plain")
+    assert any(r["draft_tokens"] > 0 for r in rows if r["engine"] == "always")
+    assert "vs plain" in format_rows(rows)
