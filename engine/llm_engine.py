@@ -128,6 +128,7 @@ class LLMEngine:
         self.spec_stats = SpeculationStats()
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp)
+        self.runner.verifies = self.proposer is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
@@ -254,7 +255,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.seqs:
             return outputs
-        scratch = [s for s in plan.seqs if s.scratch_slot is not None]
+        scratch = [s for s in plan.seqs if s.scratch_slot is not None] if self.proposer is not None else []
         try:
             stepped = self._step(plan, [], scratch)
         finally:

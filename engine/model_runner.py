@@ -180,6 +180,7 @@ class ModelRunner:
         self.debug = debug
         self.sampler = Sampler(model.spec.vocab_size, self.device)
         self.static: StaticDecode | None = None
+        self.verifies = False  # the engine speculates: some steps may hold VERIFY rows
         width = self.cache.sizes.num_blocks
         if max_model_len is not None:
             width = min(width, -(-max_model_len // self.cache.block_size))
@@ -261,7 +262,7 @@ class ModelRunner:
             if self.tp is not None:  # every rank replays its own graph of this size
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
-        elif self.decode_stack is not None and any(s.phase is Phase.VERIFY for s in seqs) \
+        elif self.verifies and self.decode_stack is not None and any(s.phase is Phase.VERIFY for s in seqs) \
                 and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs):
             logits = self._verify_on_decode_stack(seqs)
         if logits is None:
