@@ -99,3 +99,23 @@ def test_values_the_wire_cannot_carry_are_named_on_the_client_side(capsys):
     # the command line: a clear error and status 2, before any connection is tried
     assert main(["generate", "hi", "--max-tokens", "-1", "--server", "127.0.0.1:1"]) == 2
     assert "sampling.max_tokens: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_the_engine_options_from_the_cli_and_a_serve_config(capsys):
+    """`serve --speculative-config JSON` and a Serve config's mapping give launch the same dict;
+    JSON that is not an object is a usage error naming the flag, a bad field fails at start."""
+    from router.cli import build_parser, serve_options
+    from router.serve_app import parse_options
+
+    setting = {"method": "ngram", "num_speculative_tokens": 3}
+    args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert serve_options(args)[0]["speculative_config"] == setting
+    _, launch_options, _ = parse_options({"speculative_config": setting})
+    assert launch_options["speculative_config"] == setting
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--speculative-config", "[4]"])
+    assert "--speculative-config: must be a JSON object" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="speculative_config.num_speculative_tokens"):
+        from engine.config import EngineConfig
+
+        EngineConfig("engine/demo_model", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
