@@ -311,15 +311,18 @@ class LLMEngine:
     # ------------------------------------------------------------------ speculative decoding
 
     def _propose(self) -> None:
-        """Drafts for each decoding request without a grammar, within its length."""
+        """Drafts for each decoding request, within its length; under a grammar, cut where the
+        grammar would refuse a draft (verification would reject it anyway)."""
         proposer = self.proposer
         for request in self.scheduler.running:
-            if request.status is not DECODING or request.grammar is not None:
+            if request.status is not DECODING:
                 continue
             limit = min(request.sampling_params.max_tokens, self.max_model_len - request.num_prompt_tokens) \
                 - request.num_output_tokens - 1
-            request.draft_token_ids = proposer.propose(request.request_id, request.prompt_token_ids,
-                                                       request.output_token_ids, limit)
+            drafts = proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, limit)
+            if drafts and request.grammar is not None:
+                drafts = drafts[:request.grammar.valid_prefix(drafts)]
+            request.draft_token_ids = drafts
 
     def _keep_state(self, seqs: list[ScheduledSeq]) -> None:
         """Before a VERIFY step: each row's state, copied to its scratch slot to roll back to."""
@@ -348,11 +351,12 @@ class LLMEngine:
         an output depends only on its (seed, index), so a seeded request keeps its tokens, and
         a draft is kept exactly when the draw at its position picks it: for a draft proposed
         with certainty (n-gram) that is rejection sampling's acceptance, with probability p(draft)."""
-        if request.argmax_only:
+        if request.argmax_only and request.grammar is None:
             return self.runner.sampler.greedy(logits).token_ids, [None] * logits.shape[0]
         outputs, rows = request.output_token_ids, logits.shape[0]
+        grammars = request.grammar.after_each(drafts) if request.grammar is not None else None
         sampled = self.runner.sampler(logits, [request.sampling_params] * rows, [request.prompt_token_ids] * rows,
-                                      [outputs + drafts[:j] for j in range(rows)])
+                                      [outputs + drafts[:j] for j in range(rows)], grammars)
         return sampled.token_ids, sampled.logprobs
 
     def _verified(self, seq: ScheduledSeq, logits) -> RequestOutput:

@@ -110,6 +110,20 @@ class GrammarState:
         """False (and the state is broken for good) when the grammar does not allow the token."""
         return self.matcher.consume_token(token_id)
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many leading tokens the grammar would accept from here (nothing is consumed)."""
+        return self.matcher.validate_tokens(token_ids)
+
+    def after_each(self, token_ids: list[int]) -> list[GrammarState]:
+        """Copies of this state after token_ids[:j] for j = 0..len(token_ids): the masks of a
+        verify step's positions (engine.speculative). The tokens must be a valid prefix."""
+        states, matcher = [], self.matcher.deep_copy()
+        for token_id in token_ids:
+            states.append(GrammarState(matcher.deep_copy()))
+            if not matcher.consume_token(token_id):
+                raise ValueError(f"token {token_id} is not valid here: {matcher.get_error()}")
+        return states + [GrammarState(matcher)]
+
     @property
     def finished(self) -> bool:
         """The structure is complete: nothing but an end-of-sequence token may follow."""

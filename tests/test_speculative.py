@@ -334,3 +334,36 @@ def test_sampled_outputs_keep_the_target_distribution(model_factory):
     assert set(counts) <= set(expected)
     chi2 = sum((counts.get(key, 0) - samples * p) ** 2 / (samples * p) for key, p in expected.items())
     assert chi2 < 26.12, (chi2, counts, expected)  # chi-square, 8 degrees of freedom, p = 0.001
+
+
+def test_structured_outputs_speculate_with_drafts_the_grammar_refuses_cut(api_model_path):
+    """Under a JSON schema a draft the grammar refuses is cut before verification, and each
+    verified position is sampled under the mask of the grammar after the drafts before it:
+    greedy and seeded outputs stay the plain decode's, and stay valid."""
+    from tests.test_structured import BOUNDED, PROMPT, check
+
+    specs = [(spec, seed) for spec in BOUNDED.values() for seed in range(2)]  # seed 0 greedy, 1 sampled
+    params = [SamplingParams(max_tokens=120, temperature=float(seed), seed=seed, structured_output=spec)
+              for spec, seed in specs]
+    prompts = [PROMPT + " " * i for i in range(len(specs))]  # distinct prompts: the script's keys
+    llm = LLM(api_model_path, block_size=4, num_kv_blocks=400)
+    plain = [o.token_ids for o in llm.generate(prompts, params)]
+    tokenized = [llm.engine.tokenize(p) for p in prompts]
+    spec_llm = LLM(api_model_path, block_size=4, num_kv_blocks=400, speculative_config=NGRAM)
+    proposer = ScriptedProposer(tokenized, plain, miss=0.5)
+    proposed, propose = [], proposer.propose
+
+    def counted(*args):
+        drafts = propose(*args)
+        proposed.append(len(drafts))
+        return drafts
+
+    proposer.propose = counted
+    spec_llm.engine.proposer = proposer
+    outs = spec_llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    for (spec, _), out in zip(specs, outs):
+        if out.finish_reason == "stop":
+            check(spec, out.text)
+    stats = spec_llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] < sum(proposed), (stats, sum(proposed))
