@@ -367,3 +367,24 @@ def test_structured_outputs_speculate_with_drafts_the_grammar_refuses_cut(api_mo
             check(spec, out.text)
     stats = spec_llm.engine.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"] < sum(proposed), (stats, sum(proposed))
+
+
+def test_a_resumed_request_speculates_from_what_its_caller_has(model_factory):
+    """A retry resumes from the tokens already delivered (engine.request.Resume): they are
+    recomputed with the prompt, and speculation then goes on exactly as plain decoding would."""
+    from engine.request import Resume
+
+    path, _ = model_factory("jamba")
+    prompts = prompts_for(6)
+    plain, _ = generate(path, prompts)
+    llm = LLM(str(path), block_size=4, speculative_config=NGRAM)
+    llm.engine.proposer = ScriptedProposer(prompts, plain)
+    for i, (prompt, expected) in enumerate(zip(prompts, plain)):
+        llm.engine.add_request(prompt, GREEDY, request_id=f"resumed-{i}", resume=Resume(tuple(expected[:7])))
+    finals = {}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.finished:
+                finals[out.request_id] = out.token_ids
+    assert [finals[f"resumed-{i}"] for i in range(len(prompts))] == plain
+    assert llm.engine.stats()["spec_accepted_tokens"] > 0
