@@ -123,7 +123,7 @@ class LLMEngine:
                                    verify_needs_scratch=bool(self.spec.state_layers))
         # Speculative decoding (engine.speculative): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = self._proposer(speculative) if speculative is not None else None
         self.governor = SpeculationGovernor() if speculative is not None and speculative.adaptive else None
         self.spec_stats = SpeculationStats()
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
@@ -136,6 +136,13 @@ class LLMEngine:
         self.trace_name = "engine"  # what its spans say measured them (a worker puts its name)
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
+
+    def _proposer(self, speculative):
+        if speculative.method == "draft_model":
+            from engine.draft_model import DraftModelProposer
+
+            return DraftModelProposer(speculative, self)
+        return NgramProposer(speculative)
 
     def _profiled_cache_bytes(self) -> int:
         """What the device has left for the cache (gpu_memory_utilization) after the weights and
@@ -313,13 +320,10 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for each decoding request, within its length; under a grammar, cut where the
         grammar would refuse a draft (verification would reject it anyway)."""
-        proposer = self.proposer
-        for request in self.scheduler.running:
-            if request.status is not DECODING:
-                continue
-            limit = min(request.sampling_params.max_tokens, self.max_model_len - request.num_prompt_tokens) \
-                - request.num_output_tokens - 1
-            drafts = proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, limit)
+        requests = [r for r in self.scheduler.running if r.status is DECODING]
+        limits = [min(r.sampling_params.max_tokens, self.max_model_len - r.num_prompt_tokens) - r.num_output_tokens - 1
+                  for r in requests]
+        for request, drafts in zip(requests, self.proposer.propose_all(requests, limits) if requests else []):
             if drafts and request.grammar is not None:
                 drafts = drafts[:request.grammar.valid_prefix(drafts)]
             request.draft_token_ids = drafts

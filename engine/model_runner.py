@@ -144,8 +144,10 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
     for seq in seqs:
         request, table, slot = seq.request, seq.block_table, seq.slot
         begin, blocks = request.num_computed_tokens, len(table)
-        # A decode runs the request's last token (Phase.DECODE: begin == num_tokens - 1).
-        token_ids.append((request.output_token_ids or request.prompt_token_ids)[-1])
+        # A decode runs the request's last token (Phase.DECODE: begin == num_tokens - 1), or
+        # its last draft where a draft model feeds its own (engine.draft_model).
+        drafts = request.draft_token_ids
+        token_ids.append(drafts[-1] if drafts else (request.output_token_ids or request.prompt_token_ids)[-1])
         if mirrored[slot] is not table or mirrored_lens[slot] != blocks:
             tables.update(slot, table)
         begins.append(begin)

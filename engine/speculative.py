@@ -18,9 +18,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 NOT_YET = {  # methods vLLM users name that this engine refuses with a reason, not a KeyError
-    "draft_model": "draft models are not supported yet",
     "mtp": "multi-token-prediction heads are not supported yet",
 }
 
@@ -31,6 +30,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft's folder or Hub id (engine.draft_model)
     prompt_lookup_max: int = 5  # ngram: the longest suffix looked up in the request's context
     prompt_lookup_min: int = 2  # ngram: the shortest; a 1-token match drafts too eagerly
     # Draft only while drafting measures faster than plain decoding (SpeculationGovernor);
@@ -47,6 +47,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"speculative_config.{name}: must be a positive integer, got {value!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model: " + ("required by method 'draft_model'" if self.model is None
+                                                              else f"only method 'draft_model' takes one, not {self.method!r}"))
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model: must be a path or Hub id, got {self.model!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config.adaptive: must be a bool, got {self.adaptive!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -79,13 +84,32 @@ class SpeculativeConfig:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
 
-class NgramProposer:
+class Proposer:
+    """Where drafts come from: `propose_all` once a step for every request that may draft,
+    `forget` when a request ends."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, request_id: str, prompt: list[int], outputs: list[int], limit: int) -> list[int]:
+        raise NotImplementedError
+
+    def propose_all(self, requests: list, limits: list[int]) -> list[list[int]]:
+        """Up to min(k, limit) drafts for each request (engine.request.Request), in order."""
+        return [self.propose(r.request_id, r.prompt_token_ids, r.output_token_ids, limit)
+                for r, limit in zip(requests, limits)]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (longest
     n first) and draft the tokens that followed it. The context is kept per request as packed
     int32 bytes, so a lookup is a C-speed `bytes.rfind`, not a Python loop over the tokens."""
 
     def __init__(self, config: SpeculativeConfig):
-        self.config = config
+        super().__init__(config)
         self._contexts: dict[str, array] = {}
 
     def propose(self, request_id: str, prompt: list[int], outputs: list[int], limit: int) -> list[int]:

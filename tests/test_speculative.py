@@ -15,7 +15,7 @@ from engine.model_runner import ModelRunner
 from engine.phase import Phase, PhaseError, classify
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
-from engine.speculative import NgramProposer, SpeculationGovernor, SpeculativeConfig, accepted_prefix
+from engine.speculative import NgramProposer, Proposer, SpeculationGovernor, SpeculativeConfig, accepted_prefix
 from engine.state_slots import StateSlotAllocator
 from tests.oracle import hf_logits, judge_greedy
 from tests.test_handoff_engine import run_disaggregated
@@ -31,7 +31,9 @@ ON_STACK = {"jamba", "mamba", "llama", "mamba2", "bamba", "granitemoehybrid", "l
 
 @pytest.mark.parametrize("value, names", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model: required"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only method 'draft_model'"),
     ({"method": "ngram"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
@@ -137,13 +139,13 @@ def prompts_for(seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 300) for _ in range(n)] for n in (1, 6, 11, 30)] + [[5, 6, 5, 6, 5]]
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Drafts that are the plain decode's own next tokens, each replaced by a wrong one with
     probability `miss`: tiny random models rarely repeat their context, so n-gram drafts
     would almost never hit them, and the verify and rollback paths need both outcomes."""
 
     def __init__(self, prompts, plain, k: int = 4, miss: float = 0.3):
-        self.config = SpeculativeConfig("ngram", k)
+        super().__init__(SpeculativeConfig("ngram", k))
         self.script = {tuple(p): out for p, out in zip(prompts, plain)}
         self.rng = random.Random(0)
         self.miss = miss
@@ -151,9 +153,6 @@ class ScriptedProposer:
     def propose(self, request_id, prompt, outputs, limit):
         ahead = self.script[tuple(prompt)][len(outputs):len(outputs) + min(self.config.num_speculative_tokens, limit)]
         return [t if self.rng.random() > self.miss else (t + 1) % 300 for t in ahead]
-
-    def forget(self, request_id):
-        pass
 
 
 def scripted(path, prompts, params=None, plain=None, **options):
@@ -303,14 +302,9 @@ def test_sampled_outputs_keep_the_target_distribution(model_factory):
     prompt, top_k, samples = [11, 42, 7, 99], 3, 2000
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, ignore_eos=True)
 
-    class GreedyDrafts:
-        config = SpeculativeConfig("ngram", 1)
-
+    class GreedyDrafts(Proposer):
         def propose(self, request_id, prompt_ids, outputs, limit):
             return [int(hf_logits(hf, prompt_ids + outputs)[-1].argmax())][:limit]
-
-        def forget(self, request_id):
-            pass
 
     def top(ids):
         logits = hf_logits(hf, ids)[-1]
@@ -318,7 +312,7 @@ def test_sampled_outputs_keep_the_target_distribution(model_factory):
         return dict(zip(tokens.tolist(), torch.softmax(values, -1).tolist()))
 
     expected = {(a, b): pa * pb for a, pa in top(prompt).items() for b, pb in top(prompt + [a]).items()}
-    drafts = GreedyDrafts()
+    drafts = GreedyDrafts(SpeculativeConfig("ngram", 1))
     cached = {}
     drafts.propose = lambda rid, p, o, limit: cached.setdefault(tuple(o), GreedyDrafts.propose(drafts, rid, p, o, limit))
     torch.manual_seed(0)
@@ -388,3 +382,79 @@ def test_a_resumed_request_speculates_from_what_its_caller_has(model_factory):
                 finals[out.request_id] = out.token_ids
     assert [finals[f"resumed-{i}"] for i in range(len(prompts))] == plain
     assert llm.engine.stats()["spec_accepted_tokens"] > 0
+
+
+# ---------------------------------------------------------------- draft models
+
+def draft_config(path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k, "adaptive": False}
+
+
+@pytest.mark.parametrize("target, draft", [("jamba", "jamba"), ("jamba", "mamba"), ("llama", "llama"),
+                                           ("qwen3_next", "lfm2")])
+def test_a_draft_model_keeps_the_outputs_and_drafts_its_own_argmax(target, draft, model_factory, monkeypatch):
+    """Greedy and seeded outputs stay the plain decode's. Every proposal is the draft model's
+    greedy continuation of the request's tokens as they were, judged by transformers: the draft
+    prefilled the prompt itself, caught up with what the target kept and rolled its own state
+    back past what the target rejected (seeded sampling makes the target reject often)."""
+    from engine.draft_model import DraftModelProposer
+
+    target_path, _ = model_factory(target)
+    draft_path, draft_hf = model_factory(draft)
+    prompts = prompts_for(9)
+    params = [GREEDY if i % 2 else SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    plain, _ = generate(target_path, prompts, params)
+    proposals, original = [], DraftModelProposer.propose_all
+
+    def recorded(self, requests, limits):
+        drafts = original(self, requests, limits)
+        proposals.extend((r.all_token_ids, d) for r, d in zip(requests, drafts) if d)
+        return drafts
+
+    monkeypatch.setattr(DraftModelProposer, "propose_all", recorded)
+    speculated, stats = generate(target_path, prompts, params, speculative_config=draft_config(draft_path))
+    assert speculated == plain
+    assert stats["spec_draft_tokens"] > 0 and (stats["spec_accepted_tokens"] > 0 or target != draft), stats
+    for context, drafts in proposals:
+        judge_greedy(draft_hf, context, drafts)
+
+
+def test_a_draft_that_keeps_rejected_drafts_in_its_state_proposes_wrong_tokens(model_factory, monkeypatch):
+    """The stale-state mutation of the draft: a recurrent draft that rolls back its counters
+    but not its state (as an attention-only draft may) stops proposing its own argmax."""
+    from engine.draft_model import DraftModelProposer
+
+    init = DraftModelProposer.__init__
+
+    def counters_only(self, *args):
+        init(self, *args)
+        self.rolls_back = False
+
+    monkeypatch.setattr(DraftModelProposer, "__init__", counters_only)
+    with pytest.raises(AssertionError, match="transformers"):
+        test_a_draft_model_keeps_the_outputs_and_drafts_its_own_argmax("jamba", "jamba", model_factory, monkeypatch)
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_it(model_factory, api_model_path):
+    path, _ = model_factory("jamba")
+    with pytest.raises(ValueError, match="vocab_size 4096 differs from the target's 320"):
+        LLM(str(path), speculative_config=draft_config("engine/demo_model"))
+    with pytest.raises(ValueError, match="has no tokenizer.json and the target has"):
+        LLM(str(api_model_path), speculative_config=draft_config(path))
+
+
+def test_a_decode_worker_prefills_its_draft_after_the_handoff(model_factory):
+    path, _ = model_factory("jamba")
+    draft, _ = model_factory("mamba")
+    prompts = prompts_for(3)
+    plain, _ = generate(path, prompts)
+    engines = (LLMEngine(EngineConfig(str(path), block_size=4, mode="prefill", max_num_batched_tokens=16)),
+               LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", speculative_config=draft_config(draft))))
+    outs = run_disaggregated(path, prompts, GREEDY, engines=engines)
+    assert [o.token_ids for o in outs] == plain
+    proposer = engines[1].proposer
+    assert engines[1].stats()["spec_draft_tokens"] > 0 and not proposer.mirrors
+    assert proposer.slots.num_free_slots == proposer.slots.num_slots  # every draft slot given back
+    proposer.blocks.check_integrity()
+    assert proposer.blocks.num_available_blocks == proposer.blocks.num_blocks
