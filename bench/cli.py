@@ -192,8 +192,14 @@ def cmd_prefix(args) -> int:
 def cmd_spec(args) -> int:
     from bench.spec import format_rows, run_spec
 
+    from bench.spec import draft_prefill_cost
+
     batches = tuple(int(b) for b in args.batches.split(","))
     with _model_dir(args) as model:
+        if args.draft_cost:
+            cost = draft_prefill_cost(model, args.draft_cost, args.prompt_len, args.num_speculative_tokens, args.seed)
+            print(json.dumps(cost, indent=2))
+            return 0
         rows = run_spec(model, batches, args.max_tokens, args.num_speculative_tokens, args.rounds, args.seed)
     print(format_rows(rows))
     if args.out:

@@ -110,6 +110,40 @@ def _row(workload: str, batch: int, engine: str, runs: list[dict]) -> dict:
             "draft_tokens": drafted, "acceptance": sum(r["accepted"] for r in runs) / drafted if drafted else None}
 
 
+def draft_prefill_cost(model: str, draft: str, prompt_len: int = 1024, k: int = 4, seed: int = 0) -> dict:
+    """What the decode worker's own prefill of the draft costs (engine.draft_model): for one
+    request of `prompt_len` tokens, the target's prefill, the draft's first proposal (its
+    catch-up over the whole prompt, then k - 1 draft decodes) and its later proposals; and the
+    bytes the draft's cache for that prompt would add to the hand-off had the prefill worker run
+    the draft instead."""
+    from engine import LLM, SamplingParams
+    from engine.draft_model import DraftModelProposer
+
+    llm = LLM(model, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k,
+                                         "adaptive": False})
+    proposer: DraftModelProposer = llm.engine.proposer
+    timings, propose = [], proposer.propose_all
+
+    def timed(requests, limits):
+        start = time.perf_counter()
+        drafts = propose(requests, limits)
+        timings.append(time.perf_counter() - start)
+        return drafts
+
+    proposer.propose_all = timed
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, llm.engine.spec.vocab_size) for _ in range(prompt_len)]
+    llm.generate([prompt[:16]], SamplingParams(max_tokens=4))  # warm
+    timings.clear()
+    [out] = llm.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    spec, block = proposer.model.spec, proposer.cache.sizes
+    blocks = -(-prompt_len // proposer.cache.block_size) if spec.attention_layers else 0
+    return {"prompt_len": prompt_len, "target_prefill_ms": 1000 * (out.first_token_time - out.arrival_time),
+            "draft_first_proposal_ms": 1000 * timings[0],
+            "draft_later_proposal_ms": 1000 * statistics.median(timings[1:]),
+            "draft_cache_bytes": blocks * block.bytes_per_block + block.bytes_per_slot}
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'workload':<8} {'batch':>5} {'engine':>9} {'decode tok/s':>12} {'TPOT p50 ms':>11} "
              f"{'TPOT p99 ms':>11} {'drafted':>8} {'accepted':>8} {'vs plain':>8}"]
@@ -130,3 +164,7 @@ def add_spec_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the JSON rows here")
+    p.add_argument("--draft-cost", default=None, metavar="DRAFT",
+                   help="instead: what prefilling this draft model on the decode worker costs, next to the "
+                        "target's prefill and the bytes its cache would add to the hand-off")
+    p.add_argument("--prompt-len", type=int, default=1024, help="--draft-cost: the prompt's tokens")

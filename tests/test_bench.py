@@ -384,3 +384,13 @@ def test_spec_bench_runs_three_engines_alike(tmp_path):
     assert all(r["draft_tokens"] == 0 for r in rows if r["engine"] == "plain")
     assert any(r["draft_tokens"] > 0 for r in rows if r["engine"] == "always")
     assert "vs plain" in format_rows(rows)
+
+
+def test_spec_bench_measures_the_decode_side_prefill_of_a_draft(tmp_path):
+    from bench.checkpoints import build_checkpoint
+    from bench.spec import draft_prefill_cost
+
+    build_checkpoint("jamba", tmp_path)
+    cost = draft_prefill_cost(str(tmp_path), str(tmp_path), prompt_len=40, k=2)
+    assert cost["target_prefill_ms"] > 0 and cost["draft_first_proposal_ms"] > 0
+    assert cost["draft_later_proposal_ms"] > 0 and cost["draft_cache_bytes"] > 0
