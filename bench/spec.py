@@ -121,7 +121,7 @@ def draft_prefill_cost(model: str, draft: str, prompt_len: int = 1024, k: int = 
 
     llm = LLM(model, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k,
                                          "adaptive": False})
-    proposer: DraftModelProposer = llm.engine.proposer
+    proposer: DraftModelProposer = llm.engine.speculation.proposer
     timings, propose = [], proposer.propose_all
 
     def timed(requests, limits):

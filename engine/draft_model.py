@@ -93,7 +93,7 @@ class DraftModelProposer(Proposer):
             for (request, mirror), token in zip(going, self._run(seqs)):
                 mirror.num_computed_tokens += 1
                 drafts[request.request_id].append(token)
-        for request, mirror, k in rows:
+        for request, mirror, _ in rows:
             mirror.draft_token_ids = []
             self.last[request.request_id] = (request.num_tokens, drafts[request.request_id])
         return [drafts[r.request_id] for r in requests]

@@ -18,8 +18,8 @@ from engine.prefix_cache import PrefixCache, block_hashes
 from engine.prompts import check_prompt_length, prompt_token_ids
 from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
-from engine.scheduler import Scheduler, ScheduledSeq, scratch_owner
-from engine.speculative import NgramProposer, SpeculationGovernor, SpeculationStats, accepted_prefix
+from engine.scheduler import Scheduler, ScheduledSeq
+from engine.verify import Speculation, split_verify_rows
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -121,14 +121,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
                                    verify_needs_scratch=bool(self.spec.state_layers))
-        # Speculative decoding (engine.speculative): a prefill worker's requests never decode here.
+        # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
-        self.proposer = self._proposer(speculative) if speculative is not None else None
-        self.governor = SpeculationGovernor() if speculative is not None and speculative.adaptive else None
-        self.spec_stats = SpeculationStats()
+        self.speculation = Speculation(speculative, self) if speculative is not None else None
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp)
-        self.runner.verifies = self.proposer is not None
+        self.runner.verifies = self.speculation is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
@@ -136,13 +134,6 @@ class LLMEngine:
         self.trace_name = "engine"  # what its spans say measured them (a worker puts its name)
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
-
-    def _proposer(self, speculative):
-        if speculative.method == "draft_model":
-            from engine.draft_model import DraftModelProposer
-
-            return DraftModelProposer(speculative, self)
-        return NgramProposer(speculative)
 
     def _profiled_cache_bytes(self) -> int:
         """What the device has left for the cache (gpu_memory_utilization) after the weights and
@@ -255,23 +246,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        started = time.perf_counter()
-        drafted = self.proposer is not None and (self.governor is None or self.governor.drafting())
-        if drafted:
-            self._propose()
+        if self.speculation is not None:
+            return outputs + self.speculation.step()
         plan = self.scheduler.schedule()
-        if not plan.seqs:
-            return outputs
-        scratch = [s for s in plan.seqs if s.scratch_slot is not None] if self.proposer is not None else []
-        try:
-            stepped = self._step(plan, [], scratch)
-        finally:
-            for seq in scratch:
-                self.slots.free(scratch_owner(seq.request.request_id))
-        if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
-            self.governor.record(drafted, time.perf_counter() - started,
-                                 sum(len(out.new_token_ids) for out in stepped))
-        return outputs + stepped
+        return outputs + self._step(plan, []) if plan.seqs else outputs
 
     def _step(self, plan, outputs: list[RequestOutput], scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
         self.num_steps += 1
@@ -282,7 +260,8 @@ class LLMEngine:
                 seq.request.scheduled_time = now
         try:
             self._restore_checkpoints(plan.restores)
-            self._keep_state(scratch)
+            if scratch:
+                self.speculation.keep_state(scratch)
             while seqs:  # one pass, or more when a prefill chunk stops at a save point
                 outputs += self._run_pass(seqs)
                 seqs = [later for later in (s.then() for s in seqs) if later is not None]
@@ -298,15 +277,15 @@ class LLMEngine:
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
         logits = self.runner.execute(seqs)
         verified = []
-        if any(s.phase is Phase.VERIFY for s in seqs):
-            logits, verified, seqs = self._split_verify_rows(logits, seqs)
+        if self.speculation is not None and any(s.phase is Phase.VERIFY for s in seqs):
+            logits, verified, seqs = split_verify_rows(logits, seqs)
         done = [i for i, s in enumerate(seqs)
                 if not s.num_later_tokens and s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens]
         for seq in seqs:
             seq.request.num_computed_tokens += seq.num_new_tokens
         if self.prefix_cache is not None:
             self._cache_prefixes(seqs)
-        outputs = [self._verified(seq, rows) for seq, rows in verified]
+        outputs = [self.speculation.verified(seq, rows) for seq, rows in verified]
         if not done:
             return outputs
         rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy
@@ -314,87 +293,6 @@ class LLMEngine:
         accept = self._accept
         return outputs + [accept(seqs[i].request, token_id, logprob)
                           for i, token_id, logprob in zip(done, sampled.token_ids, sampled.logprobs)]
-
-    # ------------------------------------------------------------------ speculative decoding
-
-    def _propose(self) -> None:
-        """Drafts for each decoding request, within its length; under a grammar, cut where the
-        grammar would refuse a draft (verification would reject it anyway)."""
-        requests = [r for r in self.scheduler.running if r.status is DECODING]
-        limits = [min(r.sampling_params.max_tokens, self.max_model_len - r.num_prompt_tokens) - r.num_output_tokens - 1
-                  for r in requests]
-        for request, drafts in zip(requests, self.proposer.propose_all(requests, limits) if requests else []):
-            if drafts and request.grammar is not None:
-                drafts = drafts[:request.grammar.valid_prefix(drafts)]
-            request.draft_token_ids = drafts
-
-    def _keep_state(self, seqs: list[ScheduledSeq]) -> None:
-        """Before a VERIFY step: each row's state, copied to its scratch slot to roll back to."""
-        if seqs:
-            self.runner.copy_state([(seq.slot, seq.scratch_slot) for seq in seqs])
-            for seq in seqs:
-                self.slots.mark_written(scratch_owner(seq.request.request_id))
-
-    def _split_verify_rows(self, logits, seqs: list[ScheduledSeq]):
-        """(the other rows' logits, [(verify seq, its 1 + len(drafts) logits rows)], the other seqs)."""
-        plain, verified, rows, at = [], [], [], 0
-        for seq in seqs:
-            if seq.phase is Phase.VERIFY:
-                width = 1 + len(seq.request.draft_token_ids)
-                verified.append((seq, logits[at:at + width]))
-                at += width
-            else:
-                plain.append(seq)
-                rows.append(at)
-                at += 1
-        return logits[rows], verified, plain
-
-    def _targets(self, request: Request, drafts: list[int], logits) -> tuple[list[int], list]:
-        """The token the plain decode would draw at each of the verified positions, had the
-        drafts before it been its own outputs, with its logprob entry. The sampler's noise for
-        an output depends only on its (seed, index), so a seeded request keeps its tokens, and
-        a draft is kept exactly when the draw at its position picks it: for a draft proposed
-        with certainty (n-gram) that is rejection sampling's acceptance, with probability p(draft)."""
-        if request.argmax_only and request.grammar is None:
-            return self.runner.sampler.greedy(logits).token_ids, [None] * logits.shape[0]
-        outputs, rows = request.output_token_ids, logits.shape[0]
-        grammars = request.grammar.after_each(drafts) if request.grammar is not None else None
-        sampled = self.runner.sampler(logits, [request.sampling_params] * rows, [request.prompt_token_ids] * rows,
-                                      [outputs + drafts[:j] for j in range(rows)], grammars)
-        return sampled.token_ids, sampled.logprobs
-
-    def _verified(self, seq: ScheduledSeq, logits) -> RequestOutput:
-        """Keep the drafts the target picks itself, then the target's own next token. Where a
-        draft is rejected and state layers folded it in, the slot's state goes back to what the
-        scratch slot kept, and the accepted tokens run again first in the next step."""
-        request = seq.request
-        drafts, request.draft_token_ids = request.draft_token_ids, []
-        targets, logprobs = self._targets(request, drafts, logits)
-        accepted = accepted_prefix(drafts, targets)
-        pending = seq.num_new_tokens - len(drafts)
-        if accepted == len(drafts) or seq.scratch_slot is None:
-            request.num_computed_tokens += pending + accepted
-            request.num_replay_tokens = 0
-        else:
-            self.slots.check_readable(scratch_owner(request.request_id), seq.scratch_slot)
-            self.runner.copy_state([(seq.scratch_slot, seq.slot)])
-            request.num_replay_tokens = pending + accepted
-        if drafts:
-            self.spec_stats.record(len(drafts), accepted, self.proposer.config.num_speculative_tokens)
-        if request.status is not DECODING:
-            request.status = DECODING
-        tracker = self.trackers[request.request_id]
-        for token_id, logprob in zip(targets[:accepted + 1], logprobs):
-            tracker.append(token_id, logprob)
-            if request.finished:
-                break
-        # Index the blocks the accepted tokens filled (not past a stop among the drafts).
-        if self.prefix_cache is not None and request.num_computed_tokens <= request.num_tokens:
-            self._cache_prefixes([seq])
-        out = tracker.output()
-        if out.finished:
-            self._retire(request)
-        return out
 
     # ------------------------------------------------------------------ prefix caching
 
@@ -424,7 +322,7 @@ class LLMEngine:
                 continue
             key = request.block_hashes[full - 1]
             # After a VERIFY step the slot holds the state after exactly `computed` tokens too:
-            # rejected drafts were rolled back (_verified runs this after that).
+            # rejected drafts were rolled back (engine.verify runs this after that).
             decoded = seq.phase in (Phase.DECODE, Phase.VERIFY)
             if computed in request.save_points or (decoded and not self.prefix_cache.has_checkpoint(key)):
                 row = self.prefix_cache.take_checkpoint_row(key)
@@ -470,8 +368,8 @@ class LLMEngine:
         """Free every resource of a finished request; queue its final output if not yet sent."""
         slot = self.slots.slot_of.get(request.request_id)
         self.scheduler.release(request)
-        if self.proposer is not None:
-            self.proposer.forget(request.request_id)
+        if self.speculation is not None:
+            self.speculation.proposer.forget(request.request_id)
         if slot is not None:
             self.runner.on_slot_freed(slot)
         tracker = self.trackers.pop(request.request_id, None)
@@ -558,8 +456,6 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
-            **(self.spec_stats.as_dict() if self.proposer is not None else {}),
-            **({f"spec_{'drafting' if mode else 'plain'}_tokens_per_s": rate
-                for mode, rate in self.governor.rates.items()} if self.governor is not None else {}),
+            **(self.speculation.stats() if self.speculation is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

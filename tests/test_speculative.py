@@ -17,6 +17,7 @@ from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
 from engine.speculative import NgramProposer, Proposer, SpeculationGovernor, SpeculativeConfig, accepted_prefix
 from engine.state_slots import StateSlotAllocator
+from engine.verify import Speculation
 from tests.oracle import hf_logits, judge_greedy
 from tests.test_handoff_engine import run_disaggregated
 
@@ -160,7 +161,7 @@ def scripted(path, prompts, params=None, plain=None, **options):
     params = params or GREEDY
     plain = plain or generate(path, prompts, params, **options)[0]
     llm = LLM(str(path), block_size=4, speculative_config=NGRAM, **options)
-    llm.engine.proposer = ScriptedProposer(prompts, plain)
+    llm.engine.speculation.proposer = ScriptedProposer(prompts, plain)
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     llm.engine.check_integrity()
     assert llm.engine.slots.num_free_slots == llm.engine.slots.num_slots  # scratch slots included
@@ -202,18 +203,18 @@ def test_a_rejected_draft_left_in_the_state_changes_the_output(name, model_facto
     wrong, so the parity above depends on the rollback."""
     path, _ = model_factory(name)
     prompts = prompts_for(3)
-    original = LLMEngine._verified
+    original = Speculation.verified
 
     def without_rollback(self, seq, logits):
-        copy = self.runner.copy_state
-        self.runner.copy_state = lambda pairs: None
+        copy = self.engine.runner.copy_state
+        self.engine.runner.copy_state = lambda pairs: None
         try:
             return original(self, seq, logits)
         finally:
-            self.runner.copy_state = copy
+            self.engine.runner.copy_state = copy
 
     plain = generate(path, prompts)[0]
-    monkeypatch.setattr(LLMEngine, "_verified", without_rollback)
+    monkeypatch.setattr(Speculation, "verified", without_rollback)
     speculated, _, _ = scripted(path, prompts, plain=plain)
     assert speculated != plain
 
@@ -258,11 +259,11 @@ def test_decode_worker_speculates_after_the_handoff(model_factory):
     plain, _ = generate(path, prompts)
     engines = (LLMEngine(EngineConfig(str(path), block_size=4, mode="prefill", max_num_batched_tokens=16)),
                LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", speculative_config=NGRAM)))
-    engines[1].proposer = ScriptedProposer(prompts, plain)
+    engines[1].speculation.proposer = ScriptedProposer(prompts, plain)
     outs = run_disaggregated(path, prompts, GREEDY, engines=engines)
     assert [o.token_ids for o in outs] == plain
     assert engines[1].stats()["spec_accepted_tokens"] > 0
-    assert engines[0].proposer is None  # a prefill worker never speculates
+    assert engines[0].speculation is None  # a prefill worker never speculates
 
 
 def test_tensor_parallel_ranks_verify_and_roll_back_together(model_factory):
@@ -283,7 +284,7 @@ def test_seeded_sampling_with_penalties_and_logprobs_keeps_its_tokens(model_fact
                             presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)
     plain = LLM(str(path), block_size=4).generate(prompts, params)
     llm = LLM(str(path), block_size=4, speculative_config=NGRAM)
-    llm.engine.proposer = ScriptedProposer(prompts, [o.token_ids for o in plain])
+    llm.engine.speculation.proposer = ScriptedProposer(prompts, [o.token_ids for o in plain])
     speculated = llm.generate(prompts, params)
     assert [o.token_ids for o in speculated] == [o.token_ids for o in plain]
     for ours, theirs in zip(speculated, plain):
@@ -318,7 +319,7 @@ def test_sampled_outputs_keep_the_target_distribution(model_factory):
     torch.manual_seed(0)
     llm = LLM(str(path), block_size=4, max_num_seqs=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 1, "adaptive": False})
-    llm.engine.proposer = drafts
+    llm.engine.speculation.proposer = drafts
     counts: dict = {}
     for out in llm.generate([prompt] * samples, params):
         key = tuple(out.token_ids[:2])  # the third follows an accepted draft or a rejection's redraw
@@ -353,7 +354,7 @@ def test_structured_outputs_speculate_with_drafts_the_grammar_refuses_cut(api_mo
         return drafts
 
     proposer.propose = counted
-    spec_llm.engine.proposer = proposer
+    spec_llm.engine.speculation.proposer = proposer
     outs = spec_llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     for (spec, _), out in zip(specs, outs):
@@ -372,7 +373,7 @@ def test_a_resumed_request_speculates_from_what_its_caller_has(model_factory):
     prompts = prompts_for(6)
     plain, _ = generate(path, prompts)
     llm = LLM(str(path), block_size=4, speculative_config=NGRAM)
-    llm.engine.proposer = ScriptedProposer(prompts, plain)
+    llm.engine.speculation.proposer = ScriptedProposer(prompts, plain)
     for i, (prompt, expected) in enumerate(zip(prompts, plain)):
         llm.engine.add_request(prompt, GREEDY, request_id=f"resumed-{i}", resume=Resume(tuple(expected[:7])))
     finals = {}
@@ -453,7 +454,7 @@ def test_a_decode_worker_prefills_its_draft_after_the_handoff(model_factory):
                LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", speculative_config=draft_config(draft))))
     outs = run_disaggregated(path, prompts, GREEDY, engines=engines)
     assert [o.token_ids for o in outs] == plain
-    proposer = engines[1].proposer
+    proposer = engines[1].speculation.proposer
     assert engines[1].stats()["spec_draft_tokens"] > 0 and not proposer.mirrors
     assert proposer.slots.num_free_slots == proposer.slots.num_slots  # every draft slot given back
     proposer.blocks.check_integrity()

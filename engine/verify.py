@@ -1,0 +1,147 @@
+"""A speculating engine's side of each step (engine.speculative says what speculation is):
+drafts before the schedule, each VERIFY row's state kept in its scratch slot before the
+forward, and after it the drafts the target keeps, the state rolled back where it did not.
+
+Owned by an LLMEngine whose config has a speculative_config; the engine's step hands over to
+`Speculation.step`, which runs the engine's own step between the drafting and the measuring.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.output import RequestOutput
+from engine.phase import Phase
+from engine.request import Request, RequestStatus
+from engine.scheduler import ScheduledSeq, scratch_owner
+from engine.speculative import (NgramProposer, Proposer, SpeculationGovernor, SpeculationStats, SpeculativeConfig,
+                                accepted_prefix)
+
+DECODING = RequestStatus.DECODING
+
+
+def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
+    if config.method == "draft_model":
+        from engine.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, engine)
+    return NgramProposer(config)
+
+
+class Speculation:
+    def __init__(self, config: SpeculativeConfig, engine):
+        self.config = config
+        self.engine = engine
+        self.proposer = make_proposer(config, engine)
+        self.governor = SpeculationGovernor() if config.adaptive else None
+        self.counts = SpeculationStats()
+
+    def step(self) -> list[RequestOutput]:
+        """The engine's step, drafting first where the governor says it pays, and timed for it."""
+        engine = self.engine
+        started = time.perf_counter()
+        drafted = self.governor is None or self.governor.drafting()
+        if drafted:
+            self.propose()
+        plan = engine.scheduler.schedule()
+        if not plan.seqs:
+            return []
+        scratch = [s for s in plan.seqs if s.scratch_slot is not None]
+        try:
+            stepped = engine._step(plan, [], scratch)
+        finally:
+            for seq in scratch:
+                engine.slots.free(scratch_owner(seq.request.request_id))
+        if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
+            self.governor.record(drafted, time.perf_counter() - started,
+                                 sum(len(out.new_token_ids) for out in stepped))
+        return stepped
+
+    def propose(self) -> None:
+        """Drafts for each decoding request, within its length; under a grammar, cut where the
+        grammar would refuse a draft (verification would reject it anyway)."""
+        engine = self.engine
+        requests = [r for r in engine.scheduler.running if r.status is DECODING]
+        if not requests:
+            return
+        limits = [min(r.sampling_params.max_tokens, engine.max_model_len - r.num_prompt_tokens) - r.num_output_tokens - 1
+                  for r in requests]
+        for request, drafts in zip(requests, self.proposer.propose_all(requests, limits)):
+            if drafts and request.grammar is not None:
+                drafts = drafts[:request.grammar.valid_prefix(drafts)]
+            request.draft_token_ids = drafts
+
+    def keep_state(self, seqs: list[ScheduledSeq]) -> None:
+        """Before a VERIFY step: each row's state, copied to its scratch slot to roll back to."""
+        engine = self.engine
+        engine.runner.copy_state([(seq.slot, seq.scratch_slot) for seq in seqs])
+        for seq in seqs:
+            engine.slots.mark_written(scratch_owner(seq.request.request_id))
+
+    def verified(self, seq: ScheduledSeq, logits) -> RequestOutput:
+        """Keep the drafts the target picks itself, then the target's own next token. Where a
+        draft is rejected and state layers folded it in, the slot's state goes back to what the
+        scratch slot kept, and the accepted tokens run again first in the next step."""
+        engine, request = self.engine, seq.request
+        drafts, request.draft_token_ids = request.draft_token_ids, []
+        targets, logprobs = self.targets(request, drafts, logits)
+        accepted = accepted_prefix(drafts, targets)
+        pending = seq.num_new_tokens - len(drafts)
+        if accepted == len(drafts) or seq.scratch_slot is None:
+            request.num_computed_tokens += pending + accepted
+            request.num_replay_tokens = 0
+        else:
+            engine.slots.check_readable(scratch_owner(request.request_id), seq.scratch_slot)
+            engine.runner.copy_state([(seq.scratch_slot, seq.slot)])
+            request.num_replay_tokens = pending + accepted
+        if drafts:
+            self.counts.record(len(drafts), accepted, self.config.num_speculative_tokens)
+        request.status = DECODING
+        tracker = engine.trackers[request.request_id]
+        for token_id, logprob in zip(targets[:accepted + 1], logprobs):
+            tracker.append(token_id, logprob)
+            if request.finished:
+                break
+        # Index the blocks the accepted tokens filled (not past a stop among the drafts).
+        if engine.prefix_cache is not None and request.num_computed_tokens <= request.num_tokens:
+            engine._cache_prefixes([seq])
+        out = tracker.output()
+        if out.finished:
+            engine._retire(request)
+        return out
+
+    def targets(self, request: Request, drafts: list[int], logits) -> tuple[list[int], list]:
+        """The token the plain decode would draw at each of the verified positions, had the
+        drafts before it been its own outputs, with its logprob entry. The sampler's noise for
+        an output depends only on its (seed, index), so a seeded request keeps its tokens, and
+        a draft is kept exactly when the draw at its position picks it: for a draft proposed
+        with certainty (n-gram, a draft model's argmax) that is rejection sampling's acceptance,
+        with probability p(draft)."""
+        sampler = self.engine.runner.sampler
+        if request.argmax_only and request.grammar is None:
+            return sampler.greedy(logits).token_ids, [None] * logits.shape[0]
+        outputs, rows = request.output_token_ids, logits.shape[0]
+        grammars = request.grammar.after_each(drafts) if request.grammar is not None else None
+        sampled = sampler(logits, [request.sampling_params] * rows, [request.prompt_token_ids] * rows,
+                          [outputs + drafts[:j] for j in range(rows)], grammars)
+        return sampled.token_ids, sampled.logprobs
+
+    def stats(self) -> dict:
+        rates = self.governor.rates if self.governor is not None else {}
+        return {**self.counts.as_dict(),
+                **{f"spec_{'drafting' if mode else 'plain'}_tokens_per_s": rate for mode, rate in rates.items()}}
+
+
+def split_verify_rows(logits, seqs: list[ScheduledSeq]):
+    """(the other rows' logits, [(VERIFY seq, its 1 + len(drafts) logits rows)], the other seqs)."""
+    plain, verified, rows, at = [], [], [], 0
+    for seq in seqs:
+        if seq.phase is Phase.VERIFY:
+            width = 1 + len(seq.request.draft_token_ids)
+            verified.append((seq, logits[at:at + width]))
+            at += width
+        else:
+            plain.append(seq)
+            rows.append(at)
+            at += 1
+    return logits[rows], verified, plain
