@@ -146,35 +146,51 @@ class NgramProposer(Proposer):
 
 class SpeculationGovernor:
     """Whether drafting pays on this engine now, measured rather than assumed: a verify step
-    costs more than a decode step (on the CPU it leaves the one-call decode stack; on a GPU its
+    costs more than a decode step (on the CPU a decode of k + 1 rows a request; on a GPU its
     rows outgrow the captured graphs), and drafts that miss only add that cost. So the engine
     drafts in some steps and not in others, keeps the output tokens per second of each kind of
     step as a moving average, and drafts where that is the faster: each `period` steps begin
-    with `probe_steps` of the slower kind, to notice when the workload changes. Only steps in
-    which every row decodes count. Outputs never depend on it: only speed does."""
+    with `probe_steps` of the slower kind, to notice when the workload changes. What pays at
+    one batch size need not at another, so each load (decoding rows 1, 2-3, 4-7, 8-15, ...)
+    keeps its own. Only steps in which every row decodes count. Outputs never depend on it:
+    only speed does."""
 
     def __init__(self, probe_steps: int = 4, period: int = 64, smoothing: float = 0.2):
         self.probe_steps, self.period, self.smoothing = probe_steps, period, smoothing
+        self.loads: dict[int, _Load] = {}
+
+    def drafting(self, rows: int = 1) -> bool:
+        """Whether a step of `rows` decoding requests drafts."""
+        load = self.loads.setdefault(rows.bit_length(), _Load())
+        for mode in (True, False):  # measure both first, drafting first
+            if load.samples[mode] < self.probe_steps:
+                return mode
+        faster = load.rates[True] >= load.rates[False]
+        return (not faster) if load.steps % self.period < self.probe_steps else faster
+
+    def record(self, drafted: bool, seconds: float, tokens: int, rows: int = 1) -> None:
+        """A step of `rows` decoding rows only: whether it drafted, its time, the tokens it emitted."""
+        if seconds <= 0:
+            return
+        load = self.loads.setdefault(rows.bit_length(), _Load())
+        load.steps += 1
+        rate = tokens / seconds
+        old = load.rates.get(drafted)
+        load.rates[drafted] = rate if old is None else old + self.smoothing * (rate - old)
+        load.samples[drafted] += 1
+
+    def rates(self) -> dict[str, dict[str, float]]:
+        """Per load ("rows 4-7"): output tokens per second of drafting and of plain steps."""
+        return {f"rows {1 << (bucket - 1)}-{(1 << bucket) - 1}" if bucket > 1 else "rows 1":
+                {"drafting" if mode else "plain": rate for mode, rate in load.rates.items()}
+                for bucket, load in sorted(self.loads.items()) if load.rates}
+
+
+class _Load:
+    def __init__(self):
         self.rates: dict[bool, float] = {}  # drafting? -> output tokens per second
         self.samples = {True: 0, False: 0}
         self.steps = 0
-
-    def drafting(self) -> bool:
-        for mode in (True, False):  # measure both first, drafting first
-            if self.samples[mode] < self.probe_steps:
-                return mode
-        faster = self.rates[True] >= self.rates[False]
-        return (not faster) if self.steps % self.period < self.probe_steps else faster
-
-    def record(self, drafted: bool, seconds: float, tokens: int) -> None:
-        """A step of decoding rows only: whether it drafted, how long it took, tokens it emitted."""
-        if seconds <= 0:
-            return
-        self.steps += 1
-        rate = tokens / seconds
-        old = self.rates.get(drafted)
-        self.rates[drafted] = rate if old is None else old + self.smoothing * (rate - old)
-        self.samples[drafted] += 1
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:

@@ -40,7 +40,8 @@ class Speculation:
         """The engine's step, drafting first where the governor says it pays, and timed for it."""
         engine = self.engine
         started = time.perf_counter()
-        drafted = self.governor is None or self.governor.drafting()
+        rows = sum(r.status is DECODING for r in engine.scheduler.running)
+        drafted = self.governor is None or self.governor.drafting(rows)
         if drafted:
             self.propose()
         plan = engine.scheduler.schedule()
@@ -54,7 +55,7 @@ class Speculation:
                 engine.slots.free(scratch_owner(seq.request.request_id))
         if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
             self.governor.record(drafted, time.perf_counter() - started,
-                                 sum(len(out.new_token_ids) for out in stepped))
+                                 sum(len(out.new_token_ids) for out in stepped), rows)
         return stepped
 
     def propose(self) -> None:
@@ -127,9 +128,8 @@ class Speculation:
         return sampled.token_ids, sampled.logprobs
 
     def stats(self) -> dict:
-        rates = self.governor.rates if self.governor is not None else {}
-        return {**self.counts.as_dict(),
-                **{f"spec_{'drafting' if mode else 'plain'}_tokens_per_s": rate for mode, rate in rates.items()}}
+        rates = {"spec_governor_tokens_per_s": self.governor.rates()} if self.governor is not None else {}
+        return {**self.counts.as_dict(), **rates}
 
 
 def split_verify_rows(logits, seqs: list[ScheduledSeq]):
