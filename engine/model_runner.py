@@ -165,6 +165,37 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
                      (starts, lens, slots))
 
 
+def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables
+                      ) -> tuple[HostBatch, torch.Tensor]:
+    """A step of DECODE and VERIFY rows as decode rows, each VERIFY row's tokens one decode
+    row apiece on its slot (ModelRunner._verify_on_decode_stack), built as decode_host_batch
+    builds its rows; and the rows whose logits the step returns (each row's last token, and a
+    VERIFY row's drafts')."""
+    token_ids, begins, write_index, slots, counts, scored = [], [], [], [], [], []
+    for seq in seqs:
+        request, table, slot = seq.request, seq.block_table, seq.slot
+        begin, blocks = request.num_computed_tokens, len(table)
+        if tables.lists[slot] is not table or tables.lens[slot] != blocks:
+            tables.update(slot, table)
+        token_ids += token_slice(request, begin, begin + seq.num_new_tokens)
+        for position in range(begin, begin + seq.num_new_tokens):
+            begins.append(position)
+            write_index.append(table[position // block_size] * block_size + position % block_size)
+        slots += [slot] * seq.num_new_tokens
+        counts += [blocks] * seq.num_new_tokens
+        width = 1 + len(request.draft_token_ids) if seq.phase is Phase.VERIFY else 1
+        scored += range(len(begins) - width, len(begins))
+    rows = len(begins)
+    lens = [begin + 1 for begin in begins]
+    columns = int64(token_ids + begins + write_index + lens + slots + counts + list(range(rows + 1)) + scored).split(
+        [rows, rows, rows, rows, rows, rows, rows + 1, len(scored)])
+    ids, positions, write, context_lens, slot_rows, block_counts, query_starts, scored_rows = columns
+    host = HostBatch(ids, positions, write, query_starts, context_lens, slot_rows, block_counts,
+                     tables.rows[:, : max(counts)].index_select(0, slot_rows), [Phase.DECODE] * rows,
+                     (list(range(rows + 1)), lens, slots))
+    return host, scored_rows
+
+
 class ModelRunner:
     def __init__(self, model: HybridLM, cache: ModelCache, slots: StateSlotAllocator,
                  device: torch.device | str, debug: bool, enforce_eager: bool = True,
@@ -291,17 +322,12 @@ class ModelRunner:
         time, with the step's GEMMs over all the tokens at once. The scored rows' logits, as
         execute returns them; None where some layer is not in the one-call stack (its torch path
         would read a shared slot's state once for all its rows)."""
-        host = general_host_batch(seqs, self.cache.block_size, self.block_tables)
-        tokens = host.input_ids.shape[0]
-        row = torch.repeat_interleave(torch.arange(len(seqs)), host.query_starts.diff(), output_size=tokens)
-        rows = HostBatch(host.input_ids, host.positions, host.kv_write_index, torch.arange(tokens + 1),
-                         host.positions + 1, host.slots[row], host.block_counts[row], host.block_tables[row],
-                         [Phase.DECODE] * tokens)
-        batch = self.device_batch(rows)
+        host, scored = verify_host_batch(seqs, self.cache.block_size, self.block_tables)
+        batch = self.device_batch(host)
         plan = self.decode_stack.plan(batch, self.cache.layers)
         if plan is None or not plan.whole:
             return None
-        return self.model(batch, self.cache.layers, plan).index_select(0, host.logits_indices)
+        return self.model(batch, self.cache.layers, plan).index_select(0, scored)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SampleResult:

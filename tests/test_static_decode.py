@@ -109,6 +109,32 @@ def test_vectorised_build_batch_equals_the_per_token_one(model_factory):
     assert phases_seen == set(Phase)
 
 
+def test_verify_rows_as_decode_rows_equal_the_per_token_batch_expanded(model_factory):
+    """model_runner.verify_host_batch (a step of decodes and verifies on the one-call decode
+    stack): each token a decode row of its sequence's slot, attending up to its own position."""
+    from engine.model_runner import verify_host_batch
+
+    path, _ = model_factory("llama")
+    runner = LLM(path, block_size=BLOCK).engine.runner
+    rng = random.Random(3)
+    for block_size in (1, BLOCK, 16):
+        runner.cache.block_size = block_size
+        for _ in range(40):
+            seqs = random_schedule(rng, block_size, kinds=("decode", "verify"))
+            host, scored = verify_host_batch(seqs, block_size, runner.block_tables)
+            got = runner.device_batch(host)
+            per_token = reference_build_batch(seqs, block_size)
+            row = [i for i, seq in enumerate(seqs) for _ in range(seq.num_new_tokens)]
+            tokens = len(row)
+            want = ForwardBatch(
+                input_ids=per_token.input_ids, positions=per_token.positions, query_starts=list(range(tokens + 1)),
+                context_lens=(per_token.positions + 1).tolist(), phases=[Phase.DECODE] * tokens,
+                state_slots=[seqs[i].slot for i in row], block_tables=per_token.block_tables[row],
+                kv_write_index=per_token.kv_write_index, block_size=block_size, logits_indices=torch.arange(tokens))
+            assert_same_batch(got, want)
+            assert torch.equal(scored, per_token.logits_indices)
+
+
 def test_build_batch_equals_the_per_token_one_through_a_live_engine(model_factory):
     """Tables that grow step by step, slots reused, requests preempted and recomputed: the
     runner's per-slot table rows must follow the block manager's lists at every step."""
