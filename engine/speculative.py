@@ -78,10 +78,12 @@ class SpeculativeConfig:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     def canonical(self) -> str:
-        """The setting as one string two workers compare (kvtransfer's layout handshake)."""
+        """The setting as one string two workers compare (kvtransfer's layout handshake): all
+        of it but `adaptive`, which only decides when a worker drafts."""
         import json
 
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        setting = {name: value for name, value in self.to_dict().items() if name != "adaptive"}
+        return json.dumps(setting, sort_keys=True, separators=(",", ":"))
 
 
 class Proposer:

@@ -77,11 +77,13 @@ def test_speculative_settings_of_a_pair_must_match():
 
     layout = make_cache("hybrid", 4, 10, 3, seed=0).layout
     ngram = replace(layout, speculative=SpeculativeConfig("ngram", 4).canonical())
-    with pytest.raises(LayoutMismatchError, match='speculative_config none vs {"method":"ngram","num_speculative_tokens":4'):
+    with pytest.raises(LayoutMismatchError, match='speculative_config none vs {"method":"ngram","model":null,'
+                                                  '"num_speculative_tokens":4,'):
         layout.check_compatible(ngram, "sender P", "receiver D")
     assert CacheLayout.from_dict(ngram.to_dict()) == ngram
     assert Grid(4, 8).wire_layout(ngram).speculative == ngram.speculative
     assert ngram.differences(replace(ngram)) == []
+    assert SpeculativeConfig("ngram", 4, adaptive=False).canonical() == ngram.speculative  # a local knob
 
 
 def test_block_sizes_alone_may_differ():
