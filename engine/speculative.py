@@ -150,9 +150,10 @@ class SpeculationGovernor:
     """Whether drafting pays on this engine now, measured rather than assumed: a verify step
     costs more than a decode step (on the CPU a decode of k + 1 rows a request; on a GPU its
     rows outgrow the captured graphs), and drafts that miss only add that cost. So the engine
-    drafts in some steps and not in others, keeps the output tokens per second of each kind of
-    step as a moving average, and drafts where that is the faster: each `period` steps begin
-    with `probe_steps` of the slower kind, to notice when the workload changes. What pays at
+    drafts in some steps and not in others, keeps the output tokens per second of steps that
+    verified drafts and of steps that did not (a step that looked for drafts and found none is
+    one of those) as moving averages, and drafts where that is the faster: each `period` steps
+    begin with `probe_steps` of the slower kind, to notice when the workload changes. What pays at
     one batch size need not at another, so each load (decoding rows 1, 2-3, 4-7, 8-15, ...)
     keeps its own. Only steps in which every row decodes count. Outputs never depend on it:
     only speed does."""
@@ -170,16 +171,17 @@ class SpeculationGovernor:
         faster = load.rates[True] >= load.rates[False]
         return (not faster) if load.steps % self.period < self.probe_steps else faster
 
-    def record(self, drafted: bool, seconds: float, tokens: int, rows: int = 1) -> None:
-        """A step of `rows` decoding rows only: whether it drafted, its time, the tokens it emitted."""
+    def record(self, verified: bool, seconds: float, tokens: int, rows: int = 1) -> None:
+        """A step of `rows` decoding rows only: whether it verified drafts, its time, the tokens
+        it emitted."""
         if seconds <= 0:
             return
         load = self.loads.setdefault(rows.bit_length(), _Load())
         load.steps += 1
         rate = tokens / seconds
-        old = load.rates.get(drafted)
-        load.rates[drafted] = rate if old is None else old + self.smoothing * (rate - old)
-        load.samples[drafted] += 1
+        old = load.rates.get(verified)
+        load.rates[verified] = rate if old is None else old + self.smoothing * (rate - old)
+        load.samples[verified] += 1
 
     def rates(self) -> dict[str, dict[str, float]]:
         """Per load ("rows 4-7"): output tokens per second of drafting and of plain steps."""

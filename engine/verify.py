@@ -48,13 +48,16 @@ class Speculation:
         if not plan.seqs:
             return []
         scratch = [s for s in plan.seqs if s.scratch_slot is not None]
+        # What the governor measures is a step that verified drafts, not one that looked for some
+        # and found none (that is a plain step, and the first steps after a prefill run cold).
+        verifies = any(s.phase is Phase.VERIFY and s.request.draft_token_ids for s in plan.seqs)
         try:
             stepped = engine._step(plan, [], scratch)
         finally:
             for seq in scratch:
                 engine.slots.free(scratch_owner(seq.request.request_id))
         if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
-            self.governor.record(drafted, time.perf_counter() - started,
+            self.governor.record(verifies, time.perf_counter() - started,
                                  sum(len(out.new_token_ids) for out in stepped), rows)
         return stepped
 
