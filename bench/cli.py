@@ -190,9 +190,7 @@ def cmd_prefix(args) -> int:
 
 
 def cmd_spec(args) -> int:
-    from bench.spec import format_rows, run_spec
-
-    from bench.spec import draft_prefill_cost
+    from bench.spec import draft_prefill_cost, format_rows, run_spec
 
     batches = tuple(int(b) for b in args.batches.split(","))
     with _model_dir(args) as model:

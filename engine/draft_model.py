@@ -117,8 +117,6 @@ class DraftModelProposer(Proposer):
             return None
         mirror = Request(request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1))
         mirror.output_token_ids = request.output_token_ids
-        mirror.start_prefill()
-        mirror.num_computed_tokens = 0
         self.slots.allocate(request.request_id)
         self.slots.allocate(scratch(request.request_id))
         self.mirrors[request.request_id] = mirror
@@ -177,8 +175,8 @@ def check_same_vocabulary(target_spec, target_tokenizer: Tokenizer | None, draft
     if (draft_tokenizer is None) != (target_tokenizer is None):
         has = "has" if draft_tokenizer is not None else "has no"
         raise ValueError(f"{where}: {has} tokenizer.json and the target {'has' if target_tokenizer else 'has no'}")
-    if draft_tokenizer is not None and draft_tokenizer.vocab() != target_tokenizer.vocab():
-        mine, theirs = draft_tokenizer.vocab(), target_tokenizer.vocab()
+    mine, theirs = (draft_tokenizer.vocab(), target_tokenizer.vocab()) if draft_tokenizer else ({}, {})
+    if mine != theirs:
         differ = sorted(token for token in mine.keys() | theirs.keys() if mine.get(token) != theirs.get(token))
         raise ValueError(f"{where}: its tokenizer maps {len(differ)} token(s) differently from the target's, "
                          f"e.g. {differ[:3]}")

@@ -249,9 +249,12 @@ class LLMEngine:
         if self.speculation is not None:
             return outputs + self.speculation.step()
         plan = self.scheduler.schedule()
-        return outputs + self._step(plan, []) if plan.seqs else outputs
+        return outputs + self._step(plan) if plan.seqs else outputs
 
-    def _step(self, plan, outputs: list[RequestOutput], scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
+    def _step(self, plan, scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
+        """Run a scheduled step: its outputs. `scratch`: its VERIFY rows that keep their state
+        first (engine.verify)."""
+        outputs = []
         self.num_steps += 1
         seqs = plan.seqs
         now = time.monotonic()

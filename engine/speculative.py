@@ -1,5 +1,5 @@
-"""Speculative decoding: the configuration, the n-gram proposer and the greedy acceptance rule.
-No torch.
+"""Speculative decoding: the configuration, the proposers' contract and the n-gram proposer,
+the acceptance rule, the governor that decides when drafting pays, and the counts. No torch.
 
 A speculating request feeds its pending token and k drafted tokens in one VERIFY step
 (engine.phase) and keeps the drafts the target model would have produced itself. Attention
@@ -15,8 +15,9 @@ position, which would be k extra slots per request.
 
 from __future__ import annotations
 
+import json
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 METHODS = ("ngram", "draft_model")
 NOT_YET = {  # methods vLLM users name that this engine refuses with a reason, not a KeyError
@@ -80,8 +81,6 @@ class SpeculativeConfig:
     def canonical(self) -> str:
         """The setting as one string two workers compare (kvtransfer's layout handshake): all
         of it but `adaptive`, which only decides when a worker drafts."""
-        import json
-
         setting = {name: value for name, value in self.to_dict().items() if name != "adaptive"}
         return json.dumps(setting, sort_keys=True, separators=(",", ":"))
 
@@ -192,7 +191,7 @@ class SpeculationGovernor:
 
 class _Load:
     def __init__(self):
-        self.rates: dict[bool, float] = {}  # drafting? -> output tokens per second
+        self.rates: dict[bool, float] = {}  # verified drafts? -> output tokens per second
         self.samples = {True: 0, False: 0}
         self.steps = 0
 
@@ -210,14 +209,16 @@ def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
 class SpeculationStats:
     """Counters in the sense vLLM's metrics give them: a draft is one proposal of a step."""
 
+    num_speculative_tokens: int
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] | None = None
+    accepted_per_position: list[int] = field(init=False)
 
-    def record(self, num_draft_tokens: int, num_accepted: int, k: int) -> None:
-        if self.accepted_per_position is None:
-            self.accepted_per_position = [0] * k
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
@@ -228,4 +229,4 @@ class SpeculationStats:
         rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
         return {"spec_drafts": self.num_drafts, "spec_draft_tokens": self.num_draft_tokens,
                 "spec_accepted_tokens": self.num_accepted_tokens, "spec_acceptance_rate": rate,
-                "spec_accepted_per_position": list(self.accepted_per_position or [])}
+                "spec_accepted_per_position": list(self.accepted_per_position)}

@@ -34,16 +34,15 @@ class Speculation:
         self.engine = engine
         self.proposer = make_proposer(config, engine)
         self.governor = SpeculationGovernor() if config.adaptive else None
-        self.counts = SpeculationStats()
+        self.counts = SpeculationStats(config.num_speculative_tokens)
 
     def step(self) -> list[RequestOutput]:
         """The engine's step, drafting first where the governor says it pays, and timed for it."""
         engine = self.engine
         started = time.perf_counter()
-        rows = sum(r.status is DECODING for r in engine.scheduler.running)
-        drafted = self.governor is None or self.governor.drafting(rows)
-        if drafted:
-            self.propose()
+        decoding = [r for r in engine.scheduler.running if r.status is DECODING]
+        if decoding and (self.governor is None or self.governor.drafting(len(decoding))):
+            self.propose(decoding)
         plan = engine.scheduler.schedule()
         if not plan.seqs:
             return []
@@ -52,22 +51,19 @@ class Speculation:
         # and found none (that is a plain step, and the first steps after a prefill run cold).
         verifies = any(s.phase is Phase.VERIFY and s.request.draft_token_ids for s in plan.seqs)
         try:
-            stepped = engine._step(plan, [], scratch)
+            stepped = engine._step(plan, scratch)
         finally:
             for seq in scratch:
                 engine.slots.free(scratch_owner(seq.request.request_id))
         if self.governor is not None and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in plan.seqs):
             self.governor.record(verifies, time.perf_counter() - started,
-                                 sum(len(out.new_token_ids) for out in stepped), rows)
+                                 sum(len(out.new_token_ids) for out in stepped), len(decoding))
         return stepped
 
-    def propose(self) -> None:
-        """Drafts for each decoding request, within its length; under a grammar, cut where the
-        grammar would refuse a draft (verification would reject it anyway)."""
+    def propose(self, requests: list[Request]) -> None:
+        """Drafts for each of these decoding requests, within its length; under a grammar, cut
+        where the grammar would refuse a draft (verification would reject it anyway)."""
         engine = self.engine
-        requests = [r for r in engine.scheduler.running if r.status is DECODING]
-        if not requests:
-            return
         limits = [min(r.sampling_params.max_tokens, engine.max_model_len - r.num_prompt_tokens) - r.num_output_tokens - 1
                   for r in requests]
         for request, drafts in zip(requests, self.proposer.propose_all(requests, limits)):
@@ -99,7 +95,7 @@ class Speculation:
             engine.runner.copy_state([(seq.scratch_slot, seq.slot)])
             request.num_replay_tokens = pending + accepted
         if drafts:
-            self.counts.record(len(drafts), accepted, self.config.num_speculative_tokens)
+            self.counts.record(len(drafts), accepted)
         request.status = DECODING
         tracker = engine.trackers[request.request_id]
         for token_id, logprob in zip(targets[:accepted + 1], logprobs):

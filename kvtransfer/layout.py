@@ -63,8 +63,9 @@ class CacheLayout:
     # equal shapes alone would let rank 1's heads land in rank 0's.
     shard: str = ""
     # The speculative decoding setting (engine.speculative) of the worker, as canonical JSON; ""
-    # without one. What a hand-off must carry for it (a draft model's cache, an MTP head's hidden
-    # state) depends on it, so the two sides of a pair must agree, as vLLM's split requires.
+    # without one. The two sides of a pair must agree, as vLLM's split requires: a hand-off
+    # carries nothing for n-gram or a draft model (the decode worker prefills the draft), but
+    # a method whose state does travel (an MTP head's) needs the same setting on both sides.
     speculative: str = ""
 
     def __post_init__(self) -> None:
