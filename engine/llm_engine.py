@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.cache import ModelCache, plan_cache
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice
+from engine.mtp import MTPProposer
 from engine.models import load_model
 from engine.output import OutputTracker, RequestOutput
 from engine.phase import Phase
@@ -94,6 +96,11 @@ class LLMEngine:
                 self.tp.close()
                 raise
         self.spec = self.model.spec
+        # An MTP head (engine.mtp) runs on every worker, a prefill worker's too: its cache is
+        # one more layer of the target's, which a hand-off carries with the rest.
+        self.mtp_head = self._load_mtp_head(config)
+        cache_spec = self.spec if self.mtp_head is None else dataclasses.replace(
+            self.spec, layers=self.spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
         limit = self.spec.max_position or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         try:
@@ -105,13 +112,13 @@ class LLMEngine:
         profiled = config.gpu_memory_utilization is not None and config.device.startswith("cuda")
         cache_bytes = self._profiled_cache_bytes() if profiled else config.cache_memory_bytes
         try:
-            sizes = plan_cache(self.spec, config.torch_dtype, config.block_size, config.max_num_seqs,
+            sizes = plan_cache(cache_spec, config.torch_dtype, config.block_size, config.max_num_seqs,
                                self.max_model_len, cache_bytes, config.num_kv_blocks, config.num_prefix_checkpoints)
         except ValueError as e:
             if not profiled:
                 raise
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: {e}") from None
-        self.cache = ModelCache(self.spec, sizes, config.block_size, config.torch_dtype, config.device)
+        self.cache = ModelCache(cache_spec, sizes, config.block_size, config.torch_dtype, config.device)
         if self.tp is not None:
             self.tp.send("cache", sizes, self.max_model_len)
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
@@ -121,12 +128,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
                                    verify_needs_scratch=bool(self.spec.state_layers))
+        self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
         # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
         self.speculation = Speculation(speculative, self) if speculative is not None else None
+        # (An MTP head reads each step's hidden states: its decode steps are not graphs.)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
-                                  config.enforce_eager, self.max_model_len, tp=self.tp)
+                                  config.enforce_eager or self.mtp is not None, self.max_model_len, tp=self.tp)
         self.runner.verifies = self.speculation is not None
+        self.runner.keep_hidden = self.mtp_head is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
@@ -134,6 +144,18 @@ class LLMEngine:
         self.trace_name = "engine"  # what its spans say measured them (a worker puts its name)
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
+
+    def _load_mtp_head(self, config: EngineConfig):
+        speculative = config.speculative_config
+        if speculative is None or speculative.method != "mtp":
+            return None
+        from engine.models import load_mtp_head
+        from engine.models.packed_linear import pack_linears
+
+        head = load_mtp_head(config.model, config.torch_dtype, config.device)
+        if config.device == "cpu":
+            pack_linears(head)
+        return head
 
     def _profiled_cache_bytes(self) -> int:
         """What the device has left for the cache (gpu_memory_utilization) after the weights and
@@ -278,7 +300,15 @@ class LLMEngine:
         return outputs
 
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
+        ran = [(seq, seq.request.num_computed_tokens) for seq in seqs] if self.mtp is not None else None
         logits = self.runner.execute(seqs)
+        outputs = self._after_pass(seqs, logits)
+        if ran:  # once the pass's tokens are known: sampled, accepted or rejected
+            self.mtp.observe([seq for seq, _ in ran], [begin for _, begin in ran], self.runner.last_hidden)
+        return outputs
+
+    def _after_pass(self, seqs: list[ScheduledSeq], logits) -> list[RequestOutput]:
+        """A pass's counters, prefix blocks, verified drafts and sampled tokens."""
         verified = []
         if self.speculation is not None and any(s.phase is Phase.VERIFY for s in seqs):
             logits, verified, seqs = split_verify_rows(logits, seqs)

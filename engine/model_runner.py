@@ -214,6 +214,10 @@ class ModelRunner:
         self.sampler = Sampler(model.spec.vocab_size, self.device)
         self.static: StaticDecode | None = None
         self.verifies = False  # the engine speculates: some steps may hold VERIFY rows
+        # An MTP head reads every token's final hidden state (engine.mtp): each step leaves
+        # them in last_hidden, and decode steps run eagerly (a graph's outputs are its logits).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         width = self.cache.sizes.num_blocks
         if max_model_len is not None:
             width = min(width, -(-max_model_len // self.cache.block_size))
@@ -288,7 +292,7 @@ class ModelRunner:
         """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
         host = None
-        if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
+        if self.static is not None and not self.keep_hidden and all(s.phase is Phase.DECODE for s in seqs):
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
         logits = None
         if host is not None and self.static.fits(host):
@@ -305,8 +309,10 @@ class ModelRunner:
                 host = self.host_batch(seqs) if host is None else host
                 self.tp.send("forward", host)
                 batch = self.device_batch(host)
+            batch.keep_hidden = self.keep_hidden
             plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
             logits = self.model(batch, self.cache.layers, plan)
+            self.last_hidden = batch.hidden
             if batch.prompt_logprobs is not None:
                 prompt_logprobs.record(batch.prompt_logprobs, batch.prompt_logprobs_result)
         for seq in seqs:
@@ -327,7 +333,10 @@ class ModelRunner:
         plan = self.decode_stack.plan(batch, self.cache.layers)
         if plan is None or not plan.whole:
             return None
-        return self.model(batch, self.cache.layers, plan).index_select(0, scored)
+        batch.keep_hidden = self.keep_hidden
+        logits = self.model(batch, self.cache.layers, plan).index_select(0, scored)
+        self.last_hidden = batch.hidden
+        return logits
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[ScheduledSeq]) -> SampleResult:

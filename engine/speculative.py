@@ -19,9 +19,10 @@ import json
 from array import array
 from dataclasses import dataclass, field
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "mtp")
 NOT_YET = {  # methods vLLM users name that this engine refuses with a reason, not a KeyError
-    "mtp": "multi-token-prediction heads are not supported yet",
+    "eagle": "EAGLE heads are not supported yet",
+    "eagle3": "EAGLE-3 heads are not supported yet",
 }
 
 

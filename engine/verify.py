@@ -21,6 +21,8 @@ DECODING = RequestStatus.DECODING
 
 
 def make_proposer(config: SpeculativeConfig, engine) -> Proposer:
+    if config.method == "mtp":  # the engine's own: it observes every pass, speculating or not
+        return engine.mtp
     if config.method == "draft_model":
         from engine.draft_model import DraftModelProposer
 

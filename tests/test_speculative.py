@@ -32,7 +32,8 @@ ON_STACK = {"jamba", "mamba", "llama", "mamba2", "bamba", "granitemoehybrid", "l
 
 @pytest.mark.parametrize("value, names", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "x"}, "only method 'draft_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model: required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "only method 'draft_model'"),
     ({"method": "ngram"}, "num_speculative_tokens"),

@@ -36,6 +36,10 @@ class ForwardBatch:
     # the model's forward leaves here for them.
     prompt_logprobs: object | None = None
     prompt_logprobs_result: tuple | None = field(default=None, init=False)
+    # An MTP head (engine.mtp) reads every token's final hidden state: with keep_hidden set,
+    # the model's forward leaves them in `hidden` [T, hidden_size], after the final norm.
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = field(default=None, init=False, repr=False)
     decode_rows: list[int] = field(init=False)
     prefill_rows: list[int] = field(init=False)
     # Where the decode rows' tokens sit: decode_token_index, or on CPU, when every token is a

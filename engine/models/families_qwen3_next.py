@@ -23,6 +23,7 @@ from engine.models.families import _eos_ids, _stacked_experts, rotary_of, top_le
 from engine.models.gated_deltanet import GatedDeltaNetMixer
 from engine.models.hybrid import DecoderLayer, HybridLM, ModelSpec
 from engine.models.layers import ACTIVATIONS, GatedMLP, RMSNorm, RotaryEmbedding, SparseMoE
+from engine.models.mtp_head import MTPHead
 
 GDN_CHUNK_SIZE = 64  # tokens per chunk of the prefill scan (an engine choice; fla uses 64 too)
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
@@ -138,6 +139,32 @@ def _ffn(cfg: ConfigReader, hidden: int, act: str, num_experts: int) -> nn.Modul
     return SharedExpertMoE(routed, shared, hidden)
 
 
+def _attention_maker(cfg: ConfigReader, hidden: int, eps: float, max_position: int):
+    """A maker of the gated attention mixers, sharing one rotary table."""
+    heads = cfg.positive_int("num_attention_heads", 16)
+    kv_heads = cfg.positive_int("num_key_value_heads", 2)
+    if heads % kv_heads:
+        raise cfg.unsupported("num_key_value_heads", f"does not divide num_attention_heads={heads}")
+    head_dim = cfg.positive_int("head_dim", 256)
+    rotary = _rotary(cfg, head_dim, max_position)
+    bias = cfg.get("attention_bias", bool, False)
+    return lambda: GatedAttention(hidden, heads, kv_heads, head_dim, bias, rotary, eps)
+
+
+def _layer_ffn(cfg: ConfigReader, index: int, hidden: int, act: str) -> nn.Module:
+    """Layer `index`'s FFN: sparse unless the layer is in mlp_only_layers or off the
+    decoder_sparse_step period (or the model has no experts)."""
+    num_experts = cfg.get("num_experts", int, 512)
+    if num_experts < 0:
+        raise cfg.unsupported("num_experts", "expected a non-negative integer")
+    mlp_only = cfg.get("mlp_only_layers", list, [])
+    if any(not isinstance(i, int) or isinstance(i, bool) for i in mlp_only):
+        raise cfg.unsupported("mlp_only_layers", "expected a list of layer indices")
+    sparse_step = cfg.positive_int("decoder_sparse_step", 1)
+    sparse = num_experts > 0 and index not in mlp_only and (index + 1) % sparse_step == 0
+    return _ffn(cfg, hidden, act, num_experts if sparse else 0)
+
+
 def build_qwen3_next(cfg: ConfigReader, chunk_size: int = GDN_CHUNK_SIZE) -> HybridLM:
     hidden = cfg.positive_int("hidden_size")
     layers_n = cfg.positive_int("num_hidden_layers")
@@ -148,12 +175,7 @@ def build_qwen3_next(cfg: ConfigReader, chunk_size: int = GDN_CHUNK_SIZE) -> Hyb
     types = _layer_types(cfg, layers_n)
     max_position = cfg.positive_int("max_position_embeddings", 32768)
 
-    heads = cfg.positive_int("num_attention_heads", 16)
-    kv_heads = cfg.positive_int("num_key_value_heads", 2)
-    if heads % kv_heads:
-        raise cfg.unsupported("num_key_value_heads", f"does not divide num_attention_heads={heads}")
-    head_dim = cfg.positive_int("head_dim", 256)
-    rotary = _rotary(cfg, head_dim, max_position) if "full_attention" in types else None
+    attention = _attention_maker(cfg, hidden, eps, max_position) if "full_attention" in types else None
     k_heads = cfg.positive_int("linear_num_key_heads", 16)
     v_heads = cfg.positive_int("linear_num_value_heads", 32)
     if v_heads % k_heads:
@@ -161,37 +183,53 @@ def build_qwen3_next(cfg: ConfigReader, chunk_size: int = GDN_CHUNK_SIZE) -> Hyb
     k_dim, v_dim = cfg.positive_int("linear_key_head_dim", 128), cfg.positive_int("linear_value_head_dim", 128)
     conv_kernel = cfg.positive_int("linear_conv_kernel_dim", 4)
 
-    num_experts = cfg.get("num_experts", int, 512)
-    if num_experts < 0:
-        raise cfg.unsupported("num_experts", "expected a non-negative integer")
-    if num_experts and cfg.positive_int("num_experts_per_tok", 10) > num_experts:
-        raise cfg.unsupported("num_experts_per_tok", f"exceeds num_experts={num_experts}")
-    sparse_step = cfg.positive_int("decoder_sparse_step", 1)
-    mlp_only = cfg.get("mlp_only_layers", list, [])
-    if any(not isinstance(i, int) or isinstance(i, bool) for i in mlp_only):
-        raise cfg.unsupported("mlp_only_layers", "expected a list of layer indices")
-
     layers = []
     for i, layer_type in enumerate(types):
         kind = LAYER_KINDS[layer_type]
         if kind == "attention":
-            mixer = GatedAttention(hidden, heads, kv_heads, head_dim, cfg.get("attention_bias", bool, False),
-                                   rotary, eps)
+            mixer = attention()
         else:
             mixer = GatedDeltaNetMixer(hidden, k_heads, v_heads, k_dim, v_dim, conv_kernel, act, eps, chunk_size)
-        sparse = num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
         layers.append(DecoderLayer(kind, OffsetRMSNorm(hidden, eps), mixer, OffsetRMSNorm(hidden, eps),
-                                   _ffn(cfg, hidden, act, num_experts if sparse else 0)))
+                                   _layer_ffn(cfg, i, hidden, act)))
     spec = ModelSpec(cfg.config["model_type"], cfg.positive_int("vocab_size"), hidden, max_position,
                      _eos_ids(cfg), cfg.get("bos_token_id", int, None))
     return HybridLM(spec, layers, OffsetRMSNorm(hidden, eps), cfg.get("tie_word_embeddings", bool, False))
+
+
+def build_qwen3_next_mtp(cfg: ConfigReader) -> MTPHead:
+    """The checkpoint's multi-token-prediction head (`mtp.*`, which transformers ignores): one
+    gated-attention layer whose FFN follows the rule of the model's layer 0."""
+    layers_n = cfg.get("num_nextn_predict_layers", int, 1)
+    if layers_n != 1:
+        raise cfg.unsupported("num_nextn_predict_layers", f"an MTP head of one layer is served, not {layers_n}")
+    hidden = cfg.positive_int("hidden_size")
+    eps = cfg.get("rms_norm_eps", float, 1e-6)
+    act = cfg.get("hidden_act", str, "silu")
+    attention = _attention_maker(cfg, hidden, eps, cfg.positive_int("max_position_embeddings", 32768))
+    layer = DecoderLayer("attention", OffsetRMSNorm(hidden, eps), attention(), OffsetRMSNorm(hidden, eps),
+                         _layer_ffn(cfg, 0, hidden, act))
+    return MTPHead(hidden, layer, lambda: OffsetRMSNorm(hidden, eps))
+
+
+def qwen3_next_mtp_names(name: str):
+    part, rest = name.split(".", 1)
+    if part == "layer":
+        part, rest = rest.split(".", 1)
+        return layer_tensor_name("mtp.layers.0", part, rest)
+    return f"mtp.{name}"
 
 
 def qwen3_next_names(name: str):
     if (top := top_level_name(name, "model.embed_tokens.weight", "model.norm.weight")) is not None:
         return top
     _, i, part, rest = name.split(".", 3)
-    p = f"model.layers.{i}"
+    return layer_tensor_name(f"model.layers.{i}", part, rest)
+
+
+def layer_tensor_name(p: str, part: str, rest: str):
+    """Our `<part>.<rest>` of a decoder layer -> its HF tensor under the prefix `p` (a layer of
+    the model, or the MTP head's layer: engine.models.mtp_head)."""
     if part in ("input_norm", "ffn_norm"):
         return f"{p}.{'input_layernorm' if part == 'input_norm' else 'post_attention_layernorm'}.{rest}"
     if part == "ffn":
@@ -218,3 +256,4 @@ def _ffn_name(p: str, rest: str):
 
 
 FAMILIES = {"qwen3_next": (build_qwen3_next, qwen3_next_names)}
+MTP_HEADS = {"qwen3_next": (build_qwen3_next_mtp, qwen3_next_mtp_names)}

@@ -233,6 +233,8 @@ class HybridLM(nn.Module):
             batch.prompt_logprobs_result = prompt_logprobs.compute(self.head, h, batch.prompt_logprobs)
         # All decodes on the CPU (decode_tokens a slice): each row is its sequence's last token.
         last = h if isinstance(batch.decode_tokens, slice) else h.index_select(0, batch.logits_indices)
+        if batch.keep_hidden:
+            batch.hidden = self.final_norm(h)
         return self.head(last)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
