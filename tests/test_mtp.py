@@ -80,6 +80,34 @@ def test_mtp_drafts_are_the_heads_and_the_outputs_stay_exact(mtp_model, monkeypa
         assert_drafts_are_the_heads(hf, head, tokens, drafts)
 
 
+def test_mtp_under_preemption_prefix_caching_sampled_rows_and_a_resume(mtp_model, monkeypatch):
+    """The head's rows beside sampled ones, under preemption and the prefix cache (its KV rides
+    in the shared blocks), and a request resumed from delivered tokens: outputs stay the plain
+    decode's, seeded draws included, and the drafts stay the head's."""
+    from engine.request import Resume
+
+    path, hf, head = mtp_model
+    prompts = prompts_for(8) * 2
+    params = [GREEDY if i % 2 == 0 else SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
+    options = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=24, enable_prefix_caching=True)
+    plain = [out.token_ids for out in LLM(str(path), **options).generate(prompts, params)]
+    proposals = record_proposals(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)})
+    llm = LLM(str(path), speculative_config=MTP, **options)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == plain
+    stats = llm.engine.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    llm.engine.add_request(prompts[2], GREEDY, request_id="resumed", resume=Resume(tuple(plain[2][:7])))
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.finished:
+                assert out.token_ids == plain[2]
+    llm.engine.check_integrity()
+    assert llm.engine.slots.num_free_slots == llm.engine.slots.num_slots
+    for tokens, drafts in proposals[::7]:
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)
+
+
 def test_a_head_that_skips_the_accepted_positions_drafts_wrong_tokens(mtp_model, monkeypatch):
     """The mutation: observe only the first position of a VERIFY row (its accepted drafts
     never reach the head's KV, and g comes from the wrong position) and the drafts stop being
