@@ -190,10 +190,13 @@ def cmd_prefix(args) -> int:
 
 
 def cmd_spec(args) -> int:
-    from bench.spec import draft_prefill_cost, format_rows, run_spec
+    from bench.spec import draft_prefill_cost, format_rows, mtp_handoff_bytes, run_spec
 
     batches = tuple(int(b) for b in args.batches.split(","))
     with _model_dir(args) as model:
+        if args.mtp_handoff:
+            print(json.dumps(mtp_handoff_bytes(model), indent=2))
+            return 0
         if args.draft_cost:
             cost = draft_prefill_cost(model, args.draft_cost, args.prompt_len, args.num_speculative_tokens, args.seed)
             print(json.dumps(cost, indent=2))

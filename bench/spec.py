@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from pathlib import Path
 
 CODE = '''def area(width, height):
     return width * height
@@ -144,6 +145,35 @@ def draft_prefill_cost(model: str, draft: str, prompt_len: int = 1024, k: int = 
             "draft_cache_bytes": blocks * block.bytes_per_block + block.bytes_per_slot}
 
 
+def mtp_handoff_bytes(model: str, prompt_lens=(1024, 8192), dtype: str = "bfloat16") -> list[dict]:
+    """What an MTP head (engine.mtp) adds to a hand-off: its KV per prompt token and its g per
+    slot, beside the target's own cache, for the model whose config.json is in `model` (built
+    on the meta device: no weights needed)."""
+    import dataclasses
+
+    import torch
+
+    from engine.cache import bytes_per_block, bytes_per_slot
+    from engine.models import FAMILIES
+    from engine.models.checkpoint import ConfigReader, read_config
+    from engine.models.families_qwen3_next import MTP_HEADS
+
+    config = read_config(Path(model))
+    reader = ConfigReader(config, Path(model) / "config.json")
+    build, _ = FAMILIES[config["model_type"]]
+    build_head, _ = MTP_HEADS[config["model_type"]]
+    torch_dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        spec = build(reader).spec
+        head = build_head(reader)
+    with_head = dataclasses.replace(spec, layers=spec.layers + (head.cache_spec(torch_dtype),))
+    rows = []
+    for n in prompt_lens:
+        target, both = (bytes_per_block(s, torch_dtype, 1) * n + bytes_per_slot(s) for s in (spec, with_head))
+        rows.append({"prompt_len": n, "target_bytes": target, "with_head_bytes": both, "added": both / target - 1})
+    return rows
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'workload':<8} {'batch':>5} {'engine':>9} {'decode tok/s':>12} {'TPOT p50 ms':>11} "
              f"{'TPOT p99 ms':>11} {'drafted':>8} {'accepted':>8} {'vs plain':>8}"]
@@ -168,3 +198,6 @@ def add_spec_arguments(p) -> None:
                    help="instead: what prefilling this draft model on the decode worker costs, next to the "
                         "target's prefill and the bytes its cache would add to the hand-off")
     p.add_argument("--prompt-len", type=int, default=1024, help="--draft-cost: the prompt's tokens")
+    p.add_argument("--mtp-handoff", action="store_true",
+                   help="instead: the bytes an MTP head's cache adds to a hand-off of the model (its config.json "
+                        "alone, e.g. bench/qwen3_next_80b)")

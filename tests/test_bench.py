@@ -394,3 +394,14 @@ def test_spec_bench_measures_the_decode_side_prefill_of_a_draft(tmp_path):
     cost = draft_prefill_cost(str(tmp_path), str(tmp_path), prompt_len=40, k=2)
     assert cost["target_prefill_ms"] > 0 and cost["draft_first_proposal_ms"] > 0
     assert cost["draft_later_proposal_ms"] > 0 and cost["draft_cache_bytes"] > 0
+
+
+def test_spec_bench_sizes_what_an_mtp_head_adds_to_a_handoff():
+    """Qwen3-Next-80B's head: one attention layer of 2 KV heads of 256 (K and V in bf16,
+    2048 B a token) and its g per slot (2048 bf16 values)."""
+    from bench.spec import mtp_handoff_bytes
+
+    rows = mtp_handoff_bytes("bench/qwen3_next_80b", prompt_lens=(1024, 8192))
+    for row in rows:
+        assert row["with_head_bytes"] - row["target_bytes"] == 2048 * row["prompt_len"] + 4096
+    assert 0.01 < rows[0]["added"] < rows[1]["added"] < 0.1

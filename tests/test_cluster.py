@@ -210,6 +210,32 @@ def test_decode_workers_speculate_across_the_split(cluster):
         speculating.shutdown()
 
 
+def test_an_mtp_head_speculates_across_nodes(cluster, tmp_path):
+    """method 'mtp' on a pair on separate nodes (the gloo transport): the head's KV and g are
+    one more layer of the hand-off, the handshake agrees on it, and the outputs are the plain
+    decode's. (What the decode side drafts from them is checked in tests/test_mtp.py.)"""
+    from router.cluster import launch
+    from tests.mtp_oracle import save_mtp_model
+
+    _, _, _, (nodes, _, _) = cluster
+    hf, _ = save_mtp_model(tmp_path)
+    speculating = launch(str(tmp_path), prefill=1, decode=1, address=nodes.address,
+                         prefill_resource=PREFILL_RES, decode_resource=DECODE_RES, block_size=4, num_kv_blocks=200,
+                         max_num_seqs=8, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                                             "adaptive": False})
+    try:
+        prompts = [[9, 8, 7] * 5, [1], [4] * 17]
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        local = LLM(str(tmp_path), block_size=4).generate(prompts, params)
+        for prompt, out, ref in zip(prompts, speculating.generate(prompts, params), local):
+            assert out.error is None, out.error
+            assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+        workers = {w["kind"]: w for w in speculating.status()["workers"]}
+        assert workers["decode"]["spec_draft_tokens"] > 0
+    finally:
+        speculating.shutdown()
+
+
 def test_splitserve_serve_serves_and_stops_cleanly_on_ctrl_c(cluster, tmp_path):
     import os
     import signal
