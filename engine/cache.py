@@ -103,6 +103,12 @@ class ModelCache:
     def checkpoint_row(self, checkpoint: int) -> int:
         return self.sizes.num_slots + 1 + checkpoint
 
+    def whole_state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Every state tensor with all its rows (checkpoint rows included), named as in the
+        hand-off: what a prefix-cache tier copies a checkpoint row from and into."""
+        return [(f"layer{i}.{spec.name}", tensor) for i, layer in enumerate(self.spec.layers)
+                for spec, tensor in zip(layer.state, self.layers.state[i] or ())]
+
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole state rows (every recurrent layer's tensors), source -> destination."""
         if not pairs:

@@ -10,6 +10,7 @@ import torch
 
 from engine.hub import resolve_model
 from engine.speculative import SpeculativeConfig
+from engine.tiered_cache import TierConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")
@@ -46,6 +47,12 @@ class EngineConfig:
     # Recurrent-state checkpoint rows the prefix cache may fill (None: max_num_seqs). Carved
     # from cache_memory_bytes before the KV blocks; unused by models without recurrent layers.
     prefix_checkpoints: int | None = None
+    # Tiers below the prefix cache's pool (engine.tiered_cache): what the pool evicts moves to
+    # host memory (host_cache_bytes), then to a directory (disk_cache_dir, disk_cache_bytes).
+    # 0 / None: no such tier. They need enable_prefix_caching.
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 0
     # Ranks the model is sharded over (engine.tp): this process is rank 0 and starts the others
     # as processes of this machine, joined by a gloo group. CPU only, for now.
     tensor_parallel_size: int = 1
@@ -98,6 +105,10 @@ class EngineConfig:
         if tp > 1 and device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
                              "pass device='cuda'")
+        tiers = self.tier_config  # validates the three fields
+        if tiers.enabled and not self.enable_prefix_caching:
+            raise ValueError("host_cache_bytes / disk_cache_dir: the tiers hold what the prefix cache evicts; "
+                             "they need enable_prefix_caching")
         if self.output_kind not in OUTPUT_KINDS:
             raise ValueError(f"output_kind: {self.output_kind!r} not in {OUTPUT_KINDS}")
         if self.mode not in ENGINE_MODES:
@@ -109,6 +120,10 @@ class EngineConfig:
         if device.type == "cuda" and self.dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
             raise ValueError(f"dtype: bfloat16 is not supported on {torch.cuda.get_device_name(device)}; "
                              "use float16 or float32")
+
+    @property
+    def tier_config(self) -> TierConfig:
+        return TierConfig(self.host_cache_bytes, self.disk_cache_dir, self.disk_cache_bytes)
 
     @property
     def num_prefix_checkpoints(self) -> int:

@@ -24,6 +24,7 @@ from engine.scheduler import Scheduler, ScheduledSeq
 from engine.verify import Speculation, split_verify_rows
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
+from engine.tiered_cache import TieredCache, cache_fingerprint
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,10 @@ class LLMEngine:
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
             if config.enable_prefix_caching else None
+        self.tiers = None  # engine.tiered_cache: what the prefix cache's pool evicts, kept lower
+        if self.prefix_cache is not None and config.tier_config.enabled:
+            fingerprint = cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
+            self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache, fingerprint)
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
                                    verify_needs_scratch=bool(self.spec.state_layers))
@@ -270,8 +275,16 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if self.speculation is not None:
             return outputs + self.speculation.step()
-        plan = self.scheduler.schedule()
+        plan = self.schedule()
         return outputs + self._step(plan) if plan.seqs else outputs
+
+    def schedule(self):
+        """The scheduler's plan for the next step, after loading the prefixes the requests it
+        may admit have in a lower tier back into the pool (engine.tiered_cache)."""
+        if self.tiers is not None:
+            for request in itertools.islice(self.scheduler.waiting, self.slots.num_free_slots):
+                self.tiers.promote(request)
+        return self.scheduler.schedule()
 
     def _step(self, plan, scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:
         """Run a scheduled step: its outputs. `scratch`: its VERIFY rows that keep their state
@@ -490,5 +503,6 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions, "steps": self.num_steps,
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             **(self.speculation.stats() if self.speculation is not None else {}),
+            **(self.tiers.stats() if self.tiers is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

@@ -28,7 +28,7 @@ import hashlib
 import heapq
 from array import array
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.block_manager import BlockManager
 
@@ -81,6 +81,10 @@ class PrefixCache:
         self._clock = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
+        # Called with (chain keys root first, their blocks, checkpoint row or None, tokens) for
+        # each usable prefix about to leave the pool under pressure, while its blocks and row
+        # still hold it: a lower tier keeps it (engine.tiered_cache). None: it is dropped.
+        self.on_evict: Callable[[list[bytes], list[int], int | None, int], None] | None = None
         blocks.evictor = self.evict_blocks
 
     @property
@@ -180,8 +184,22 @@ class PrefixCache:
             saved = (node.end - shortest) / max(1, longest - shortest)
             return recency + CHECKPOINT_COMPUTE_WEIGHT * saved
 
-        self.drop_checkpoint(min(nodes, key=utility).key)
+        victim = min(nodes, key=utility)
+        self._spill(victim)
+        self.drop_checkpoint(victim.key)
         return True
+
+    def _spill(self, node: CachedBlock) -> None:
+        """Hand the prefix ending at `node` to on_evict, where it is usable for a hit (it has a
+        checkpoint, or the model has no state)."""
+        if self.on_evict is None or (self.needs_state and node.checkpoint is None):
+            return
+        keys, blocks, at = [], [], node
+        while at is not None:
+            keys.append(at.key)
+            blocks.append(at.block)
+            at = self.nodes.get(at.parent) if at.parent is not None else None
+        self.on_evict(keys[::-1], blocks[::-1], node.checkpoint, node.end)
 
     def evict_blocks(self, count: int) -> None:
         """Free at least `count` blocks the cache alone holds (fewer if there are not as many)."""
@@ -205,8 +223,16 @@ class PrefixCache:
             if parent is not None and not parent.children and parent.block in self.blocks.evictable:
                 heapq.heappush(heap, entry(parent))
 
-    def _remove(self, key: bytes) -> int:
-        """Drop `key` and everything chained after it from the index; blocks freed."""
+    def _remove(self, key: bytes, spill: bool = True) -> int:
+        """Drop `key` and everything chained after it from the index (their usable prefixes
+        spilled first, unless told not to); blocks freed."""
+        if spill and self.on_evict is not None:
+            stack = [key]
+            while stack:
+                node = self.nodes[stack.pop()]
+                stack.extend(node.children)
+                if node.checkpoint is not None or (not self.needs_state and not node.children):
+                    self._spill(node)
         freed, stack = 0, [key]
         node = self.nodes[key]
         if node.parent is not None and node.parent in self.nodes:
@@ -223,7 +249,7 @@ class PrefixCache:
 
     def clear(self) -> None:
         for key in [k for k, n in self.nodes.items() if n.parent is None]:
-            self._remove(key)
+            self._remove(key, spill=False)
 
     def check_integrity(self) -> None:
         held = {node.block for node in self.nodes.values()}

@@ -45,7 +45,7 @@ class Speculation:
         decoding = [r for r in engine.scheduler.running if r.status is DECODING]
         if decoding and (self.governor is None or self.governor.drafting(len(decoding))):
             self.propose(decoding)
-        plan = engine.scheduler.schedule()
+        plan = engine.schedule()
         if not plan.seqs:
             return []
         scratch = [s for s in plan.seqs if s.scratch_slot is not None]

@@ -105,7 +105,10 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
                                         ("revision", args.revision),
                                         ("dtype", args.dtype),
                                         ("gpu_memory_utilization", args.gpu_memory_utilization),
-                                        ("prefix_checkpoints", args.prefix_checkpoints)) if v is not None}
+                                        ("prefix_checkpoints", args.prefix_checkpoints),
+                                        ("host_cache_bytes", args.host_cache_bytes),
+                                        ("disk_cache_dir", args.disk_cache_dir),
+                                        ("disk_cache_bytes", args.disk_cache_bytes)) if v is not None}
     if args.enable_prefix_caching:
         engine_options["enable_prefix_caching"] = True
     if args.speculative_config is not None:
@@ -212,6 +215,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                             '\'{"method": "ngram", "num_speculative_tokens": 4}\' (docs/speculative.md)')
     serve.add_argument("--prefix-checkpoints", type=int, default=None,
                        help="recurrent-state checkpoint rows per worker (default: --max-num-seqs)")
+    serve.add_argument("--host-cache-bytes", type=int, default=None,
+                       help="with --enable-prefix-caching: host memory per worker for the prefixes its pool "
+                            "evicts (KV and state checkpoint together; docs/prefix-caching.md)")
+    serve.add_argument("--disk-cache-dir", default=None,
+                       help="with --enable-prefix-caching: a directory for the prefixes the host tier (or the "
+                            "pool) evicts; kept across restarts")
+    serve.add_argument("--disk-cache-bytes", type=int, default=None,
+                       help="the disk tier's budget per worker (with --disk-cache-dir)")
     serve.add_argument("--cpus-per-worker", type=float, default=1.0,
                        help="CPUs Ray reserves for each worker (each TP rank); lower it to fit more workers on a node")
     serve.add_argument("--gpus-per-worker", type=float, default=0.0,

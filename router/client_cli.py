@@ -92,13 +92,20 @@ def _acceptance(accepted: int, drafted: int) -> str:
     return f"{accepted}/{drafted} ({100 * accepted / drafted:.0f}%)" if drafted else "-"
 
 
+def _tiers(w) -> str:
+    """The prefix cache's lower tiers: "host 1.2 (4) disk 30.5 (9)", MB held and entries loaded back."""
+    parts = [f"{tier} {getattr(w, f'tier_{tier}_bytes') / 1e6:.1f} ({getattr(w, f'tier_{tier}_hits')})"
+             for tier in ("host", "disk") if getattr(w, f"tier_{tier}_bytes") or getattr(w, f"tier_{tier}_hits")]
+    return " ".join(parts) or "-"
+
+
 def format_status(status) -> str:
     m = status.model
     lines = [f"model {m.model_name} ({m.model_type}, max_model_len {m.max_model_len})   "
              f"ready: {'yes' if status.ready else 'NO'}   "
              f"in flight: {status.requests_in_flight}/{status.max_queued}", ""]
     rows = [["WORKER", "KIND", "NODE", "ALIVE", "KV BLOCKS USED", "STATE SLOTS USED", "WAITING",
-             "RUNNING", "PREEMPTED", "HANDOFFS (fail)", "HANDOFF MB", "SPEC ACCEPTED"]]
+             "RUNNING", "PREEMPTED", "HANDOFFS (fail)", "HANDOFF MB", "SPEC ACCEPTED", "TIERS MB (hits)"]]
     nodes: dict[str, list] = {}
     for w in status.workers:
         rows.append([w.id, w.kind, w.node, "yes" if w.alive else "NO",
@@ -107,7 +114,7 @@ def format_status(status) -> str:
                      str(w.preemptions), f"{w.handoff_count} ({w.handoff_failures})" if w.handoff_count
                      or w.handoff_failures else "-",
                      f"{w.handoff_bytes / 1e6:.1f}" if w.handoff_bytes else "-",
-                     _acceptance(w.spec_accepted_tokens, w.spec_draft_tokens)])
+                     _acceptance(w.spec_accepted_tokens, w.spec_draft_tokens), _tiers(w)])
         nodes.setdefault(w.node, []).append(w)
     lines.append(_table(rows) if status.workers else "no workers")
     if nodes:

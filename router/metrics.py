@@ -160,6 +160,17 @@ class WorkerStatusCollector:
         spec_per_position = CounterMetricFamily("splitserve_worker_spec_accepted_tokens_per_position",
                                                 "Draft tokens kept, by position in the proposal",
                                                 labels=[*WORKER_LABELS, "position"])
+        tier_labels = [*WORKER_LABELS, "tier"]
+        tier_bytes = GaugeMetricFamily("splitserve_worker_cache_tier_bytes",
+                                       "Bytes of prefix-cache entries a lower tier holds", labels=tier_labels)
+        tier_entries = GaugeMetricFamily("splitserve_worker_cache_tier_entries",
+                                         "Prefix-cache entries a lower tier holds", labels=tier_labels)
+        tier_hits = CounterMetricFamily("splitserve_worker_cache_tier_hits",
+                                        "Prefix-cache entries loaded back from a lower tier", labels=tier_labels)
+        tier_loaded = counter("splitserve_worker_cache_tier_loaded_tokens",
+                              "Prompt tokens whose KV and state a lower tier supplied")
+        tier_spills = counter("splitserve_worker_cache_tier_spills",
+                              "Prefix-cache entries the pool evicted into a lower tier")
         handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
                                               "Hand-off latency (count and sum)", labels=WORKER_LABELS)
         for w in workers:
@@ -181,6 +192,14 @@ class WorkerStatusCollector:
                 checkpoints_used.add_metric(labels, w.get("prefix_cache_checkpoints_used", 0))
                 checkpoints_total.add_metric(labels, w.get("prefix_cache_checkpoints_total", 0))
                 checkpoint_bytes.add_metric(labels, w.get("prefix_cache_checkpoint_bytes", 0))
+            if "tier_spills" in w:
+                tier_spills.add_metric(labels, w["tier_spills"])
+                tier_loaded.add_metric(labels, w.get("tier_loaded_tokens", 0))
+                for tier in ("host", "disk"):
+                    if f"tier_{tier}_bytes" in w:
+                        tier_bytes.add_metric([*labels, tier], w[f"tier_{tier}_bytes"])
+                        tier_entries.add_metric([*labels, tier], w.get(f"tier_{tier}_entries", 0))
+                        tier_hits.add_metric([*labels, tier], w.get(f"tier_{tier}_hits", 0))
             if "spec_drafts" in w:
                 spec_drafts.add_metric(labels, w["spec_drafts"])
                 spec_draft_tokens.add_metric(labels, w.get("spec_draft_tokens", 0))
@@ -195,7 +214,8 @@ class WorkerStatusCollector:
         yield from (alive, waiting, running, blocks_used, blocks_free, slots_used, slots_free,
                     preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
                     cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes,
-                    spec_drafts, spec_draft_tokens, spec_accepted, spec_per_position)
+                    spec_drafts, spec_draft_tokens, spec_accepted, spec_per_position,
+                    tier_bytes, tier_entries, tier_hits, tier_loaded, tier_spills)
 
 
 class VllmWorkerAliases:

@@ -47,9 +47,11 @@ def test_status_table_for_a_cluster():
         pb.WorkerStatus(id="prefill-0", kind="prefill", node="n1", alive=True, kv_blocks_total=100,
                         kv_blocks_free=25, waiting=3, handoff_count=7, handoff_bytes=5_000_000),
         pb.WorkerStatus(id="decode-0", kind="decode", node="n2", alive=False, running=2,
-                        spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=15)])
+                        spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=15,
+                        tier_host_bytes=2_000_000, tier_host_hits=4, tier_disk_bytes=30_000_000, tier_disk_hits=9)])
     text = format_status(status)
     assert "SPEC ACCEPTED" in text and "15/20 (75%)" in text
+    assert "TIERS MB (hits)" in text and "host 2.0 (4) disk 30.0 (9)" in text
     assert "ready: NO" in text and "75/100 (75%)" in text and "7 (0)" in text and "5.0" in text
     assert text.count("n1") == 2 and text.count("n2") == 2  # a worker row and a node row each
 
@@ -119,3 +121,14 @@ def test_speculative_config_reaches_the_engine_options_from_the_cli_and_a_serve_
         from engine.config import EngineConfig
 
         EngineConfig("engine/demo_model", speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+
+
+def test_the_cache_tiers_reach_the_engine_options_from_the_cli():
+    from router.cli import build_parser, serve_options
+
+    args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--host-cache-bytes", "1048576",
+                                      "--disk-cache-dir", "/var/cache/splitserve", "--disk-cache-bytes", "4096"])
+    options = serve_options(args)[0]
+    assert (options["host_cache_bytes"], options["disk_cache_dir"], options["disk_cache_bytes"]) == \
+        (1 << 20, "/var/cache/splitserve", 4096)
+    assert "host_cache_bytes" not in serve_options(build_parser().parse_args(["serve"]))[0]

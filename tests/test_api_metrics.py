@@ -135,6 +135,22 @@ def test_speculative_decoding_counters_by_worker_and_as_vllm_names_them():
     assert value(aliases, "vllm:spec_decode_num_accepted_tokens_per_pos_total", model_name="m", position="0") == 10
 
 
+def test_cache_tiers_by_worker_and_tier():
+    status = {"workers": [
+        {"id": "prefill-0", "kind": "prefill", "node": "n1", "tier_spills": 30, "tier_loaded_tokens": 4096,
+         "tier_host_bytes": 1 << 20, "tier_host_entries": 3, "tier_host_hits": 5,
+         "tier_disk_bytes": 1 << 24, "tier_disk_entries": 40, "tier_disk_hits": 9},
+        {"id": "decode-0", "kind": "decode", "node": "n2"}]}
+    samples = rendered(status)
+    p = dict(worker="prefill-0", kind="prefill", node="n1")
+    assert value(samples, "splitserve_worker_cache_tier_bytes", tier="host", **p) == 1 << 20
+    assert value(samples, "splitserve_worker_cache_tier_entries", tier="disk", **p) == 40
+    assert value(samples, "splitserve_worker_cache_tier_hits_total", tier="disk", **p) == 9
+    assert value(samples, "splitserve_worker_cache_tier_loaded_tokens_total", **p) == 4096
+    assert value(samples, "splitserve_worker_cache_tier_spills_total", **p) == 30
+    assert not any("tier" in name and dict(labels).get("worker") == "decode-0" for name, labels in samples)
+
+
 def test_a_failing_status_still_scrapes():
     def broken():
         raise RuntimeError("cluster gone")

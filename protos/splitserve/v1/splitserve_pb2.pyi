@@ -279,7 +279,7 @@ class ScaleResponse(_message.Message):
     def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("id", "kind", "node", "alive", "kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free", "waiting", "running", "preemptions", "handoff_bytes", "handoff_count", "handoff_failures", "handoff_seconds_sum", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("id", "kind", "node", "alive", "kv_blocks_total", "kv_blocks_free", "state_slots_total", "state_slots_free", "waiting", "running", "preemptions", "handoff_bytes", "handoff_count", "handoff_failures", "handoff_seconds_sum", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "tier_host_bytes", "tier_disk_bytes", "tier_host_hits", "tier_disk_hits", "tier_loaded_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,11 @@ class WorkerStatus(_message.Message):
     SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_DISK_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIER_LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: str
     kind: str
     node: str
@@ -316,7 +321,12 @@ class WorkerStatus(_message.Message):
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_count: _Optional[int] = ..., handoff_failures: _Optional[int] = ..., handoff_seconds_sum: _Optional[float] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    tier_host_bytes: int
+    tier_disk_bytes: int
+    tier_host_hits: int
+    tier_disk_hits: int
+    tier_loaded_tokens: int
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., node: _Optional[str] = ..., alive: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., state_slots_total: _Optional[int] = ..., state_slots_free: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ..., handoff_bytes: _Optional[int] = ..., handoff_count: _Optional[int] = ..., handoff_failures: _Optional[int] = ..., handoff_seconds_sum: _Optional[float] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., tier_host_bytes: _Optional[int] = ..., tier_disk_bytes: _Optional[int] = ..., tier_host_hits: _Optional[int] = ..., tier_disk_hits: _Optional[int] = ..., tier_loaded_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerStatus(_message.Message):
     __slots__ = ("ready", "requests_in_flight", "max_queued", "workers", "model")

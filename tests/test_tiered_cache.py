@@ -1,0 +1,165 @@
+"""The prefix cache's lower tiers (engine.tiered_cache): what the pool evicts moves to host
+memory and to disk, whole, and comes back as a pool hit; outputs stay those of no caching."""
+
+from __future__ import annotations
+
+import errno
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.tiered_cache import Entry, HostTier, TierConfig
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# A pool too small for the working set: 2 checkpoint rows, 30 blocks of 4 tokens.
+SMALL_POOL = dict(block_size=4, enable_prefix_caching=True, num_kv_blocks=30, prefix_checkpoints=2, max_num_seqs=2)
+
+
+def chat_trace(path, seed: int = 1, sessions: int = 6, turns: int = 3) -> tuple[list, list]:
+    """(prompts, their outputs without caching): chat sessions taking turns, each turn's
+    prompt the session's last prompt, its answer and a new message; turn after turn, session
+    after session, so the sessions between evict a session's prefix from the small pool."""
+    rng = random.Random(seed)
+    llm = LLM(str(path), block_size=4)
+    history = [[rng.randrange(3, 300) for _ in range(30)] for _ in range(sessions)]
+    prompts, outputs = [], []
+    for _ in range(turns):
+        for session in range(sessions):
+            prompt = history[session] + [rng.randrange(3, 300) for _ in range(5)]
+            [out] = llm.generate([prompt], GREEDY)
+            prompts.append(prompt)
+            outputs.append(out.token_ids)
+            history[session] = prompt + out.token_ids
+    return prompts, outputs
+
+
+def one_by_one(llm: LLM, prompts) -> list[list[int]]:
+    """Each prompt after the one before finished: every later turn finds its session's prefix
+    evicted from the small pool by the sessions between."""
+    outs = [out.token_ids for prompt in prompts for out in llm.generate([prompt], GREEDY)]
+    llm.engine.check_integrity()
+    assert llm.engine.blocks.num_available_blocks == llm.engine.blocks.num_blocks
+    return outs
+
+
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "llama"])
+def test_tiers_turn_evictions_into_hits_and_keep_the_outputs(name, model_factory, tmp_path):
+    path, _ = model_factory(name)
+    prompts, expected = chat_trace(path)
+    pool_only = LLM(str(path), **SMALL_POOL)
+    assert one_by_one(pool_only, prompts) == expected
+    for tiers in (dict(host_cache_bytes=1 << 22), dict(disk_cache_dir=str(tmp_path / name), disk_cache_bytes=1 << 24),
+                  dict(host_cache_bytes=1 << 16, disk_cache_dir=str(tmp_path / f"{name}-both"),
+                       disk_cache_bytes=1 << 24)):
+        llm = LLM(str(path), **SMALL_POOL, **tiers)
+        assert one_by_one(llm, prompts) == expected, tiers
+        stats = llm.engine.stats()
+        assert stats["tier_spills"] > 0 and stats["tier_host_hits"] + stats["tier_disk_hits"] >= 6, stats
+        assert stats["prefix_cache_hit_tokens"] > pool_only.engine.stats()["prefix_cache_hit_tokens"] + 200
+        assert stats["tier_host_hits" if "disk_cache_dir" not in tiers else "tier_disk_hits"] > 0, stats
+    # the small host tier pushed its entries down to disk
+    assert stats["tier_disk_entries"] > 0 and 0 < stats["tier_host_bytes"] <= 1 << 16, stats
+
+
+def test_the_disk_tier_is_warm_across_a_restart_and_cold_for_another_layout(model_factory, tmp_path):
+    path, _ = model_factory("jamba")
+    prompts, expected = chat_trace(path, 2)
+    disk = dict(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24)
+    one_by_one(LLM(str(path), **SMALL_POOL, **disk), prompts[:6])  # fills the disk, then goes away
+    restarted = LLM(str(path), **SMALL_POOL, **disk)
+    assert one_by_one(restarted, prompts[6:12]) == expected[6:12]
+    assert restarted.engine.stats()["tier_disk_hits"] >= 5
+    # another block size is another layout: its folder is its own, the old entries never read
+    other = LLM(str(path), **{**SMALL_POOL, "block_size": 8}, **disk)
+    assert one_by_one(other, prompts[6:12]) == expected[6:12]
+    assert other.engine.stats()["tier_disk_hits"] == 0
+    assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+def entry_files(tmp_path):
+    return sorted(f for d in tmp_path.iterdir() if d.is_dir() for f in d.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "other_chain"])
+def test_a_damaged_disk_entry_is_refused_removed_and_recomputed(damage, model_factory, tmp_path):
+    path, _ = model_factory("jamba")
+    prompts, expected = chat_trace(path, 3)
+    disk = dict(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24)
+    one_by_one(LLM(str(path), **SMALL_POOL, **disk), prompts[:6])
+    files = entry_files(tmp_path)
+    assert len(files) > 1
+    good = files[0].read_bytes()
+    for file in files[1:]:
+        data = bytearray(file.read_bytes())
+        if damage == "truncate":
+            data = data[:len(data) // 2]
+        elif damage == "flip":
+            data[-5] ^= 0xFF  # in the tensor bytes: only the checksum notices
+        elif damage == "garbage":
+            data = bytearray(b"not a safetensors file")
+        else:  # a whole, valid entry under another chain's name
+            data = bytearray(good)
+        file.write_bytes(bytes(data))
+    llm = LLM(str(path), **SMALL_POOL, **disk)
+    assert one_by_one(llm, prompts[6:12]) == expected[6:12]
+    stats = llm.engine.stats()
+    assert stats["tier_disk_removed_bad"] >= 1, stats
+    gone = [file for file in files[1:] if not file.exists()]
+    assert len(gone) == stats["tier_disk_removed_bad"]
+
+
+def test_a_full_disk_and_a_crashed_write_lose_entries_not_requests(model_factory, tmp_path, monkeypatch):
+    import engine.tiered_cache as tiered
+
+    path, _ = model_factory("jamba")
+    prompts, expected = chat_trace(path, 4)
+    folder = tmp_path / "cache"
+    disk = dict(disk_cache_dir=str(folder), disk_cache_bytes=1 << 24)
+
+    def full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"half an entr")  # what a write that ran out of room leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiered, "save_file", full)
+    llm = LLM(str(path), **SMALL_POOL, **disk)
+    assert one_by_one(llm, prompts) == expected
+    stats = llm.engine.stats()
+    assert stats["tier_disk_write_errors"] > 0 and stats["tier_disk_entries"] == 0, stats
+    assert not list(folder.rglob(".tmp-*"))  # the half-written files were removed
+    monkeypatch.undo()
+    # A crash mid-write leaves a temporary file: never read as an entry, removed at the next start.
+    [layout_dir] = [d for d in folder.iterdir() if d.is_dir()]
+    (layout_dir / ".tmp-999-40-00.safetensors").write_bytes(b"half")
+    LLM(str(path), **SMALL_POOL, **disk)
+    assert not list(folder.rglob(".tmp-*"))
+
+
+def test_the_host_tier_keeps_its_budget_and_evicts_the_least_useful():
+    def entry(key: int, end: int, used: float) -> Entry:
+        return Entry([bytes([key])], end, {"kv:x": torch.zeros(end, dtype=torch.uint8)}, last_used=used)
+
+    tier = HostTier(budget=100)
+    assert tier.put(entry(1, 40, 1.0)) == [] and tier.put(entry(2, 40, 2.0)) == []
+    pushed = tier.put(entry(3, 40, 3.0))  # 120 bytes: the oldest of equal length goes down
+    assert [e.keys for e in pushed] == [[bytes([1])]] and tier.nbytes == 80
+    assert tier.put(entry(4, 20, 4.0)) == [] and tier.nbytes == 100
+    assert [e.keys for e in tier.put(entry(5, 200, 5.0))] == [[bytes([5])]]  # larger than the tier
+    # Over budget again: the short prefix goes before older long ones (it saves less compute),
+    # then the oldest.
+    assert [e.keys for e in tier.put(entry(6, 40, 6.0))] == [[bytes([4])], [bytes([2])]]
+    assert tier.nbytes == 80 and tier.take(bytes([3])) is not None and tier.nbytes == 40
+
+
+@pytest.mark.parametrize("options, names", [
+    (dict(host_cache_bytes=1 << 20), "need enable_prefix_caching"),
+    (dict(enable_prefix_caching=True, disk_cache_dir="/tmp/x"), "disk_cache_dir and disk_cache_bytes"),
+    (dict(enable_prefix_caching=True, disk_cache_bytes=10), "disk_cache_dir and disk_cache_bytes"),
+    (dict(enable_prefix_caching=True, host_cache_bytes=-1), "host_cache_bytes"),
+])
+def test_bad_tier_settings_are_refused_naming_them(options, names):
+    with pytest.raises(ValueError, match=names):
+        EngineConfig("engine/demo_model", **options)
+    assert TierConfig().enabled is False
