@@ -177,6 +177,15 @@ def cmd_prefix(args) -> int:
     from bench.prefix import format_rows, run_prefix, run_prefix_cluster
 
     with _model_dir(args) as model:
+        if args.tiers:
+            from bench.tiers import format_rows as format_tiers, run_tiers
+
+            rows = run_tiers(model, args.sessions, args.turns, args.message_len, args.answer_len,
+                             disk_dir=args.disk_cache_dir, seed=args.seed)
+            print(format_tiers(rows))
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=2))
+            return 0
         if args.cluster:
             rows = run_prefix_cluster(model, args.sessions, args.turns, args.message_len, args.answer_len,
                                       args.local_prefill_tokens, args.seed)

@@ -160,6 +160,10 @@ def add_prefix_arguments(p) -> None:
     p.add_argument("--no-reuse-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cluster", action="store_true", help="multi-turn chat on 1P1D clusters (see above)")
+    p.add_argument("--tiers", action="store_true",
+                   help="instead: an agentic trace 4x the pool, the pool alone against the pool with a host tier "
+                        "(bench/tiers.py)")
+    p.add_argument("--disk-cache-dir", default=None, help="--tiers: add a disk tier in this folder")
     p.add_argument("--local-prefill-tokens", type=int, default=128,
                    help="--cluster: uncached part a decode worker prefills itself")
     p.add_argument("--out", default=None, help="write the JSON rows here")

@@ -24,6 +24,8 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +120,9 @@ class HostTier:
 
 
 class DiskTier:
+    """Entry files in one folder. Writes run on a thread of their own (a spill must not wait
+    for the disk): an entry queued and not yet written is served from the queue."""
+
     def __init__(self, root: str, budget: int, fingerprint: str):
         self.dir = Path(root) / fingerprint
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +130,27 @@ class DiskTier:
         for stale in self.dir.glob(".tmp-*"):  # a write a crash interrupted: never an entry
             stale.unlink(missing_ok=True)
         self.write_errors = self.removed_bad = 0
+        self.pending: dict[Path, Entry] = {}  # queued for the writer, by the file they become
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Path] = queue.Queue()
+        threading.Thread(target=self._writer, name="disk-cache-writer", daemon=True).start()
+
+    def flush(self) -> None:
+        """Wait until every queued entry is written (or failed)."""
+        self._queue.join()
+
+    def _writer(self) -> None:
+        while True:
+            path = self._queue.get()
+            try:
+                with self._lock:
+                    entry = self.pending.get(path)
+                if entry is not None:
+                    self._write(entry, path)
+            finally:
+                with self._lock:
+                    self.pending.pop(path, None)
+                self._queue.task_done()
 
     def path(self, key: bytes, end: int) -> Path:
         return self.dir / f"{end}-{key.hex()}.safetensors"
@@ -140,8 +166,13 @@ class DiskTier:
 
     def put(self, entry: Entry) -> None:
         path = self.path(entry.keys[-1], entry.end)
-        if path.exists():
-            return
+        with self._lock:
+            if path in self.pending or path.exists():
+                return
+            self.pending[path] = entry
+        self._queue.put(path)
+
+    def _write(self, entry: Entry, path: Path) -> None:
         tmp = self.dir / f".tmp-{os.getpid()}-{path.name}"
         tensors = {name: t.contiguous() for name, t in entry.tensors.items()}
         metadata = {"fingerprint": self.fingerprint, "keys": b"".join(entry.keys).hex(), "end": str(entry.end),
@@ -172,6 +203,10 @@ class DiskTier:
         cache's shapes (`shapes`: name -> (one row's shape, dtype)); a file that does not is
         removed."""
         path = self.path(key, end)
+        with self._lock:
+            queued = self.pending.get(path)
+        if queued is not None:
+            return Entry(list(keys), end, queued.tensors) if queued.keys == keys else None
         if not path.exists():
             return None
         try:
@@ -305,6 +340,11 @@ class TieredCache:
             return True
         finally:
             self.blocks.free(LOAD_OWNER)
+
+    def flush(self) -> None:
+        """Wait for the disk tier's queued writes."""
+        if self.disk is not None:
+            self.disk.flush()
 
     def stats(self) -> dict:
         out = {"tier_spills": self.spills, "tier_host_hits": self.host_hits, "tier_disk_hits": self.disk_hits,

@@ -405,3 +405,19 @@ def test_spec_bench_sizes_what_an_mtp_head_adds_to_a_handoff():
     for row in rows:
         assert row["with_head_bytes"] - row["target_bytes"] == 2048 * row["prompt_len"] + 4096
     assert 0.01 < rows[0]["added"] < rows[1]["added"] < 0.1
+
+
+def test_tiers_bench_turns_evictions_into_hits_on_an_agentic_trace(tmp_path):
+    """bench prefix --tiers on a tiny trace 4x the pool: the pool alone finds little, the
+    host and disk tiers find the sessions it evicted; the engines' tokens agree (checked
+    inside)."""
+    from bench.checkpoints import build_checkpoint
+    from bench.tiers import format_rows, run_tiers
+
+    build_checkpoint("jamba", tmp_path / "model")
+    rows = run_tiers(str(tmp_path / "model"), sessions=6, turns=3, message_len=24, answer_len=4, block_size=4,
+                     disk_dir=str(tmp_path / "disk"))
+    agentic = {r["engine"]: r for r in rows if r["workload"] == "agentic"}
+    assert agentic["off"]["hit_rate"] == 0 and agentic["tiers"]["hit_rate"] > agentic["pool"]["hit_rate"] + 0.2
+    assert agentic["tiers"]["tier_host_hits"] + agentic["tiers"]["tier_disk_hits"] > 0
+    assert "tiers vs pool" in format_rows(rows) and "no reuse" in format_rows(rows)

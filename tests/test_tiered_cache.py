@@ -40,6 +40,8 @@ def one_by_one(llm: LLM, prompts) -> list[list[int]]:
     """Each prompt after the one before finished: every later turn finds its session's prefix
     evicted from the small pool by the sessions between."""
     outs = [out.token_ids for prompt in prompts for out in llm.generate([prompt], GREEDY)]
+    if llm.engine.tiers is not None:
+        llm.engine.tiers.flush()  # the disk tier's queued writes
     llm.engine.check_integrity()
     assert llm.engine.blocks.num_available_blocks == llm.engine.blocks.num_blocks
     return outs
