@@ -66,6 +66,21 @@ def test_tiers_turn_evictions_into_hits_and_keep_the_outputs(name, model_factory
     assert stats["tier_disk_entries"] > 0 and 0 < stats["tier_host_bytes"] <= 1 << 16, stats
 
 
+def test_requests_that_share_an_evicted_prefix_load_it_once(model_factory):
+    """Two requests waiting at once whose prefix only a tier holds: the first admission loads
+    it into the pool, the second finds it there as a pool hit."""
+    path, _ = model_factory("jamba")
+    prompts, expected = chat_trace(path, 5)
+    llm = LLM(str(path), **SMALL_POOL, host_cache_bytes=1 << 22)
+    one_by_one(llm, prompts[:6])  # the first turns; then each later session's prefix is in the tier
+    twins = [prompts[6], prompts[6]]
+    assert [out.token_ids for out in llm.generate(twins, GREEDY)] == [expected[6]] * 2
+    stats = llm.engine.stats()
+    assert stats["tier_host_hits"] == 1, stats
+    assert stats["prefix_cache_hit_tokens"] >= 2 * stats["tier_loaded_tokens"], stats
+    llm.engine.check_integrity()
+
+
 def test_the_disk_tier_is_warm_across_a_restart_and_cold_for_another_layout(model_factory, tmp_path):
     path, _ = model_factory("jamba")
     prompts, expected = chat_trace(path, 2)
@@ -160,6 +175,7 @@ def test_the_host_tier_keeps_its_budget_and_evicts_the_least_useful():
     (dict(enable_prefix_caching=True, disk_cache_dir="/tmp/x"), "disk_cache_dir and disk_cache_bytes"),
     (dict(enable_prefix_caching=True, disk_cache_bytes=10), "disk_cache_dir and disk_cache_bytes"),
     (dict(enable_prefix_caching=True, host_cache_bytes=-1), "host_cache_bytes"),
+    (dict(enable_prefix_caching=True, host_cache_bytes=1 << 20, tensor_parallel_size=2), "tensor_parallel_size 2"),
 ])
 def test_bad_tier_settings_are_refused_naming_them(options, names):
     with pytest.raises(ValueError, match=names):
