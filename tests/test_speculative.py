@@ -424,6 +424,19 @@ def test_a_draft_model_keeps_the_outputs_and_drafts_its_own_argmax(target, draft
         judge_greedy(draft_hf, context, drafts)
 
 
+def test_a_draft_model_keeps_every_familys_outputs(family_model):
+    """draft_model on every family, the model its own draft (so most drafts are accepted):
+    greedy outputs token-identical to plain decoding, judged by transformers."""
+    family, path, hf = family_model
+    prompts = prompts_for(10)[:3]
+    plain, _ = generate(path, prompts)
+    speculated, stats = generate(path, prompts, speculative_config=draft_config(path))
+    assert speculated == plain
+    for prompt, output in zip(prompts, speculated):
+        judge_greedy(hf, prompt, output)
+    assert stats["spec_accepted_tokens"] > stats["spec_draft_tokens"] / 2, stats
+
+
 def test_a_draft_that_keeps_rejected_drafts_in_its_state_proposes_wrong_tokens(model_factory, monkeypatch):
     """The stale-state mutation of the draft: a recurrent draft that rolls back its counters
     but not its state (as an attention-only draft may) stops proposing its own argmax."""
