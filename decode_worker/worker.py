@@ -143,6 +143,9 @@ class DecodeWorker(WorkerBase):
 
     def stats(self) -> dict:
         stats = self.engine.stats()
+        events = self.engine.drain_cache_events()  # the router's index of what this worker caches
+        if events is not None:
+            stats["cache_events"] = events
         stats.update(incarnation=self.incarnation,
                      waiting_for_state=len(self.receiver.pending()) + len(self._rank_pending()))
         return stats

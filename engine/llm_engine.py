@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.cache_events import CacheEvents
 from engine.cache import ModelCache, plan_cache
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice
@@ -130,6 +131,14 @@ class LLMEngine:
         if self.prefix_cache is not None and config.tier_config.enabled:
             fingerprint = cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
             self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache, fingerprint)
+        # What the prefix cache and its tiers store and drop, for the router's index (a worker's
+        # stats report drains it: drain_cache_events).
+        self.cache_events = None
+        if self.prefix_cache is not None:
+            self.cache_events = CacheEvents(self._usable_prefixes)
+            self.prefix_cache.events = self.cache_events
+            if self.tiers is not None:
+                self.tiers.attach_events(self.cache_events)
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
                                    verify_needs_scratch=bool(self.spec.state_layers))
@@ -161,6 +170,17 @@ class LLMEngine:
         if config.device == "cpu":
             pack_linears(head)
         return head
+
+    def _usable_prefixes(self) -> list:
+        events = [("+", "pool", key, end) for key, end in self.prefix_cache.usable()]
+        if self.tiers is not None:
+            events += [("+", tier, key, end) for tier, key, end in self.tiers.held()]
+        return events
+
+    def drain_cache_events(self) -> dict | None:
+        """What the prefix cache and its tiers stored and dropped since the last call
+        (engine.cache_events); None without prefix caching."""
+        return self.cache_events.drain() if self.cache_events is not None else None
 
     def _profiled_cache_bytes(self) -> int:
         """What the device has left for the cache (gpu_memory_utilization) after the weights and

@@ -85,6 +85,7 @@ class PrefixCache:
         # each usable prefix about to leave the pool under pressure, while its blocks and row
         # still hold it: a lower tier keeps it (engine.tiered_cache). None: it is dropped.
         self.on_evict: Callable[[list[bytes], list[int], int | None, int], None] | None = None
+        self.events = None  # engine.cache_events.CacheEvents: usable prefixes stored and dropped
         blocks.evictor = self.evict_blocks
 
     @property
@@ -145,6 +146,8 @@ class PrefixCache:
                 node = self.nodes[key] = CachedBlock(key, table[i], parent, (i + 1) * self.block_size, now)
                 if parent is not None:
                     self.nodes[parent].children.add(key)
+                if self.events is not None and not self.needs_state:
+                    self.events.stored("pool", key, node.end)
             node.last_used = now
             parent = key
 
@@ -161,6 +164,8 @@ class PrefixCache:
         row = self._free_rows.pop()
         node.checkpoint, self._row_owner[row] = row, key
         node.last_used = self._tick()
+        if self.events is not None:
+            self.events.stored("pool", key, node.end)
         return row
 
     def drop_checkpoint(self, key: bytes) -> None:
@@ -169,6 +174,8 @@ class PrefixCache:
             del self._row_owner[node.checkpoint]
             self._free_rows.append(node.checkpoint)
             node.checkpoint = None
+            if self.events is not None:
+                self.events.dropped("pool", key, node.end)
 
     # ------------------------------------------------------------------ eviction
 
@@ -240,6 +247,8 @@ class PrefixCache:
         while stack:
             node = self.nodes.pop(stack.pop())
             stack.extend(node.children)
+            if self.events is not None and (node.checkpoint is not None or not self.needs_state):
+                self.events.dropped("pool", node.key, node.end)
             if node.checkpoint is not None:
                 del self._row_owner[node.checkpoint]
                 self._free_rows.append(node.checkpoint)
@@ -250,6 +259,16 @@ class PrefixCache:
     def clear(self) -> None:
         for key in [k for k, n in self.nodes.items() if n.parent is None]:
             self._remove(key, spill=False)
+
+    def usable(self) -> list[tuple[bytes, int]]:
+        """(key, tokens) of every prefix a hit can start from now."""
+        for _ in range(8):  # another thread (a stats report) may read while the engine's inserts
+            try:
+                return [(key, node.end) for key, node in list(self.nodes.items())
+                        if node.checkpoint is not None or not self.needs_state]
+            except RuntimeError:
+                continue
+        return []
 
     def check_integrity(self) -> None:
         held = {node.block for node in self.nodes.values()}

@@ -99,6 +99,7 @@ class HostTier:
         self.budget = budget
         self.entries: dict[bytes, Entry] = {}  # by the chain's last key
         self.nbytes = 0
+        self.events = None  # engine.cache_events.CacheEvents
 
     def put(self, entry: Entry) -> list[Entry]:
         """Keep `entry`; what no longer fits, least useful first (to go down a tier)."""
@@ -107,6 +108,8 @@ class HostTier:
             return [entry]
         self.entries[entry.keys[-1]] = entry
         self.nbytes += entry.nbytes
+        if self.events is not None:
+            self.events.stored("host", entry.keys[-1], entry.end)
         while self.nbytes > self.budget:
             victim = least_useful([(e, e.last_used, e.end) for e in self.entries.values()])
             out.append(self.take(victim.keys[-1]))
@@ -116,6 +119,8 @@ class HostTier:
         entry = self.entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            if self.events is not None:
+                self.events.dropped("host", key, entry.end)
         return entry
 
 
@@ -130,6 +135,7 @@ class DiskTier:
         for stale in self.dir.glob(".tmp-*"):  # a write a crash interrupted: never an entry
             stale.unlink(missing_ok=True)
         self.write_errors = self.removed_bad = 0
+        self.events = None  # engine.cache_events.CacheEvents
         self.pending: dict[Path, Entry] = {}  # queued for the writer, by the file they become
         self._lock = threading.Lock()
         self._queue: queue.Queue[Path] = queue.Queue()
@@ -154,6 +160,15 @@ class DiskTier:
 
     def path(self, key: bytes, end: int) -> Path:
         return self.dir / f"{end}-{key.hex()}.safetensors"
+
+    def _remove(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        if self.events is not None:
+            self.events.dropped("disk", *key_of(path))
+
+    def held(self) -> list[tuple[bytes, int]]:
+        """(key, tokens) of every entry file."""
+        return [key_of(path) for path, *_ in self.files()]
 
     def files(self) -> list[tuple[Path, float, int, int]]:
         """(path, last used, tokens, bytes) of every entry file."""
@@ -183,6 +198,8 @@ class DiskTier:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            if self.events is not None:
+                self.events.stored("disk", entry.keys[-1], entry.end)
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self.write_errors += 1
@@ -194,7 +211,7 @@ class DiskTier:
         used = sum(f[3] for f in files)
         while files and used + nbytes > self.budget:
             victim = least_useful([(f, f[1], f[2]) for f in files])
-            victim[0].unlink(missing_ok=True)
+            self._remove(victim[0])
             files.remove(victim)
             used -= victim[3]
 
@@ -226,7 +243,7 @@ class DiskTier:
             tensors, bad = {}, f"unreadable ({type(e).__name__})"
         if bad is not None:
             log.warning("disk cache: %s refused (%s) and removed", path.name, bad)
-            path.unlink(missing_ok=True)
+            self._remove(path)
             self.removed_bad += 1
             return None
         os.utime(path)  # recency, for the disk's own eviction
@@ -249,6 +266,16 @@ class TieredCache:
         self.row_shapes.update({f"state:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in self.state_tensors})
         self.spills = self.host_hits = self.disk_hits = self.loaded_tokens = 0
         prefix_cache.on_evict = self.spill
+
+    def attach_events(self, events) -> None:
+        for tier in (self.host, self.disk):
+            if tier is not None:
+                tier.events = events
+
+    def held(self) -> list[tuple[str, bytes, int]]:
+        """(tier, key, tokens) of every entry the tiers hold."""
+        host = [("host", key, e.end) for key, e in list(self.host.entries.items())] if self.host is not None else []
+        return host + ([("disk", key, end) for key, end in self.disk.held()] if self.disk is not None else [])
 
     # ------------------------------------------------------------------ down
 
@@ -356,6 +383,12 @@ class TieredCache:
             out.update(tier_disk_bytes=sum(f[3] for f in files), tier_disk_entries=len(files),
                        tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad)
         return out
+
+
+def key_of(path: Path) -> tuple[bytes, int]:
+    """An entry file's (last block key, tokens), from its name."""
+    end, key = path.name.removesuffix(".safetensors").split("-", 1)
+    return bytes.fromhex(key), int(end)
 
 
 def cache_fingerprint(model_dir: str, dtype: str, block_size: int, cache) -> str:

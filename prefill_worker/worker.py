@@ -221,6 +221,9 @@ class PrefillWorker(WorkerBase):
 
     def stats(self) -> dict:
         stats = self.engine.stats()
+        events = self.engine.drain_cache_events()  # the router's index of what this worker caches
+        if events is not None:
+            stats["cache_events"] = events
         stats.update(incarnation=self.incarnation, queued_prompt_tokens=sum(self._queued_tokens.values()),
                      handoff_count=self.handoffs["count"], handoff_failures=self.handoffs["failures"],
                      handoff_bytes=self.handoffs["bytes"], handoff_seconds_sum=self.handoffs["seconds"],

@@ -269,6 +269,9 @@ class WorkerSet:
                 worker.prefixes.clear()  # a new life starts with an empty cache
                 await self._rejoin(worker)
             worker.incarnation = stats["incarnation"]
+            events = stats.pop("cache_events", None)
+            if events is not None:
+                worker.prefixes.apply(events)
             worker.stats = stats
             worker.reserved_since_stats = 0
             worker.alive = True

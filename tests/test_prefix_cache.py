@@ -176,6 +176,28 @@ def test_the_router_sends_a_prompt_where_its_prefix_likely_is():
     assert len(index) == 3 and index.matched_blocks(chat) == 0  # the oldest keys went first
 
 
+def test_the_router_index_follows_the_workers_reports_and_guesses_only_the_gap():
+    from router.prefix_routing import PrefixIndex
+
+    chat = block_hashes(list(range(36)), SIZE, [])  # 9 blocks
+    index = PrefixIndex(64)
+    index.apply({"reset": True, "events": [("+", "pool", chat[3], 16), ("+", "disk", chat[7], 32)]})
+    assert index.matched_blocks(chat) == 8  # the longest usable prefix, whatever is before it
+    assert index.tiers_of(chat[7]) == {"disk"}
+    index.apply({"reset": False, "events": [("+", "host", chat[7], 32), ("-", "disk", chat[7], 32)]})
+    assert index.tiers_of(chat[7]) == {"host"}
+    index.apply({"reset": False, "events": [("-", "host", chat[7], 32)]})
+    assert index.matched_blocks(chat) == 4 and chat[7] not in index.held
+    index.add(chat)  # sent there: a guess until the worker has reported on it
+    assert index.matched_blocks(chat) == 9
+    index.apply({"reset": False, "events": []})  # may have been in flight during this report
+    assert index.matched_blocks(chat) == 9
+    index.apply({"reset": False, "events": []})  # the worker reported it does not hold it
+    assert index.matched_blocks(chat) == 4
+    index.apply({"reset": True, "events": []})  # a restart, or a report that overflowed
+    assert index.matched_blocks(chat) == 0 and len(index) == 0
+
+
 def test_serve_flags_reach_the_workers_engine_options():
     from router.cli import build_parser, serve_options
 

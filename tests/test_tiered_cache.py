@@ -181,3 +181,45 @@ def test_bad_tier_settings_are_refused_naming_them(options, names):
     with pytest.raises(ValueError, match=names):
         EngineConfig("engine/demo_model", **options)
     assert TierConfig().enabled is False
+
+
+def held_now(engine) -> dict[bytes, set[str]]:
+    """What the engine's pool and tiers hold, usable for a hit, by key."""
+    held: dict[bytes, set[str]] = {}
+    for key, _ in engine.prefix_cache.usable():
+        held.setdefault(key, set()).add("pool")
+    for tier, key, _ in engine.tiers.held():
+        held.setdefault(key, set()).add(tier)
+    return held
+
+
+@pytest.mark.parametrize("limit", [16384, 5])
+def test_the_cache_events_rebuild_exactly_what_the_worker_holds(limit, model_factory, tmp_path):
+    """The router's index, fed only the drained events (engine.cache_events), equals what the
+    pool and the tiers hold after every request, under eviction pressure; with a tiny event
+    buffer it overflows, and the reset's snapshot makes it exact again. A restarted worker's
+    first report is a snapshot of its disk."""
+    from engine.cache_events import CacheEvents
+    from router.prefix_routing import PrefixIndex
+
+    path, _ = model_factory("jamba")
+    prompts, _ = chat_trace(path, 6)
+    tiers = dict(host_cache_bytes=1 << 17, disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24)
+    llm = LLM(str(path), **SMALL_POOL, **tiers)
+    llm.engine.cache_events = events = CacheEvents(llm.engine._usable_prefixes, limit=limit)
+    llm.engine.prefix_cache.events = events
+    llm.engine.tiers.attach_events(events)
+    index, resets = PrefixIndex(64), 0
+    for prompt in prompts:
+        llm.generate([prompt], GREEDY)
+        llm.engine.tiers.flush()
+        report = llm.engine.drain_cache_events()
+        resets += report["reset"]
+        index.apply(report)
+        assert index.held == held_now(llm.engine)
+    assert {"pool", "host", "disk"} <= set().union(*index.held.values())
+    assert resets == 1 if limit > 100 else resets > 1  # the first report; then overflows
+    restarted = LLM(str(path), **SMALL_POOL, **tiers)
+    report = restarted.engine.drain_cache_events()
+    assert report["reset"] and {key for _, tier, key, _ in report["events"] if tier == "disk"} == \
+        {key for key, tiers in held_now(restarted.engine).items() if "disk" in tiers} != set()
