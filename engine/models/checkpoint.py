@@ -124,6 +124,12 @@ class WeightFiles:
             )
         self._handles: dict[Path, Any] = {}
         self.used: set[str] = set()
+        # An FP8 checkpoint's scheme (engine.models.fp8): its float8 weights are read dequantized.
+        quant = read_json(model_dir / "config.json").get("quantization_config") \
+            if (model_dir / "config.json").exists() else None
+        from engine.models.fp8 import FP8Weights
+
+        self.fp8 = FP8Weights(quant, str(model_dir / "config.json")) if quant is not None else None
 
     def names(self) -> list[str]:
         return list(self._file_of)
@@ -136,16 +142,31 @@ class WeightFiles:
         if path is None:
             expect = f" of shape {list(shape)}" if shape is not None else ""
             raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}{expect}")
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(path, framework="pt")
-        tensor = handle.get_tensor(name)
+        tensor = self._read(path, name)
+        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if self.fp8 is None:
+                raise CheckpointError(f"{path}: tensor {name!r} is {tensor.dtype} but config.json has no "
+                                      "quantization_config")
+            scale_name = self.fp8.scale_name(name)
+            scale = self._read(self._file_of[scale_name], scale_name) if scale_name in self._file_of else None
+            tensor = self.fp8.dequantize(name, tensor, scale)
+            self.used.add(scale_name)
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise CheckpointError(
                 f"{path}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(shape)}"
             )
         self.used.add(name)
         return tensor
+
+    def _read(self, path: Path, name: str) -> torch.Tensor:
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(path, framework="pt")
+        return handle.get_tensor(name)
+
+    def unused(self) -> list[str]:
+        """Tensors not read, less those that exist only for quantization."""
+        return [n for n in self._file_of if n not in self.used and not (self.fp8 and self.fp8.is_scale(n))]
 
     def close(self) -> None:
         self._handles.clear()
@@ -171,7 +192,7 @@ def load_into(module: torch.nn.Module, weights: WeightFiles, name_map, ignore=la
             else:
                 tensor = weights.get(source, tuple(param.shape))
             param.copy_(tensor.to(param.dtype))
-    leftover = [n for n in weights.names() if n not in weights.used and not ignore(n)]
+    leftover = [n for n in weights.unused() if not ignore(n)]
     if leftover:
         shown = ", ".join(sorted(leftover)[:5])
         raise CheckpointError(
