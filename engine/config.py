@@ -10,7 +10,7 @@ import torch
 
 from engine.hub import resolve_model
 from engine.speculative import SpeculativeConfig
-from engine.tiered_cache import TierConfig
+from engine.host_tier import TierConfig
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")

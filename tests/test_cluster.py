@@ -368,3 +368,35 @@ def test_prefix_caching_finds_the_worker_that_holds_the_prefix(cluster):
     assert second.num_cached_tokens == 36  # 39 tokens computed by turn 1: its last boundary
     assert sum(worker_stats(handle, "handoff_count").values()) == handoffs_before
     wait_idle(handle)
+
+
+def test_cache_tiers_serve_evicted_sessions_and_the_router_sees_every_tier(cluster, tmp_path):
+    """A 1P+1D pair with a small pool, a host tier and a disk tier: sessions that come back after
+    the pool evicted them are served from the tiers, exactly; the router's index, built from
+    the workers' cache events alone, shows entries in each tier, and status shows the tiers."""
+    from router.cluster import launch
+
+    _, path, hf, (nodes, _, _) = cluster
+    tiered = launch(path, prefill=1, decode=1, address=nodes.address, pack_pairs=True,
+                    prefill_resource=None, decode_resource=None, block_size=4, num_kv_blocks=60, max_num_seqs=4,
+                    enable_prefix_caching=True, prefix_checkpoints=2, host_cache_bytes=1 << 17,
+                    disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24)
+    try:
+        rng = random.Random(52)
+        systems = [[rng.randrange(3, 300) for _ in range(36)] for _ in range(6)]
+        prompts = [s + [rng.randrange(3, 300) for _ in range(3)] for s in systems]
+        prompts += [s + [rng.randrange(3, 300) for _ in range(3)] for s in systems]  # the sessions again
+        outs = [tiered.generate([p], GREEDY)[0] for p in prompts]
+        local = LLM(path, block_size=4).generate(prompts, GREEDY)
+        for prompt, out, ref in zip(prompts, outs, local):
+            assert out.error is None, out.error
+            assert_same_tokens(hf, prompt, out.token_ids, ref.token_ids)
+        time.sleep(0.6)  # the router's next stats report
+        status = {w["id"]: w for w in tiered.status()["workers"]}
+        prefill = status["prefill-0"]
+        assert prefill["tier_host_hits"] + prefill["tier_disk_hits"] > 0, prefill
+        assert sum(o.num_cached_tokens for o in outs[6:]) >= 6 * 32
+        index = tiered.workers.prefill[0].prefixes.held
+        assert {"pool", "host", "disk"} <= set().union(*index.values()), index
+    finally:
+        tiered.shutdown()

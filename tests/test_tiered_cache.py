@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.tiered_cache import Entry, HostTier, TierConfig
+from engine.host_tier import Entry, HostTier, TierConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # A pool too small for the working set: 2 checkpoint rows, 30 blocks of 4 tokens.
@@ -129,7 +129,7 @@ def test_a_damaged_disk_entry_is_refused_removed_and_recomputed(damage, model_fa
 
 
 def test_a_full_disk_and_a_crashed_write_lose_entries_not_requests(model_factory, tmp_path, monkeypatch):
-    import engine.tiered_cache as tiered
+    import engine.disk_tier as tiered
 
     path, _ = model_factory("jamba")
     prompts, expected = chat_trace(path, 4)
