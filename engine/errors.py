@@ -1,4 +1,5 @@
-"""The error a caller's bad input raises, wherever in the engine it is found."""
+"""The errors bad input raises, wherever in the engine it is found: a caller's request, a
+checkpoint's files."""
 
 
 class InvalidRequest(ValueError):
@@ -11,3 +12,7 @@ class InvalidRequest(ValueError):
 
     def __reduce__(self):  # raised in a Ray worker, it must unpickle in the router as itself
         return type(self), (self.field, self.message)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder the engine cannot serve: the message names the file and the key."""

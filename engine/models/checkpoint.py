@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.errors import CheckpointError
+from engine.models.fp8 import FP8Weights
 
-class CheckpointError(ValueError):
-    pass
+__all__ = ["CheckpointError", "ConfigReader", "WeightFiles", "load_into", "read_config", "read_json"]
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -127,8 +128,6 @@ class WeightFiles:
         # An FP8 checkpoint's scheme (engine.models.fp8): its float8 weights are read dequantized.
         quant = read_json(model_dir / "config.json").get("quantization_config") \
             if (model_dir / "config.json").exists() else None
-        from engine.models.fp8 import FP8Weights
-
         self.fp8 = FP8Weights(quant, str(model_dir / "config.json")) if quant is not None else None
 
     def names(self) -> list[str]:

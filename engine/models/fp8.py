@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.models.checkpoint import CheckpointError
+from engine.errors import CheckpointError
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
