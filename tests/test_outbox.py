@@ -115,11 +115,14 @@ def test_a_newer_consumer_ends_the_older_and_takes_what_follows(outbox):
             await asyncio.wait_for(anext(first), 5)  # replaced: its connection ends
         outbox.put([2])
         assert await asyncio.wait_for(anext(second), 5) == [2]
-        ray_like = outbox.stream()  # a Ray `outputs` stream replaces the connection in turn
-        outbox.put([3])
-        assert await asyncio.wait_for(anext(ray_like), 5) == [3]
+        # A Ray `outputs` stream replaces the connection in turn, once its body runs (an output
+        # put before that is the connection's to send).
+        ray_like = outbox.stream()
+        first_batch = asyncio.ensure_future(anext(ray_like))
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
             await asyncio.wait_for(anext(second), 5)
+        outbox.put([3])
+        assert await asyncio.wait_for(first_batch, 5) == [3]
         third = await connect_outputs(*outbox.address, outbox.token)
         with pytest.raises(StopAsyncIteration):  # and ends when a connection replaces it
             await asyncio.wait_for(anext(ray_like), 5)
