@@ -123,7 +123,7 @@ class TieredCache:
             new = iter(self.blocks.allocate(LOAD_OWNER, len(entry.keys) * size)[len(present):])
             missing = [i for i, key in enumerate(entry.keys) if key not in nodes]
             table = [nodes[key].block if key in nodes else next(new) for key in entry.keys]
-            if missing:
+            if missing and self.kv_tensors:  # a model without attention layers has no KV to fill
                 rows = torch.tensor(missing)
                 at = torch.tensor([table[i] for i in missing], device=self.kv_tensors[0][1].device)
                 for name, tensor in self.kv_tensors:

@@ -47,7 +47,7 @@ def one_by_one(llm: LLM, prompts) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "llama"])
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "llama", "mamba"])
 def test_tiers_turn_evictions_into_hits_and_keep_the_outputs(name, model_factory, tmp_path):
     path, _ = model_factory(name)
     prompts, expected = chat_trace(path)
