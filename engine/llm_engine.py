@@ -333,11 +333,11 @@ class LLMEngine:
         return outputs
 
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
-        ran = [(seq, seq.request.num_computed_tokens) for seq in seqs] if self.mtp is not None else None
+        begins = [seq.request.num_computed_tokens for seq in seqs] if self.mtp is not None else None
         logits = self.runner.execute(seqs)
         outputs = self._after_pass(seqs, logits)
-        if ran:  # once the pass's tokens are known: sampled, accepted or rejected
-            self.mtp.observe([seq for seq, _ in ran], [begin for _, begin in ran], self.runner.last_hidden)
+        if begins is not None:  # once the pass's tokens are known: sampled, accepted or rejected
+            self.mtp.observe(seqs, begins, self.runner.last_hidden)
         return outputs
 
     def _after_pass(self, seqs: list[ScheduledSeq], logits) -> list[RequestOutput]:

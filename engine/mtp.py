@@ -117,7 +117,7 @@ class MTPProposer(Proposer):
         """The head's request for `request`: token p of it is the request's token p + 1 (the
         output list shared, so it sees every token the target keeps)."""
         mirror = self.mirrors.get(request.request_id)
-        if mirror is None or mirror.num_prompt_tokens != request.num_prompt_tokens - 1:
+        if mirror is None:
             mirror = Request(request.request_id, request.prompt_token_ids[1:], SamplingParams(max_tokens=1))
             mirror.output_token_ids = request.output_token_ids
             self.mirrors[request.request_id] = mirror

@@ -146,7 +146,7 @@ class PrefixCache:
                 node = self.nodes[key] = CachedBlock(key, table[i], parent, (i + 1) * self.block_size, now)
                 if parent is not None:
                     self.nodes[parent].children.add(key)
-                if self.events is not None and not self.needs_state:
+                if self.events is not None and self._usable(node):
                     self.events.stored("pool", key, node.end)
             node.last_used = now
             parent = key
@@ -199,7 +199,7 @@ class PrefixCache:
     def _spill(self, node: CachedBlock) -> None:
         """Hand the prefix ending at `node` to on_evict, where it is usable for a hit (it has a
         checkpoint, or the model has no state)."""
-        if self.on_evict is None or (self.needs_state and node.checkpoint is None):
+        if self.on_evict is None or not self._usable(node):
             return
         keys, blocks, at = [], [], node
         while at is not None:
@@ -238,7 +238,7 @@ class PrefixCache:
             while stack:
                 node = self.nodes[stack.pop()]
                 stack.extend(node.children)
-                if node.checkpoint is not None or (not self.needs_state and not node.children):
+                if node.checkpoint is not None or not node.children:  # each usable prefix once
                     self._spill(node)
         freed, stack = 0, [key]
         node = self.nodes[key]
@@ -247,7 +247,7 @@ class PrefixCache:
         while stack:
             node = self.nodes.pop(stack.pop())
             stack.extend(node.children)
-            if self.events is not None and (node.checkpoint is not None or not self.needs_state):
+            if self.events is not None and self._usable(node):
                 self.events.dropped("pool", node.key, node.end)
             if node.checkpoint is not None:
                 del self._row_owner[node.checkpoint]
@@ -260,12 +260,15 @@ class PrefixCache:
         for key in [k for k, n in self.nodes.items() if n.parent is None]:
             self._remove(key, spill=False)
 
+    def _usable(self, node: CachedBlock) -> bool:
+        """Whether a hit can start after `node`: it has a checkpoint, or the model has no state."""
+        return node.checkpoint is not None or not self.needs_state
+
     def usable(self) -> list[tuple[bytes, int]]:
         """(key, tokens) of every prefix a hit can start from now."""
         for _ in range(8):  # another thread (a stats report) may read while the engine's inserts
             try:
-                return [(key, node.end) for key, node in list(self.nodes.items())
-                        if node.checkpoint is not None or not self.needs_state]
+                return [(key, node.end) for key, node in list(self.nodes.items()) if self._usable(node)]
             except RuntimeError:
                 continue
         return []

@@ -87,6 +87,8 @@ class TieredCache:
                 continue  # one token is always computed
             if end <= hit:
                 break
+            if sum(key not in self.prefix_cache.nodes for key in hashes[: i + 1]) > self.blocks.num_available_blocks:
+                return 0  # no room in the pool now (nothing read): looked up again in a later step
             entry = self._find(hashes[: i + 1], end)
             if entry is None:
                 continue

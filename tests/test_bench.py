@@ -409,13 +409,13 @@ def test_spec_bench_sizes_what_an_mtp_head_adds_to_a_handoff():
 
 def test_tiers_bench_turns_evictions_into_hits_on_an_agentic_trace(tmp_path):
     """bench prefix --tiers on a tiny trace 4x the pool: the pool alone finds little, the
-    host and disk tiers find the sessions it evicted; the engines' tokens agree (checked
+    host and disk tiers find the conversations it evicted; the engines' tokens agree (checked
     inside)."""
     from bench.checkpoints import build_checkpoint
     from bench.tiers import format_rows, run_tiers
 
     build_checkpoint("jamba", tmp_path / "model")
-    rows = run_tiers(str(tmp_path / "model"), sessions=6, turns=3, message_len=24, answer_len=4, block_size=4,
+    rows = run_tiers(str(tmp_path / "model"), conversations=6, turns=3, message_len=24, answer_len=4, block_size=4,
                      disk_dir=str(tmp_path / "disk"))
     agentic = {r["engine"]: r for r in rows if r["workload"] == "agentic"}
     assert agentic["off"]["hit_rate"] == 0 and agentic["tiers"]["hit_rate"] > agentic["pool"]["hit_rate"] + 0.2

@@ -370,8 +370,8 @@ def test_prefix_caching_finds_the_worker_that_holds_the_prefix(cluster):
     wait_idle(handle)
 
 
-def test_cache_tiers_serve_evicted_sessions_and_the_router_sees_every_tier(cluster, tmp_path):
-    """A 1P+1D pair with a small pool, a host tier and a disk tier: sessions that come back after
+def test_cache_tiers_serve_evicted_chats_and_the_router_sees_every_tier(cluster, tmp_path):
+    """A 1P+1D pair with a small pool, a host tier and a disk tier: chats that come back after
     the pool evicted them are served from the tiers, exactly; the router's index, built from
     the workers' cache events alone, shows entries in each tier, and status shows the tiers."""
     from router.cluster import launch
@@ -385,7 +385,7 @@ def test_cache_tiers_serve_evicted_sessions_and_the_router_sees_every_tier(clust
         rng = random.Random(52)
         systems = [[rng.randrange(3, 300) for _ in range(36)] for _ in range(6)]
         prompts = [s + [rng.randrange(3, 300) for _ in range(3)] for s in systems]
-        prompts += [s + [rng.randrange(3, 300) for _ in range(3)] for s in systems]  # the sessions again
+        prompts += [s + [rng.randrange(3, 300) for _ in range(3)] for s in systems]  # the same chats again
         outs = [tiered.generate([p], GREEDY)[0] for p in prompts]
         local = LLM(path, block_size=4).generate(prompts, GREEDY)
         for prompt, out, ref in zip(prompts, outs, local):

@@ -18,27 +18,27 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 SMALL_POOL = dict(block_size=4, enable_prefix_caching=True, num_kv_blocks=30, prefix_checkpoints=2, max_num_seqs=2)
 
 
-def chat_trace(path, seed: int = 1, sessions: int = 6, turns: int = 3) -> tuple[list, list]:
-    """(prompts, their outputs without caching): chat sessions taking turns, each turn's
-    prompt the session's last prompt, its answer and a new message; turn after turn, session
-    after session, so the sessions between evict a session's prefix from the small pool."""
+def chat_trace(path, seed: int = 1, chats: int = 6, turns: int = 3) -> tuple[list, list]:
+    """(prompts, their outputs without caching): chats taking turns, each turn's prompt the
+    chat's last prompt, its answer and a new message; turn after turn, one chat after another,
+    so the chats between evict a chat's prefix from the small pool."""
     rng = random.Random(seed)
     llm = LLM(str(path), block_size=4)
-    history = [[rng.randrange(3, 300) for _ in range(30)] for _ in range(sessions)]
+    history = [[rng.randrange(3, 300) for _ in range(30)] for _ in range(chats)]
     prompts, outputs = [], []
     for _ in range(turns):
-        for session in range(sessions):
-            prompt = history[session] + [rng.randrange(3, 300) for _ in range(5)]
+        for chat in range(chats):
+            prompt = history[chat] + [rng.randrange(3, 300) for _ in range(5)]
             [out] = llm.generate([prompt], GREEDY)
             prompts.append(prompt)
             outputs.append(out.token_ids)
-            history[session] = prompt + out.token_ids
+            history[chat] = prompt + out.token_ids
     return prompts, outputs
 
 
 def one_by_one(llm: LLM, prompts) -> list[list[int]]:
-    """Each prompt after the one before finished: every later turn finds its session's prefix
-    evicted from the small pool by the sessions between."""
+    """Each prompt after the one before finished: every later turn finds its chat's prefix
+    evicted from the small pool by the chats between."""
     outs = [out.token_ids for prompt in prompts for out in llm.generate([prompt], GREEDY)]
     if llm.engine.tiers is not None:
         llm.engine.tiers.flush()  # the disk tier's queued writes
@@ -72,7 +72,7 @@ def test_requests_that_share_an_evicted_prefix_load_it_once(model_factory):
     path, _ = model_factory("jamba")
     prompts, expected = chat_trace(path, 5)
     llm = LLM(str(path), **SMALL_POOL, host_cache_bytes=1 << 22)
-    one_by_one(llm, prompts[:6])  # the first turns; then each later session's prefix is in the tier
+    one_by_one(llm, prompts[:6])  # the first turns; then each later chat's prefix is in the tier
     twins = [prompts[6], prompts[6]]
     assert [out.token_ids for out in llm.generate(twins, GREEDY)] == [expected[6]] * 2
     stats = llm.engine.stats()

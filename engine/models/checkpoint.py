@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import CheckpointError
-from engine.models.fp8 import FP8Weights
+from engine.models.fp8 import FLOAT8, FP8Weights
 
 __all__ = ["CheckpointError", "ConfigReader", "WeightFiles", "load_into", "read_config", "read_json"]
 
@@ -142,7 +142,7 @@ class WeightFiles:
             expect = f" of shape {list(shape)}" if shape is not None else ""
             raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}{expect}")
         tensor = self._read(path, name)
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if tensor.dtype in FLOAT8:
             if self.fp8 is None:
                 raise CheckpointError(f"{path}: tensor {name!r} is {tensor.dtype} but config.json has no "
                                       "quantization_config")
