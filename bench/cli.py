@@ -217,6 +217,22 @@ def cmd_spec(args) -> int:
     return 0
 
 
+def cmd_quant(args) -> int:
+    from bench.quant import OPTIONS, format_rows, run_quant
+
+    options = [o for o in args.options.split(",") if o]
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        raise SystemExit(f"--options: unknown {unknown} (known: {', '.join(OPTIONS)})")
+    with _model_dir(args) as model:
+        rows = run_quant(model, options, args.steps, args.num_prompts, args.seq_len, args.budget_mib,
+                         args.ppl_tokens, args.batch, args.rounds, args.seed)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def cmd_elastic(args) -> int:
     from bench.elastic import format_report, plot_worker_counts, run_elastic
     from bench.metrics import dump_json
@@ -302,6 +318,14 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(spec)
     add_spec_arguments(spec)
     spec.set_defaults(func=cmd_spec)
+
+    from bench.quant import add_quant_arguments
+
+    quant = sub.add_parser("quant", help="cache formats (half-width recurrent state) vs float32: bytes, "
+                                         "sequences that fit, drift, perplexity, decode speed")
+    _model_args(quant)
+    add_quant_arguments(quant)
+    quant.set_defaults(func=cmd_quant)
 
     elastic = sub.add_parser("elastic", help="autoscaler vs the best fixed split when decode-heavy traffic "
                                              "turns prefill-heavy half-way")

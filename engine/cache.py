@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import LayerCaches, ModelSpec
+from engine.state_format import NarrowState, narrow_layers, working_bytes
 
 BLOCK_ROLE, SLOT_ROLE = "block", "slot"  # what dim 0 of a hand-off tensor indexes
 
@@ -49,7 +50,7 @@ def bytes_per_slot(spec: ModelSpec) -> int:
             numel = 1
             for d in tensor.shape:
                 numel *= d
-            total += numel * tensor.torch_dtype.itemsize
+            total += numel * tensor.storage_dtype.itemsize
     return total
 
 
@@ -64,7 +65,8 @@ def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: 
         if not spec.attention_layers:
             num_blocks = enough  # no attention: block tables are bookkeeping only, no memory behind them
         else:
-            budget = memory_bytes - per_slot * (num_slots + 1 + num_checkpoints) - per_block  # + scratch
+            budget = (memory_bytes - per_slot * (num_slots + 1 + num_checkpoints) - per_block  # + scratch
+                      - working_bytes(spec, num_slots + 1))
             num_blocks = min(enough, budget // per_block)
             if num_blocks < -(-max_model_len // block_size):
                 raise ValueError(
@@ -90,9 +92,12 @@ class ModelCache:
                 kv[i] = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layer.kv.names)
             if layer.state:
                 rows = sizes.num_slots + 1 + sizes.num_checkpoints
-                state[i] = tuple(torch.zeros((rows, *t.shape), dtype=t.torch_dtype, device=device)
+                state[i] = tuple(torch.zeros((rows, *t.shape), dtype=t.storage_dtype, device=device)
                                  for t in layer.state)
         self.layers = LayerCaches(kv, state)
+        narrow = narrow_layers(spec)
+        if narrow:  # state stored narrower than computed: float32 working rows (engine.state_format)
+            self.layers.narrow = NarrowState(self.layers, narrow, sizes.num_slots + 1)
 
     def poison_slot(self, slot: int) -> None:
         for entry in self.layers.state:

@@ -11,6 +11,7 @@ import torch
 from engine.hub import resolve_model
 from engine.speculative import SpeculativeConfig
 from engine.host_tier import TierConfig
+from engine.state_format import STATE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ENGINE_MODES = ("colocated", "prefill", "decode")
@@ -20,7 +21,11 @@ OUTPUT_KINDS = ("cumulative", "delta")
 @dataclass
 class EngineConfig:
     model: str
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (recurrent state is float32 either way)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU (recurrent state: mamba_state_dtype)
+    # What the cache stores recurrent state in: float32, or half width (bfloat16, float16) with
+    # stochastic rounding on each write; the layers compute it in float32 either way
+    # (engine.state_format).
+    mamba_state_dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 64  # running sequences at once = Mamba state slots
@@ -72,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"model: {self.model!r} is not a directory")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype: {self.dtype!r} not in {['auto', *sorted(_DTYPES)]}")
+        if self.mamba_state_dtype not in STATE_DTYPES:
+            raise ValueError(f"mamba_state_dtype: {self.mamba_state_dtype!r} not in {list(STATE_DTYPES)}")
         utilization = self.gpu_memory_utilization
         if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
                                         or not 0 < utilization <= 1):

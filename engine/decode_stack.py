@@ -38,10 +38,11 @@ class DecodeLayersPlan:
     """Every layer's LayerPlan, what they point at that nothing else holds, and the step's needs."""
 
     def __init__(self, plans: ctypes.Array, keep: list, rotary: list, needs: Needs, uses_slots: bool,
-                 uses_kv: bool):
+                 uses_kv: bool, stores_narrow: bool = False):
         self.plans, self._keep, self._rotary, self._needs = plans, keep, rotary, needs
         self._reads_embeddings = [plans[i] for i in range(len(plans)) if plans[i].mixer == ZAMBA2_HYBRID]
         self.uses_slots, self.uses_kv = uses_slots, uses_kv
+        self.uses_lens = uses_kv or stores_narrow  # a narrow store's rounding reads each row's length
         self._scratch = (0, None, None)  # (rows, floats, ints): the last step's, reused at the same batch size
 
     def run(self, h: torch.Tensor, batch: ForwardBatch, embeddings: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,7 +70,7 @@ class DecodeLayersPlan:
                     hidden=hidden, slots=cpu.ids(batch.decode_slots) if self.uses_slots else None,
                     write_index=cpu.ids(batch.kv_write_index) if self.uses_kv else None, tables=tables,
                     table_width=0 if tables is None else tables.shape[1],
-                    lens=cpu.ids(batch.decode_context_lens) if self.uses_kv else None, scratch=self._scratch[1],
+                    lens=cpu.ids(batch.decode_context_lens) if self.uses_lens else None, scratch=self._scratch[1],
                     ids=self._scratch[2], out=out)
         return out
 
@@ -91,13 +92,21 @@ class SegmentedPlan:
 
 
 def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
-    """The plan for these layers over these caches, or None where no layer can run in it."""
+    """The plan for these layers over these caches, or None where no layer can run in it. Where
+    some layers' state is stored narrow, their entries point at the float32 working rows and
+    load and store their pool's rows around the mixer (engine.state_format)."""
     if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
         raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_plan.LayerPlan differ")
-    planned = [layer.plan_decode(caches, index) if hasattr(layer, "plan_decode") else None
+    narrow = caches.narrow
+    run_on = caches if narrow is None else narrow.working
+    planned = [layer.plan_decode(run_on, index) if hasattr(layer, "plan_decode") else None
                for index, layer in enumerate(layers)]
     if not any(planned):
         return None
+    if narrow is not None:
+        for index, layer_plan in enumerate(planned):
+            if layer_plan is not None and narrow.holds(index):
+                narrow.fill_plan(layer_plan[0], index)
     segments, run = [], []
     for index, layer_plan in enumerate([*planned, None]):
         if layer_plan is not None:
@@ -119,7 +128,8 @@ def _segment(run: list) -> DecodeLayersPlan:
     needs = Needs(max(n.floats for *_, n in run), max(n.ints for *_, n in run),
                    max(max(n.fixed_ints for *_, n in run), 1))
     # Every mixer with per-sequence state has a conv state; every attention a K cache.
-    return DecodeLayersPlan(plans, keep, rotary, needs, any(e.conv_state for e in plans), any(e.k_cache for e in plans))
+    return DecodeLayersPlan(plans, keep, rotary, needs, any(e.conv_state for e in plans), any(e.k_cache for e in plans),
+                            any(e.narrow_format for e in plans))
 
 
 class DecodeStack:

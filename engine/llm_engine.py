@@ -23,6 +23,7 @@ from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq
 from engine.verify import Speculation, split_verify_rows
+from engine.state_format import narrow_state_spec
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.tiered_cache import TieredCache, cache_fingerprint
@@ -101,8 +102,10 @@ class LLMEngine:
         # An MTP head (engine.mtp) runs on every worker, a prefill worker's too: its cache is
         # one more layer of the target's, which a hand-off carries with the rest.
         self.mtp_head = self._load_mtp_head(config)
-        cache_spec = self.spec if self.mtp_head is None else dataclasses.replace(
-            self.spec, layers=self.spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
+        cache_spec = narrow_state_spec(self.spec, config.mamba_state_dtype)
+        if self.mtp_head is not None:
+            cache_spec = dataclasses.replace(
+                cache_spec, layers=cache_spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
         limit = self.spec.max_position or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         try:
@@ -122,7 +125,7 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: {e}") from None
         self.cache = ModelCache(cache_spec, sizes, config.block_size, config.torch_dtype, config.device)
         if self.tp is not None:
-            self.tp.send("cache", sizes, self.max_model_len)
+            self.tp.send("cache", sizes, self.max_model_len, config.mamba_state_dtype)
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \

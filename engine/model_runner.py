@@ -299,7 +299,9 @@ class ModelRunner:
             if self.tp is not None:  # every rank replays its own graph of this size
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
-        elif self.verifies and self.decode_stack is not None and any(s.phase is Phase.VERIFY for s in seqs) \
+        # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
+        elif self.verifies and self.decode_stack is not None and self.cache.layers.narrow is None \
+                and any(s.phase is Phase.VERIFY for s in seqs) \
                 and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs):
             logits = self._verify_on_decode_stack(seqs)
         if logits is None:

@@ -104,6 +104,7 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
                                         ("max_model_len", args.max_model_len),
                                         ("revision", args.revision),
                                         ("dtype", args.dtype),
+                                        ("mamba_state_dtype", args.mamba_state_dtype),
                                         ("gpu_memory_utilization", args.gpu_memory_utilization),
                                         ("prefix_checkpoints", args.prefix_checkpoints),
                                         ("host_cache_bytes", args.host_cache_bytes),
@@ -144,6 +145,7 @@ BENCHMARKS = {
     "prefix": "prefix caching on vs off: multi-turn chat, shared system prompt, no reuse",
     "spec": "speculative decoding (n-gram) vs plain decoding: decode tokens/s, TPOT, acceptance",
     "elastic": "autoscaler vs the best fixed P:D split on traffic that shifts from decode- to prefill-heavy",
+    "quant": "cache formats (half-width recurrent state) vs float32: bytes, sequences that fit, drift, speed",
 }
 
 
@@ -257,7 +259,11 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="longest prompt + output (default: the model's, at most 8192)")
     serve.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                        help="weights, activations and KV cache (auto: bfloat16 on GPU workers, float32 on CPU "
-                            "ones); recurrent state stays float32")
+                            "ones); recurrent state: --mamba-state-dtype")
+    serve.add_argument("--mamba-state-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="what the cache stores recurrent state in (default float32); half width halves its "
+                            "bytes per sequence, rounded stochastically on each write, computed in float32 "
+                            "(engine/state_format.py; costs measured by `splitserve bench quant`)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                        help="GPU workers: size the cache from this share of each GPU's memory, after the "
                             "weights and the largest step (default: a fixed 1 GiB cache)")

@@ -73,7 +73,27 @@ struct LayerPlan {
   const float *embeddings, *block_norm, *pre_ff_norm, *lora_down_panels, *lora_up_panels, *linear_panels, *mamba_norm;
   float block_eps, pre_ff_eps, mamba_norm_eps;
   int64_t lora_rank;
+  // Recurrent state stored at half width (engine/state_format.py; cpu_state.cpp's format code,
+  // 0: stored as computed): the
+  // mixer's state fields point at float32 working rows; before it runs, the step's slots of each
+  // of its (up to two) pool tensors are loaded into them, and after it they are stored back.
+  int64_t narrow_format;
+  uint16_t* narrow_pool[2];
+  float* narrow_work[2];
+  int64_t narrow_numel[2];
 };
+
+// The layer's narrow state in (store false) or out (store true), as state_format.NarrowState.
+static void narrow_state(const LayerPlan& p, bool store, const int64_t* slots, const int64_t* lens, int64_t rows,
+                         int threads) {
+  if (p.narrow_format == 0) return;
+  for (int t = 0; t < 2 && p.narrow_pool[t] != nullptr; ++t) {
+    if (store)
+      state_store(p.narrow_work[t], p.narrow_pool[t], slots, lens, rows, p.narrow_numel[t], p.narrow_format, threads);
+    else
+      state_load(p.narrow_pool[t], p.narrow_work[t], slots, rows, p.narrow_numel[t], p.narrow_format, threads);
+  }
+}
 
 // x *= s, a pass of its own: as torch multiplies before it adds, not fused into the add.
 __attribute__((noinline)) static void scale_rows(float* x, int64_t n, float s) {
@@ -118,7 +138,8 @@ static void zamba2_hybrid(const LayerPlan& p, const float* h, int64_t rows, int6
 }
 
 // h [rows, hidden] through `layers` layers into out; every row a decode of one token, at state
-// slot slots[i], KV row write_index[i], with block table tables[i] and context lens[i]. scratch
+// slot slots[i], KV row write_index[i], with block table tables[i] and context lens[i] (lens is
+// given where a layer attends or stores narrow state). scratch
 // holds 7 rows * hidden floats plus the most any layer's mixer or FFN needs; ids the MoE's ints.
 void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64_t rows, int64_t hidden,
                     const int64_t* slots, const int64_t* write_index, const int64_t* tables, int64_t table_width,
@@ -135,8 +156,10 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
   for (int64_t l = 0; l < layers; ++l) {
     const LayerPlan& p = plan[l];
     float* next = l + 1 == layers ? out : states[l % 2];
+    narrow_state(p, false, slots, lens, rows, threads);
     if (p.mixer == ZAMBA2_HYBRID) {
       zamba2_hybrid(p, current, rows, hidden, slots, write_index, tables, table_width, lens, work, next, threads);
+      narrow_state(p, true, slots, lens, rows, threads);
       current = next;
       continue;
     }
@@ -182,6 +205,7 @@ void decoder_layers(const LayerPlan* plan, int64_t layers, const float* h, int64
                        p.block_size, p.scale, p.window, p.o_panels, p.o_bias, work, shared_out, threads);
       for (int64_t i = 0; i < size; ++i) mixed[i] += shared_out[i];
     }
+    narrow_state(p, true, slots, lens, rows, threads);
     if (p.residual_scale != 1.f) scale_rows(mixed, size, p.residual_scale);
     if (p.ffn == NO_FFN) {
       for (int64_t i = 0; i < size; ++i) next[i] = current[i] + mixed[i];

@@ -198,6 +198,12 @@ void normed_attention_decode(const float* h, int64_t rows, int64_t hidden, int64
                              const float* o_panels, const float* o_bias, const float* q_norm, const float* k_norm,
                              float norm_eps, int64_t gated, float* scratch, float* out, int threads);
 
+// cpu_state.cpp
+void state_store(const float* working, uint16_t* pool, const int64_t* slots, const int64_t* positions,
+                 int64_t rows, int64_t row_numel, int64_t format, int threads);
+void state_load(const uint16_t* pool, float* working, const int64_t* slots, int64_t rows, int64_t row_numel,
+                int64_t format, int threads);
+
 // cpu_deltanet.cpp
 void gdn_decode(const float* h, int64_t rows, int64_t hidden, int64_t k_heads, int64_t v_heads, int64_t k_dim,
                 int64_t v_dim, int64_t d_conv, const float* qkvz_panels, const float* ba_panels, float* conv_state,

@@ -43,6 +43,7 @@ class LayerPlan(ctypes.Structure):
         ("embeddings", P), ("block_norm", P), ("pre_ff_norm", P), ("lora_down_panels", P), ("lora_up_panels", P),
         ("linear_panels", P), ("mamba_norm", P), ("block_eps", F32), ("pre_ff_eps", F32), ("mamba_norm_eps", F32),
         ("lora_rank", I64),
+        ("narrow_format", I64), ("narrow_pool", P * 2), ("narrow_work", P * 2), ("narrow_numel", I64 * 2),
     ]
 
 

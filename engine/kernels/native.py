@@ -1,5 +1,5 @@
 """The C++ CPU kernels (cpu_kernels.cpp, cpu_fused.cpp, cpu_gemm.cpp, cpu_layers.cpp, cpu_decode.cpp,
-cpu_deltanet.cpp, cpu_kernels.h): compiled on first use into one library, cached on disk, called by ctypes.
+cpu_deltanet.cpp, cpu_state.cpp, cpu_kernels.h): compiled on first use into one library, cached on disk, called by ctypes.
 
 Compiled with the machine's C++ compiler for the machine's own CPU (-march=native), so the
 cached library is keyed by the source, the flags, the compiler and the CPU. A worker that finds
@@ -30,7 +30,7 @@ import torch  # first: its libgomp must be the one the library's libgomp.so.1 re
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name(name)
            for name in ("cpu_kernels.cpp", "cpu_fused.cpp", "cpu_gemm.cpp", "cpu_layers.cpp", "cpu_decode.cpp",
-                         "cpu_deltanet.cpp")]
+                         "cpu_deltanet.cpp", "cpu_state.cpp")]
 HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 # Fast math lets the compiler vectorise exp and the reductions; it is passed to the compile step
 # only: linked with it, the library would turn on flush-to-zero for the whole process.

@@ -78,6 +78,9 @@ class LayerCaches:
 
     kv: list[tuple[torch.Tensor, torch.Tensor] | None]
     state: list[tuple[torch.Tensor, ...] | None]
+    # Where some layers' state is stored narrower than they compute it: the float32 working
+    # buffers they run on (engine.state_format.NarrowState); None: every layer runs on `state`.
+    narrow: object | None = field(default=None, repr=False)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every cache tensor: each layer's K and V, then each layer's state tensors."""

@@ -27,11 +27,14 @@ from engine.models.packed_linear import linear, pack, pack_linears
 
 @dataclass(frozen=True)
 class StateTensorSpec:
-    """One tensor a recurrent layer keeps per sequence: name, per-sequence shape, dtype name."""
+    """One tensor a recurrent layer keeps per sequence: name, per-sequence shape, the dtype
+    the layer computes it in, and the dtype the cache stores it in where that is narrower
+    (engine.state_format: mamba_state_dtype)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str = "float32"  # state accumulates over the whole sequence: float32 by default
+    stored_dtype: str | None = None  # None: stored as computed
 
     def __post_init__(self):
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
@@ -41,6 +44,10 @@ class StateTensorSpec:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return getattr(torch, self.stored_dtype or self.dtype)
 
 
 @dataclass(frozen=True)
@@ -219,7 +226,7 @@ class HybridLM(nn.Module):
         for the layer path."""
         h = self.embed_tokens(batch)
         if plan is not None:
-            h = plan.run(h, batch, lambda index, x: self.layers[index](x, batch, caches, index))
+            h = plan.run(h, batch, lambda index, x: self.run_layer(index, x, batch, caches))
         else:
             h = self.run_layers(h, batch, caches)
         return self.finish(h, batch)
@@ -243,9 +250,23 @@ class HybridLM(nn.Module):
         return logits if self.logits_divisor == 1.0 else logits / self.logits_divisor
 
     def run_layers(self, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        """The layer-by-layer path: hidden states after the last layer."""
-        for index, layer in enumerate(self.layers):
-            h = layer(h, batch, caches, index)
+        """The layer-by-layer path: hidden states after the last layer. A layer whose state is
+        stored narrow runs on float32 copies of its slots (engine.state_format)."""
+        if caches.narrow is None:
+            for index, layer in enumerate(self.layers):
+                h = layer(h, batch, caches, index)
+            return h
+        for index in range(len(self.layers)):
+            h = self.run_layer(index, h, batch, caches)
+        return h
+
+    def run_layer(self, index: int, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
+        """Layer `index` on the layer path."""
+        narrow = caches.narrow
+        if narrow is None or not narrow.holds(index):
+            return self.layers[index](h, batch, caches, index)
+        h = self.layers[index](h, batch, narrow.load(index, batch), index)
+        narrow.store(index, batch)
         return h
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:

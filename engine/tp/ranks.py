@@ -338,9 +338,12 @@ class Follower:
                 return True, self.runner.static.eager_reason
             except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
                 return False, f"{type(error).__name__}: {error}"
-        if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows
-            sizes, max_model_len = command[1:]
-            self.cache = ModelCache(self.model.spec, sizes, self.block_size, self.torch_dtype, self.device)
+        if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows, same formats
+            from engine.state_format import narrow_state_spec
+
+            sizes, max_model_len, state_dtype = command[1:]
+            self.cache = ModelCache(narrow_state_spec(self.model.spec, state_dtype), sizes, self.block_size,
+                                    self.torch_dtype, self.device)
             self.runner = ModelRunner(self.model, self.cache, StateSlotAllocator(sizes.num_slots), self.device,
                                       debug=False, enforce_eager=True, max_model_len=max_model_len)
             return None

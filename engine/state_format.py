@@ -1,0 +1,193 @@
+"""Recurrent state stored narrower than the layers compute it (`mamba_state_dtype`).
+
+A recurrent layer computes its state in float32 and, by default, the cache keeps it so. With
+`mamba_state_dtype` bfloat16 or float16 the cache keeps every recurrent layer's state tensors
+at half width: half the bytes per sequence on a decode worker, in a hand-off and in a prefix
+cache entry. The layers themselves do not change: around each such layer's forward,
+NarrowState loads the step's slots from the narrow pool into one float32 working buffer,
+the layer runs on it exactly as on a float32 pool, and the rows go back rounded. The working
+buffer holds one layer at a time (every layer of the same state shape shares it), so the
+memory saved is all but that one layer's float32 copy.
+
+The rounding is stochastic: up or down with the probability that makes its expected value the
+float32 value, so a state that changes by less than half a unit in the last place per token
+still drifts where float32 would (round-to-nearest would leave it where it is). Its random
+bits are a hash of the value, the element's index and the sequence's length after the step,
+not a generator's: a request's state is the same whether it ran alone, in a batch, or on a
+prefill worker that handed it off, and the same on every run (tests/test_state_format.py).
+The float32 state each step starts from is what was stored: drift against a float32 cache is
+measured (splitserve bench quant), not assumed.
+
+A prefix cache's checkpoints, its tiers and the hand-off copy the narrow rows as they are;
+the hand-off's layout handshake compares every tensor's dtype, so a pair that disagrees on
+the format is refused with both dtypes named (kvtransfer.layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.kernels import native
+from engine.models import LayerCaches, ModelSpec
+from engine.models.batch import ForwardBatch
+
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+_MASK32 = 0xFFFFFFFF
+FORMATS = {torch.bfloat16: 1, torch.float16: 2}  # cpu_state.cpp's format codes (0: none)
+
+
+def narrow_state_spec(spec: ModelSpec, state_dtype: str) -> ModelSpec:
+    """`spec` with every float32 recurrent state tensor stored as `state_dtype`."""
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"mamba_state_dtype: {state_dtype!r} not in {list(STATE_DTYPES)}")
+    if state_dtype == "float32":
+        return spec
+    layers = tuple(dataclasses.replace(layer, state=tuple(
+        dataclasses.replace(t, stored_dtype=state_dtype) if t.dtype == "float32" else t for t in layer.state))
+        for layer in spec.layers)
+    return dataclasses.replace(spec, layers=layers)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix of int64 `x` (murmur3's finaliser), elementwise."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def stochastic_round(values: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor,
+                     elements: torch.Tensor) -> torch.Tensor:
+    """float32 `values` [rows, ...] as `dtype`, each element rounded to one of its two
+    neighbours in `dtype` with probability proportional to its nearness (values the format
+    holds exactly stay as they are). The random draw hashes the value's bits, `positions`
+    [rows] (each row's sequence length) and `elements` (each element's index within a row,
+    shaped like a row): deterministic, and no host synchronisation (CUDA-graph safe)."""
+    nearest = values.to(dtype)
+    error = values - nearest.float()
+    toward = torch.where(error > 0, float("inf"), float("-inf")).to(dtype)
+    gap = (torch.nextafter(nearest, toward).float() - nearest.float()).abs()
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    salt = (positions.long().view(shape) * 0x9E3779B1 + elements.long() * 0x85EBCA77) & _MASK32
+    uniform = (_hash32((values.view(torch.int32).long() & _MASK32) ^ salt) >> 8).float() * (1.0 / (1 << 24))
+    away = (uniform * gap < error.abs()) & torch.isfinite(gap)
+    return torch.where(away, torch.nextafter(nearest, toward), nearest)
+
+
+def working_bytes(spec: ModelSpec, num_slot_rows: int) -> int:
+    """The float32 working buffers NarrowState allocates for `spec`: per row shape, as many
+    as the layer holding the most tensors of that shape."""
+    counts: dict[tuple, int] = {}
+    for layer in spec.layers:
+        mine: dict[tuple, int] = {}
+        for t in layer.state:
+            if t.stored_dtype is not None:
+                mine[t.shape] = mine.get(t.shape, 0) + 1
+        for shape, n in mine.items():
+            counts[shape] = max(counts.get(shape, 0), n)
+    total = 0
+    for shape, n in counts.items():
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += n * numel * 4 * num_slot_rows
+    return total
+
+
+def narrow_layers(spec: ModelSpec) -> list[int]:
+    return [i for i, layer in enumerate(spec.layers) if any(t.stored_dtype is not None for t in layer.state)]
+
+
+class NarrowState:
+    """The float32 working buffers of a cache whose recurrent state is stored narrow, and the
+    load / store around each such layer's forward (HybridLM.run_layers)."""
+
+    def __init__(self, caches: LayerCaches, narrow_layers: list[int], num_slot_rows: int):
+        self.pool = caches
+        self.layers = set(narrow_layers)
+        buffers: dict[tuple, list[torch.Tensor]] = {}  # per row shape; a layer's j-th tensor of it: the j-th
+        state = list(caches.state)
+        for i in narrow_layers:
+            working, used = [], {}
+            for t in caches.state[i]:
+                shape = tuple(t.shape[1:])
+                j = used[shape] = used.get(shape, -1) + 1
+                shared = buffers.setdefault(shape, [])
+                if j == len(shared):
+                    shared.append(torch.zeros((num_slot_rows, *shape), dtype=torch.float32, device=t.device))
+                working.append(shared[j])
+            state[i] = tuple(working)
+        self.working = LayerCaches(caches.kv, state)
+        # On the CPU the load and the rounded store are one C++ pass each (cpu_state.cpp, the
+        # same arithmetic as stochastic_round), where the kernels are built.
+        self.native = bool(narrow_layers) and caches.state[narrow_layers[0]][0].device.type == "cpu" \
+            and native.available()
+        self.buffers = [t for shared in buffers.values() for t in shared]
+        self._elements: dict[tuple, torch.Tensor] = {}
+        self._batch: ForwardBatch | None = None
+        self._rows = self._positions = None
+
+    @property
+    def working_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers)
+
+    def holds(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def load(self, layer: int, batch: ForwardBatch) -> LayerCaches:
+        """The step's slots of `layer` into the working buffers; the caches to run it on."""
+        rows, _ = self._step(batch)
+        for working, stored in zip(self.working.state[layer], self.pool.state[layer]):
+            if self.native:
+                native.call("state_load", pool=stored, working=working, slots=rows, rows=rows.numel(),
+                            row_numel=working[0].numel(), format=FORMATS[stored.dtype])
+            else:
+                working.index_copy_(0, rows, stored.index_select(0, rows).float())
+        return self.working
+
+    def store(self, layer: int, batch: ForwardBatch) -> None:
+        """The step's slots of `layer` back into the pool, stochastically rounded."""
+        rows, positions = self._step(batch)
+        for working, stored in zip(self.working.state[layer], self.pool.state[layer]):
+            if self.native:
+                native.call("state_store", working=working, pool=stored, slots=rows, positions=positions,
+                            rows=rows.numel(), row_numel=working[0].numel(), format=FORMATS[stored.dtype])
+                continue
+            elements = self._element_index(working)
+            stored.index_copy_(0, rows, stochastic_round(working.index_select(0, rows), stored.dtype,
+                                                         positions, elements))
+
+    def fill_plan(self, entry, layer: int) -> None:
+        """A one-call decode plan's entry for `layer` (engine.kernels.decode_plan.LayerPlan, its
+        state fields already at the working rows): the pool tensors to load and store around it."""
+        pools, working = self.pool.state[layer], self.working.state[layer]
+        if len(pools) > 2:
+            raise ValueError(f"layer {layer}: the one-call decode stack stores at most two narrow state tensors")
+        entry.narrow_format = FORMATS[pools[0].dtype]
+        for t, (pool, rows) in enumerate(zip(pools, working)):
+            entry.narrow_pool[t], entry.narrow_work[t], entry.narrow_numel[t] = \
+                pool.data_ptr(), rows.data_ptr(), rows[0].numel()
+
+    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's slots and each one's sequence length after the step, once per batch. A
+        decode-only batch reads them from its decode tensors alone (a replayed static batch
+        keeps no per-row lists)."""
+        if self._batch is not batch:
+            if batch.prefill_rows:
+                device = batch.input_ids.device
+                self._rows = torch.tensor(batch.state_slots, dtype=torch.long).to(device)
+                self._positions = torch.tensor(batch.context_lens, dtype=torch.long).to(device)
+            else:
+                self._rows, self._positions = batch.decode_slots, batch.decode_context_lens
+            if self.native:
+                self._rows, self._positions = self._rows.contiguous(), self._positions.contiguous()
+            self._batch = batch
+        return self._rows, self._positions
+
+    def _element_index(self, working: torch.Tensor) -> torch.Tensor:
+        key = (tuple(working.shape[1:]), working.device)
+        if key not in self._elements:
+            self._elements[key] = torch.arange(working[0].numel(), device=working.device).view(working.shape[1:])
+        return self._elements[key]
