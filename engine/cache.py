@@ -78,7 +78,8 @@ def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: 
 
 class ModelCache:
     def __init__(self, spec: ModelSpec, sizes: CacheSizes, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, runs_layers: bool = True):
+        """`runs_layers` False: rows that are only copied (hand-off staging), no working rows."""
         self.spec = spec
         self.sizes = sizes
         self.block_size = block_size
@@ -96,7 +97,7 @@ class ModelCache:
                                  for t in layer.state)
         self.layers = LayerCaches(kv, state)
         narrow = narrow_layers(spec)
-        if narrow:  # state stored narrower than computed: float32 working rows (engine.state_format)
+        if narrow and runs_layers:  # state stored narrower than computed: float32 working rows (engine.state_format)
             self.layers.narrow = NarrowState(self.layers, narrow, sizes.num_slots + 1)
 
     def poison_slot(self, slot: int) -> None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache
+from engine.state_format import narrow_state_spec
 from engine.tp.staging import gather_rows, local_rows, scatter_rows, shard_indices, write_local
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ class HandoffStaging:
         config = engine.config
         self.engine = engine
         self.group = engine.tp.group if getattr(engine, "tp", None) is not None else None
-        spec = engine.model.full_spec if self.group is not None else engine.model.spec
+        # The engine's own cache layout (an MTP head's layer, narrow state formats included), or
+        # under tensor parallelism the un-sharded one in the same formats.
+        spec = narrow_state_spec(engine.model.full_spec, config.mamba_state_dtype) if self.group is not None \
+            else engine.cache.spec
         device = torch.device(device) if device is not None else engine.cache.device
         if requests is None:
             requests = TP_STAGING_REQUESTS if self.group is not None else HOST_STAGING_REQUESTS
@@ -76,7 +80,7 @@ class HandoffStaging:
         self.blocks_each = -(-engine.max_model_len // config.block_size) if spec.attention_layers else 0
         slots = requests if spec.state_layers else 0
         self.cache = ModelCache(spec, CacheSizes(requests * self.blocks_each, slots, 0, 0), config.block_size,
-                                config.torch_dtype, device)
+                                config.torch_dtype, device, runs_layers=False)
         # A GPU cache copied to and from host rows: asynchronously, on a stream of its own.
         host_side = engine.cache.device.type == "cuda" and device.type == "cpu" and self.group is None
         self.copy_stream = torch.cuda.Stream(engine.cache.device) if host_side else None

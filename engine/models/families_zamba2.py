@@ -257,8 +257,8 @@ class Zamba2LM(HybridLM):
         def run_layer(index: int, x: torch.Tensor) -> torch.Tensor:
             layer = self.layers[index]
             if isinstance(layer, HybridLayer):
-                return layer(x, embeddings, batch, caches, index)
-            return layer(x, batch, caches, index)
+                return self.run_layer(index, x, batch, caches, lambda c: layer(x, embeddings, batch, c, index))
+            return self.run_layer(index, x, batch, caches)
 
         if plan is not None:  # runs of layers as one call each (engine.decode_stack)
             h = plan.run(h, batch, run_layer, embeddings)

@@ -260,12 +260,16 @@ class HybridLM(nn.Module):
             h = self.run_layer(index, h, batch, caches)
         return h
 
-    def run_layer(self, index: int, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches) -> torch.Tensor:
-        """Layer `index` on the layer path."""
+    def run_layer(self, index: int, h: torch.Tensor, batch: ForwardBatch, caches: LayerCaches,
+                  call=None) -> torch.Tensor:
+        """Layer `index` on the layer path; `call(caches)` runs it where a family calls its layers
+        its own way (Zamba2's hybrid layers take the embeddings too)."""
+        if call is None:
+            call = lambda layer_caches: self.layers[index](h, batch, layer_caches, index)  # noqa: E731
         narrow = caches.narrow
         if narrow is None or not narrow.holds(index):
-            return self.layers[index](h, batch, caches, index)
-        h = self.layers[index](h, batch, narrow.load(index, batch), index)
+            return call(caches)
+        h = call(narrow.load(index, batch))
         narrow.store(index, batch)
         return h
 
