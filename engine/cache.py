@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import LayerCaches, ModelSpec
-from engine.state_format import NarrowState, narrow_layers, working_bytes
+from engine.cache_formats import NarrowCache, kv_working_bytes_per_block
+from engine.state_format import working_bytes
 
 BLOCK_ROLE, SLOT_ROLE = "block", "slot"  # what dim 0 of a hand-off tensor indexes
 
@@ -37,9 +38,23 @@ class CacheSizes:
         return self.num_checkpoints * self.bytes_per_slot
 
 
+def index_copy(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst.index_copy_(dim, index, src), float8 rows too (as bytes: torch's CPU index_copy_ takes
+    no float8 dtype)."""
+    if dst.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        dst.view(torch.uint8).index_copy_(dim, index, src.to(dst.dtype).view(torch.uint8))
+    else:
+        dst.index_copy_(dim, index, src)
+
+
+def kv_dtype(kv, dtype: torch.dtype) -> torch.dtype:
+    """What a layer's KV rows are stored in: its format's dtype (engine.kv_format), else the model's."""
+    return getattr(torch, kv.stored_dtype) if kv.stored_dtype is not None else dtype
+
+
 def bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: int) -> int:
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(len(layer.kv.names) * block_size * layer.kv.num_kv_heads * layer.kv.head_dim * itemsize
+    return sum(len(layer.kv.names) * block_size * layer.kv.num_kv_heads * layer.kv.head_dim
+               * torch.empty((), dtype=kv_dtype(layer.kv, dtype)).element_size()
                for layer in spec.layers if layer.kv is not None)
 
 
@@ -59,15 +74,18 @@ def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: 
                num_checkpoints: int = 0) -> CacheSizes:
     per_block = bytes_per_block(spec, dtype, block_size)
     per_slot = bytes_per_slot(spec)
+    # FP8 KV layers run on working rows in the compute dtype (engine.kv_format): their memory
+    # grows with the block count too.
+    per_block_used = per_block + kv_working_bytes_per_block(spec, dtype, block_size)
     num_checkpoints = num_checkpoints if spec.state_layers else 0
     if num_blocks is None:
         enough = num_slots * -(-max_model_len // block_size)
         if not spec.attention_layers:
             num_blocks = enough  # no attention: block tables are bookkeeping only, no memory behind them
         else:
-            budget = (memory_bytes - per_slot * (num_slots + 1 + num_checkpoints) - per_block  # + scratch
+            budget = (memory_bytes - per_slot * (num_slots + 1 + num_checkpoints) - per_block_used  # + scratch
                       - working_bytes(spec, num_slots + 1))
-            num_blocks = min(enough, budget // per_block)
+            num_blocks = min(enough, budget // per_block_used)
             if num_blocks < -(-max_model_len // block_size):
                 raise ValueError(
                     f"cache_memory_bytes={memory_bytes} leaves room for {num_blocks} KV blocks, "
@@ -90,15 +108,15 @@ class ModelCache:
         for i, layer in enumerate(spec.layers):
             if layer.kv is not None:
                 shape = (sizes.num_blocks + 1, block_size, layer.kv.num_kv_heads, layer.kv.head_dim)
-                kv[i] = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layer.kv.names)
+                kv[i] = tuple(torch.zeros(shape, dtype=kv_dtype(layer.kv, dtype), device=device)
+                              for _ in layer.kv.names)
             if layer.state:
                 rows = sizes.num_slots + 1 + sizes.num_checkpoints
                 state[i] = tuple(torch.zeros((rows, *t.shape), dtype=t.storage_dtype, device=device)
                                  for t in layer.state)
         self.layers = LayerCaches(kv, state)
-        narrow = narrow_layers(spec)
-        if narrow and runs_layers:  # state stored narrower than computed: float32 working rows (engine.state_format)
-            self.layers.narrow = NarrowState(self.layers, narrow, sizes.num_slots + 1)
+        if runs_layers:  # layers stored narrower than computed run on working rows (engine.cache_formats)
+            self.layers.narrow = NarrowCache.of(self.layers, spec, sizes.num_blocks + 1, sizes.num_slots + 1, dtype)
 
     def poison_slot(self, slot: int) -> None:
         for entry in self.layers.state:

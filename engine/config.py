@@ -11,6 +11,7 @@ import torch
 from engine.hub import resolve_model
 from engine.speculative import SpeculativeConfig
 from engine.host_tier import TierConfig
+from engine.kv_format import KV_DTYPES
 from engine.state_format import STATE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,6 +27,9 @@ class EngineConfig:
     # stochastic rounding on each write; the layers compute it in float32 either way
     # (engine.state_format).
     mamba_state_dtype: str = "float32"
+    # What the cache stores attention KV in: "auto" (the model's dtype) or FP8 ("fp8_e4m3",
+    # "fp8_e5m2"), scaled per layer by the checkpoint's KV scales or 1.0 (engine.kv_format).
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     max_num_seqs: int = 64  # running sequences at once = Mamba state slots
@@ -79,6 +83,11 @@ class EngineConfig:
             raise ValueError(f"dtype: {self.dtype!r} not in {['auto', *sorted(_DTYPES)]}")
         if self.mamba_state_dtype not in STATE_DTYPES:
             raise ValueError(f"mamba_state_dtype: {self.mamba_state_dtype!r} not in {list(STATE_DTYPES)}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} not in {list(KV_DTYPES)}")
+        if KV_DTYPES[self.kv_cache_dtype] is not None and not hasattr(torch, KV_DTYPES[self.kv_cache_dtype]):
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r}: this torch ({torch.__version__}) has no "
+                             f"{KV_DTYPES[self.kv_cache_dtype]} to store it in")
         utilization = self.gpu_memory_utilization
         if utilization is not None and (isinstance(utilization, bool) or not isinstance(utilization, (int, float))
                                         or not 0 < utilization <= 1):

@@ -94,7 +94,8 @@ class SegmentedPlan:
 def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
     """The plan for these layers over these caches, or None where no layer can run in it. Where
     some layers' state is stored narrow, their entries point at the float32 working rows and
-    load and store their pool's rows around the mixer (engine.state_format)."""
+    load and store their pool's rows around the mixer (engine.state_format); a layer with FP8 KV
+    takes the layer path (engine.cache_formats.NarrowCache.fill_plan)."""
     if native.library().decoder_layer_plan_bytes() != ctypes.sizeof(LayerPlan):
         raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_plan.LayerPlan differ")
     narrow = caches.narrow
@@ -105,8 +106,10 @@ def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
         return None
     if narrow is not None:
         for index, layer_plan in enumerate(planned):
-            if layer_plan is not None and narrow.holds(index):
-                narrow.fill_plan(layer_plan[0], index)
+            if layer_plan is not None and narrow.holds(index) and not narrow.fill_plan(layer_plan[0], index):
+                planned[index] = None
+    if not any(planned):
+        return None
     segments, run = [], []
     for index, layer_plan in enumerate([*planned, None]):
         if layer_plan is not None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEvents
 from engine.cache import ModelCache, plan_cache
+from engine.cache_formats import CacheFormat
+from engine.kv_format import KV_DTYPES, read_kv_scales
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice
 from engine.mtp import MTPProposer
@@ -23,7 +25,6 @@ from engine.request import Request, RequestStatus, Resume
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.scheduler import Scheduler, ScheduledSeq
 from engine.verify import Speculation, split_verify_rows
-from engine.state_format import narrow_state_spec
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.tiered_cache import TieredCache, cache_fingerprint
@@ -102,7 +103,10 @@ class LLMEngine:
         # An MTP head (engine.mtp) runs on every worker, a prefill worker's too: its cache is
         # one more layer of the target's, which a hand-off carries with the rest.
         self.mtp_head = self._load_mtp_head(config)
-        cache_spec = narrow_state_spec(self.spec, config.mamba_state_dtype)
+        # The cache's formats (engine.cache_formats): half-width state, FP8 KV with its scales.
+        scales = read_kv_scales(config.model, self.spec) if KV_DTYPES[config.kv_cache_dtype] is not None else {}
+        self.cache_format = CacheFormat(config.mamba_state_dtype, config.kv_cache_dtype, scales)
+        cache_spec = self.cache_format.apply(self.spec)
         if self.mtp_head is not None:
             cache_spec = dataclasses.replace(
                 cache_spec, layers=cache_spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
@@ -125,7 +129,7 @@ class LLMEngine:
             raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization}: {e}") from None
         self.cache = ModelCache(cache_spec, sizes, config.block_size, config.torch_dtype, config.device)
         if self.tp is not None:
-            self.tp.send("cache", sizes, self.max_model_len, config.mamba_state_dtype)
+            self.tp.send("cache", sizes, self.max_model_len, self.cache_format)
         self.blocks = BlockManager(sizes.num_blocks, config.block_size)
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \

@@ -36,8 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache
-from engine.state_format import narrow_state_spec
+from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache, index_copy
 from engine.tp.staging import gather_rows, local_rows, scatter_rows, shard_indices, write_local
 
 log = logging.getLogger(__name__)
@@ -71,8 +70,7 @@ class HandoffStaging:
         self.group = engine.tp.group if getattr(engine, "tp", None) is not None else None
         # The engine's own cache layout (an MTP head's layer, narrow state formats included), or
         # under tensor parallelism the un-sharded one in the same formats.
-        spec = narrow_state_spec(engine.model.full_spec, config.mamba_state_dtype) if self.group is not None \
-            else engine.cache.spec
+        spec = engine.cache_format.apply(engine.model.full_spec) if self.group is not None else engine.cache.spec
         device = torch.device(device) if device is not None else engine.cache.device
         if requests is None:
             requests = TP_STAGING_REQUESTS if self.group is not None else HOST_STAGING_REQUESTS
@@ -152,7 +150,7 @@ class HandoffStaging:
         full = local_rows(self.cache, staged.blocks, staged.slot)  # shaped like the request's rows
         for (name, *_), by_rank, rows in zip(self.cache.handoff_tensors(), parts, full):
             for rank, (axis, idx) in enumerate(self.index[name]):
-                rows.index_copy_(axis, idx.to(rows.device), by_rank[rank].to(rows.device))
+                index_copy(rows, axis, idx.to(rows.device), by_rank[rank].to(rows.device))
         write_local(self.cache, full, staged.blocks, staged.slot)
 
     def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:
@@ -170,7 +168,7 @@ class HandoffStaging:
             block_index = self._ids(blocks[:num_blocks])
             for (*_, role, src), (*_, dst) in zip(self.cache.handoff_tensors(), self.engine.cache.handoff_tensors()):
                 if role == BLOCK_ROLE:
-                    dst.index_copy_(0, block_index, src[first: first + num_blocks].to(device, non_blocking=True))
+                    index_copy(dst, 0, block_index, src[first: first + num_blocks].to(device, non_blocking=True))
                 else:
                     dst[slot: slot + 1].copy_(src[staged.slot: staged.slot + 1], non_blocking=True)
             landed = self._mark(staged)

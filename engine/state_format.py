@@ -96,38 +96,38 @@ def working_bytes(spec: ModelSpec, num_slot_rows: int) -> int:
     return total
 
 
-def narrow_layers(spec: ModelSpec) -> list[int]:
-    return [i for i, layer in enumerate(spec.layers) if any(t.stored_dtype is not None for t in layer.state)]
-
-
 class NarrowState:
-    """The float32 working buffers of a cache whose recurrent state is stored narrow, and the
-    load / store around each such layer's forward (HybridLM.run_layers)."""
+    """The float32 working rows of a cache whose recurrent state is stored narrow, and the load /
+    store around each such layer's forward (engine.cache_formats.NarrowCache)."""
 
-    def __init__(self, caches: LayerCaches, narrow_layers: list[int], num_slot_rows: int):
-        self.pool = caches
+    def __init__(self, pool: LayerCaches, narrow_layers: list[int], num_slot_rows: int):
+        self.pool = pool
         self.layers = set(narrow_layers)
         buffers: dict[tuple, list[torch.Tensor]] = {}  # per row shape; a layer's j-th tensor of it: the j-th
-        state = list(caches.state)
+        self.working: dict[int, tuple[torch.Tensor, ...]] = {}
         for i in narrow_layers:
-            working, used = [], {}
-            for t in caches.state[i]:
+            rows, used = [], {}
+            for t in pool.state[i]:
                 shape = tuple(t.shape[1:])
                 j = used[shape] = used.get(shape, -1) + 1
                 shared = buffers.setdefault(shape, [])
                 if j == len(shared):
                     shared.append(torch.zeros((num_slot_rows, *shape), dtype=torch.float32, device=t.device))
-                working.append(shared[j])
-            state[i] = tuple(working)
-        self.working = LayerCaches(caches.kv, state)
+                rows.append(shared[j])
+            self.working[i] = tuple(rows)
         # On the CPU the load and the rounded store are one C++ pass each (cpu_state.cpp, the
         # same arithmetic as stochastic_round), where the kernels are built.
-        self.native = bool(narrow_layers) and caches.state[narrow_layers[0]][0].device.type == "cpu" \
+        self.native = bool(narrow_layers) and pool.state[narrow_layers[0]][0].device.type == "cpu" \
             and native.available()
         self.buffers = [t for shared in buffers.values() for t in shared]
         self._elements: dict[tuple, torch.Tensor] = {}
         self._batch: ForwardBatch | None = None
         self._rows = self._positions = None
+
+    def place(self, kv: list, state: list) -> None:
+        """Point the working caches' state entries of these layers at the working rows."""
+        for i, rows in self.working.items():
+            state[i] = rows
 
     @property
     def working_bytes(self) -> int:
@@ -136,21 +136,20 @@ class NarrowState:
     def holds(self, layer: int) -> bool:
         return layer in self.layers
 
-    def load(self, layer: int, batch: ForwardBatch) -> LayerCaches:
-        """The step's slots of `layer` into the working buffers; the caches to run it on."""
+    def load(self, layer: int, batch: ForwardBatch) -> None:
+        """The step's slots of `layer` into the working rows."""
         rows, _ = self._step(batch)
-        for working, stored in zip(self.working.state[layer], self.pool.state[layer]):
+        for working, stored in zip(self.working[layer], self.pool.state[layer]):
             if self.native:
                 native.call("state_load", pool=stored, working=working, slots=rows, rows=rows.numel(),
                             row_numel=working[0].numel(), format=FORMATS[stored.dtype])
             else:
                 working.index_copy_(0, rows, stored.index_select(0, rows).float())
-        return self.working
 
     def store(self, layer: int, batch: ForwardBatch) -> None:
         """The step's slots of `layer` back into the pool, stochastically rounded."""
         rows, positions = self._step(batch)
-        for working, stored in zip(self.working.state[layer], self.pool.state[layer]):
+        for working, stored in zip(self.working[layer], self.pool.state[layer]):
             if self.native:
                 native.call("state_store", working=working, pool=stored, slots=rows, positions=positions,
                             rows=rows.numel(), row_numel=working[0].numel(), format=FORMATS[stored.dtype])
@@ -162,7 +161,7 @@ class NarrowState:
     def fill_plan(self, entry, layer: int) -> None:
         """A one-call decode plan's entry for `layer` (engine.kernels.decode_plan.LayerPlan, its
         state fields already at the working rows): the pool tensors to load and store around it."""
-        pools, working = self.pool.state[layer], self.working.state[layer]
+        pools, working = self.pool.state[layer], self.working[layer]
         if len(pools) > 2:
             raise ValueError(f"layer {layer}: the one-call decode stack stores at most two narrow state tensors")
         entry.narrow_format = FORMATS[pools[0].dtype]

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from engine.cache import index_copy
 from engine.disk_tier import DiskTier, cache_fingerprint
 from engine.host_tier import Entry, HostTier, TierConfig
 from engine.prefix_cache import PrefixCache, block_hashes
@@ -129,7 +130,7 @@ class TieredCache:
                 rows = torch.tensor(missing)
                 at = torch.tensor([table[i] for i in missing], device=self.kv_tensors[0][1].device)
                 for name, tensor in self.kv_tensors:
-                    tensor.index_copy_(0, at, entry.tensors[f"kv:{name}"][rows].to(tensor.device))
+                    index_copy(tensor, 0, at, entry.tensors[f"kv:{name}"][rows].to(tensor.device))
             self.prefix_cache.insert(entry.keys, table)
             if self.state_tensors:
                 checkpoint = self.prefix_cache.take_checkpoint_row(entry.keys[-1])

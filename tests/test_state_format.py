@@ -251,7 +251,7 @@ def test_the_static_decode_path_and_the_torch_rounding_give_the_same_tokens(mode
         if static:
             llm.engine.runner.use_static_decode(capture=False)
         if torch_rounding:  # and no one-call C++ decode stack, which rounds in C++
-            llm.engine.cache.layers.narrow.native = False
+            llm.engine.cache.layers.narrow.state.native = False
             llm.engine.runner.decode_stack = None
         runs.append([o.token_ids for o in llm.generate(prompts, GREEDY)])
     assert runs[1] == runs[0] and runs[2] == runs[0]

@@ -28,8 +28,9 @@ FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES, **_FALCON_H1_FAMILIES, **_ZAMB
             **_QWEN3_NEXT_FAMILIES, **_LFM2_FAMILIES, **_LFM2_MOE_FAMILIES,
             **_OLMO_HYBRID_FAMILIES, **_KIMI_LINEAR_FAMILIES}
 # Tensors some checkpoints carry that the model's forward does not use: cached rotary tables,
-# and multi-token-prediction heads (loaded on their own for speculation: load_mtp_head).
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# multi-token-prediction heads (loaded on their own for speculation: load_mtp_head), and the
+# KV cache's scales (read by the cache's format: engine.kv_format.read_kv_scales).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 _IGNORED_PREFIXES = ("mtp.",)
 
 

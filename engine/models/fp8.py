@@ -53,7 +53,18 @@ class FP8Weights:
         fmt = quant.get("format", "float-quantized")
         if fmt not in ("float-quantized", "naive-quantized"):
             raise CheckpointError(f"{self.where}.format = {fmt!r}: not supported (supported: 'float-quantized')")
+        kv = quant.get("kv_cache_scheme")
+        if kv is not None:  # the KV scales themselves are read by engine.kv_format
+            field = f"{self.where}.kv_cache_scheme"
+            if kv.get("num_bits") != 8 or kv.get("type") != "float":
+                raise CheckpointError(f"{field}: num_bits {kv.get('num_bits')!r}, type {kv.get('type')!r}: "
+                                      "only 8-bit float (FP8) KV caches are supported")
+            if kv.get("strategy", "tensor") != "tensor":
+                raise CheckpointError(f"{field}.strategy = {kv.get('strategy')!r}: only 'tensor' (a scale per "
+                                      "layer for K and for V) is supported")
         groups = quant.get("config_groups")
+        if kv is not None and not groups:
+            return  # the KV cache alone is quantized: every weight is as it is
         if not isinstance(groups, dict) or not groups:
             raise CheckpointError(f"{self.where}.config_groups: missing (expected the quantization groups)")
         for group, spec in groups.items():

@@ -62,6 +62,10 @@ class KVSpec:
     head_dim: int
     names: tuple[str, ...] = ("k", "v")
     kind: str = "attention"
+    # Where the cache stores the rows in another dtype than the model's (engine.kv_format:
+    # kv_cache_dtype), that dtype's name and the scale of each of `names`; None: as computed.
+    stored_dtype: str | None = None
+    scales: tuple[float, ...] = ()
 
     def __post_init__(self):
         if (self.num_kv_heads <= 0 or self.head_dim <= 0 or not self.names

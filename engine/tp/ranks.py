@@ -103,21 +103,21 @@ class StoreGroup(TPGroup):
         """Every rank's `t` (one shape on all) on rank 0, in rank order; None on the others."""
         import torch.distributed as dist
 
-        t = t.contiguous()
+        t, dtype = _as_bytes(t.contiguous())
         outputs = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
         options = dist.GatherOptions()
         options.rootRank = 0
         self._wait(self._pg.gather(outputs, [t], options))
-        return outputs[0] if self.rank == 0 else None
+        return [o.view(dtype) for o in outputs[0]] if self.rank == 0 else None
 
     def scatter_from_first(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
         """Rank 0's parts[r] into rank r's `out` (one shape on all); the others pass None."""
         import torch.distributed as dist
 
-        inputs = [[p.contiguous() for p in parts]] if self.rank == 0 else []
+        inputs = [[_as_bytes(p.contiguous())[0] for p in parts]] if self.rank == 0 else []
         options = dist.ScatterOptions()
         options.rootRank = 0
-        self._wait(self._pg.scatter([out], inputs, options))
+        self._wait(self._pg.scatter([_as_bytes(out)[0]], inputs, options))
         return out
 
 
@@ -164,6 +164,14 @@ def with_environment(environment: dict, target, *args) -> None:
     os.environ.clear()
     os.environ.update(environment)
     target(*args)
+
+
+def _as_bytes(t: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+    """A float8 tensor as its bytes (gloo moves no float8 dtype: FP8 KV rows, engine.kv_format),
+    and the dtype to view the result back as; other tensors as they are."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8), t.dtype
+    return t, t.dtype
 
 
 class TPLeader:
@@ -339,10 +347,8 @@ class Follower:
             except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
                 return False, f"{type(error).__name__}: {error}"
         if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows, same formats
-            from engine.state_format import narrow_state_spec
-
-            sizes, max_model_len, state_dtype = command[1:]
-            self.cache = ModelCache(narrow_state_spec(self.model.spec, state_dtype), sizes, self.block_size,
+            sizes, max_model_len, cache_format = command[1:]  # engine.cache_formats.CacheFormat
+            self.cache = ModelCache(cache_format.apply(self.model.spec), sizes, self.block_size,
                                     self.torch_dtype, self.device)
             self.runner = ModelRunner(self.model, self.cache, StateSlotAllocator(sizes.num_slots), self.device,
                                       debug=False, enforce_eager=True, max_model_len=max_model_len)

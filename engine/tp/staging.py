@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache import BLOCK_ROLE, ModelCache
+from engine.cache import BLOCK_ROLE, ModelCache, index_copy
 from engine.tp.plan import model_shards
 
 def shard_indices(full_spec, size: int, device="cpu") -> dict[str, list[tuple[int, torch.Tensor]]]:
@@ -50,7 +50,7 @@ def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], 
     block_index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
     for (_, _, _, role, t), r in zip(cache.handoff_tensors(), rows):
         if role == BLOCK_ROLE:
-            t.index_copy_(0, block_index, r.to(t.dtype))
+            index_copy(t, 0, block_index, r.to(t.dtype))
         else:
             t[slot:slot + 1] = r
 
