@@ -225,8 +225,8 @@ def cmd_quant(args) -> int:
     if unknown:
         raise SystemExit(f"--options: unknown {unknown} (known: {', '.join(OPTIONS)})")
     with _model_dir(args) as model:
-        rows = run_quant(model, options, args.steps, args.num_prompts, args.seq_len, args.budget_mib,
-                         args.ppl_tokens, args.batch, args.rounds, args.seed)
+        rows = run_quant(model, options, args.steps, args.num_prompts, tuple(int(n) for n in args.seq_lens.split(",")),
+                         args.budget_mib, args.ppl_tokens, args.batch, args.rounds, args.seed)
     print(format_rows(rows))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -1,4 +1,5 @@
-"""`splitserve bench quant`: what each cache format costs and saves, side by side in one run.
+"""`splitserve bench quant`: what each cache format costs and saves, side by side in one run
+(half-width recurrent state: engine.state_format; FP8 KV: engine.kv_format).
 
 Each option is an engine that differs from the float32 baseline in one cache format. Reported
 per option:
@@ -25,10 +26,14 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cache_formats import kv_working_bytes_per_block
 from engine.sampler import SampleResult
+from engine.state_format import working_bytes
 
 OPTIONS = {"float32": {}, "state-bfloat16": {"mamba_state_dtype": "bfloat16"},
-           "state-float16": {"mamba_state_dtype": "float16"}}
+           "state-float16": {"mamba_state_dtype": "float16"}, "kv-fp8_e4m3": {"kv_cache_dtype": "fp8_e4m3"},
+           "kv-fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
+           "both": {"kv_cache_dtype": "fp8_e4m3", "mamba_state_dtype": "bfloat16"}}
 HELD_OUT = ("ast.py", "cProfile.py", "asyncio/runners.py")  # three of the demo model's held-out files
 
 
@@ -56,11 +61,17 @@ def forced_logits(llm: LLM, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 
 def footprint(llm: LLM, seq_len: int, budget: int) -> dict:
-    sizes = llm.engine.cache.sizes
-    kv_per_token = sizes.bytes_per_block / llm.engine.config.block_size
+    """Bytes a sequence keeps (what a hand-off or a tier entry moves), and how many sequences of
+    seq_len tokens a budget holds counting the working rows a narrow format adds per slot and
+    per block (engine.cache_formats)."""
+    engine = llm.engine
+    sizes, spec, block = engine.cache.sizes, engine.cache.spec, engine.config.block_size
+    kv_per_token = sizes.bytes_per_block / block
     per_sequence = sizes.bytes_per_slot + kv_per_token * seq_len
+    working = working_bytes(spec, 1) + kv_working_bytes_per_block(spec, engine.config.torch_dtype, block) / block * seq_len
     return {"kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": sizes.bytes_per_slot,
-            "bytes_per_seq": per_sequence, "seqs_in_budget": int(budget // per_sequence)}
+            "bytes_per_seq": per_sequence, "working_bytes_per_seq": working,
+            "seqs_in_budget": int(budget // (per_sequence + working))}
 
 
 def held_out_tokens(llm: LLM, limit: int) -> list[list[int]]:
@@ -98,8 +109,8 @@ def decode_speed(engines: dict[str, LLM], batch: int, max_tokens: int, rounds: i
     return best
 
 
-def run_quant(model: str, options: list[str], steps: int, num_prompts: int, seq_len: int, budget_mib: int,
-              ppl_tokens: int, batch: int, rounds: int, seed: int) -> list[dict]:
+def run_quant(model: str, options: list[str], steps: int, num_prompts: int, seq_lens: tuple[int, ...],
+              budget_mib: int, ppl_tokens: int, batch: int, rounds: int, seed: int) -> list[dict]:
     engines = {name: LLM(model, **OPTIONS[name]) for name in ["float32", *[o for o in options if o != "float32"]]}
     base = engines["float32"]
     vocab = base.engine.spec.vocab_size
@@ -110,7 +121,7 @@ def run_quant(model: str, options: list[str], steps: int, num_prompts: int, seq_
     base_logits = [forced_logits(base, p, t) for p, t in zip(prompts, references)]
     documents = held_out_tokens(base, ppl_tokens)
     speed = decode_speed(engines, batch, steps, rounds, vocab, seed)
-    base_fit = footprint(base, seq_len, budget_mib << 20)["seqs_in_budget"]
+    base_fit = {n: footprint(base, n, budget_mib << 20)["seqs_in_budget"] for n in seq_lens}
     rows = []
     for name, llm in engines.items():
         diffs, agree = [], 0
@@ -119,8 +130,12 @@ def run_quant(model: str, options: list[str], steps: int, num_prompts: int, seq_
             diffs.append((logits - ref).abs())
             agree += int((logits.argmax(-1) == ref.argmax(-1)).sum())
         diff = torch.cat(diffs)
-        fit = footprint(llm, seq_len, budget_mib << 20)
-        rows.append({"option": name, **fit, "seqs_vs_float32": fit["seqs_in_budget"] / base_fit,
+        fits = {n: footprint(llm, n, budget_mib << 20) for n in seq_lens}
+        first = fits[seq_lens[0]]
+        rows.append({"option": name, "kv_bytes_per_token": first["kv_bytes_per_token"],
+                     "state_bytes_per_seq": first["state_bytes_per_seq"],
+                     "seqs_in_budget": {n: f["seqs_in_budget"] for n, f in fits.items()},
+                     "seqs_vs_float32": {n: f["seqs_in_budget"] / base_fit[n] for n, f in fits.items()},
                      "logit_diff_mean": float(diff.mean()), "logit_diff_max": float(diff.max()),
                      "argmax_agree": agree / sum(len(t) for t in references),
                      "perplexity": perplexity(llm, documents), "decode_tok_s": speed[name],
@@ -129,15 +144,17 @@ def run_quant(model: str, options: list[str], steps: int, num_prompts: int, seq_
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'option':<16}{'KV B/token':>11}{'state B/seq':>12}{'seqs fit':>9}{'x f32':>7}"
-            f"{'|dlogit| mean':>14}{'max':>9}{'argmax=':>8}{'ppl':>8}{'tok/s':>8}{'x f32':>7}")
-    lines = [head]
+    lengths = list(rows[0]["seqs_in_budget"])
+    fit_head = "".join(f"{f'fit@{n} (x f32)':>20}" for n in lengths)
+    lines = [f"{'option':<16}{'KV B/token':>11}{'state B/seq':>12}{fit_head}"
+             f"{'|dlogit| mean':>14}{'max':>9}{'argmax=':>8}{'ppl':>8}{'tok/s':>8}{'x f32':>7}"]
     for r in rows:
         ppl = f"{r['perplexity']:.3f}" if r["perplexity"] is not None else "-"
-        lines.append(f"{r['option']:<16}{r['kv_bytes_per_token']:>11.0f}{r['state_bytes_per_seq']:>12}"
-                     f"{r['seqs_in_budget']:>9}{r['seqs_vs_float32']:>7.2f}{r['logit_diff_mean']:>14.2e}"
-                     f"{r['logit_diff_max']:>9.2e}{r['argmax_agree']:>8.3f}{ppl:>8}{r['decode_tok_s']:>8.1f}"
-                     f"{r['decode_vs_float32']:>7.2f}")
+        fit_cells = [f"{r['seqs_in_budget'][n]} ({r['seqs_vs_float32'][n]:.2f})" for n in lengths]
+        fits = "".join(f"{cell:>20}" for cell in fit_cells)
+        lines.append(f"{r['option']:<16}{r['kv_bytes_per_token']:>11.0f}{r['state_bytes_per_seq']:>12}{fits}"
+                     f"{r['logit_diff_mean']:>14.2e}{r['logit_diff_max']:>9.2e}{r['argmax_agree']:>8.3f}{ppl:>8}"
+                     f"{r['decode_tok_s']:>8.1f}{r['decode_vs_float32']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -145,7 +162,7 @@ def add_quant_arguments(p) -> None:
     p.add_argument("--options", default=",".join(OPTIONS), help=f"comma-separated, of {', '.join(OPTIONS)}")
     p.add_argument("--steps", type=int, default=64, help="greedy decode steps per prompt (drift, speed)")
     p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the sequences-that-fit count")
+    p.add_argument("--seq-lens", default="512,4096", help="sequence lengths for the sequences-that-fit counts")
     p.add_argument("--budget-mib", type=int, default=1024, help="cache budget for the sequences-that-fit count")
     p.add_argument("--ppl-tokens", type=int, default=512, help="held-out tokens per file for the perplexity")
     p.add_argument("--batch", type=int, default=8, help="concurrent requests for the decode speed")

@@ -105,6 +105,7 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
                                         ("revision", args.revision),
                                         ("dtype", args.dtype),
                                         ("mamba_state_dtype", args.mamba_state_dtype),
+                                        ("kv_cache_dtype", args.kv_cache_dtype),
                                         ("gpu_memory_utilization", args.gpu_memory_utilization),
                                         ("prefix_checkpoints", args.prefix_checkpoints),
                                         ("host_cache_bytes", args.host_cache_bytes),
@@ -264,6 +265,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="what the cache stores recurrent state in (default float32); half width halves its "
                             "bytes per sequence, rounded stochastically on each write, computed in float32 "
                             "(engine/state_format.py; costs measured by `splitserve bench quant`)")
+    serve.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                       help="what the cache stores attention K/V in (default auto: --dtype); FP8 keeps a quarter of "
+                            "float32's bytes, scaled per layer by the checkpoint's k_scale/v_scale or 1.0 "
+                            "(engine/kv_format.py)")
     serve.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
                        help="GPU workers: size the cache from this share of each GPU's memory, after the "
                             "weights and the largest step (default: a fixed 1 GiB cache)")

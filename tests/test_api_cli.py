@@ -132,3 +132,15 @@ def test_the_cache_tiers_reach_the_engine_options_from_the_cli():
     assert (options["host_cache_bytes"], options["disk_cache_dir"], options["disk_cache_bytes"]) == \
         (1 << 20, "/var/cache/splitserve", 4096)
     assert "host_cache_bytes" not in serve_options(build_parser().parse_args(["serve"]))[0]
+
+
+def test_the_cache_formats_reach_the_engine_options_from_the_cli():
+    from router.cli import build_parser, serve_options
+
+    args = build_parser().parse_args(["serve", "--mamba-state-dtype", "bfloat16", "--kv-cache-dtype", "fp8_e4m3"])
+    options = serve_options(args)[0]
+    assert (options["mamba_state_dtype"], options["kv_cache_dtype"]) == ("bfloat16", "fp8_e4m3")
+    plain = serve_options(build_parser().parse_args(["serve"]))[0]
+    assert "mamba_state_dtype" not in plain and "kv_cache_dtype" not in plain
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])

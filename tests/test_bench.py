@@ -214,7 +214,7 @@ def test_cli_parses_every_benchmark(tmp_path):
     from bench.plots import plot_latency_cdfs
     from router.cli import build_parser as splitserve_parser
 
-    for what in ("serve", "offline", "compare", "plan", "transfer", "structured", "prefix", "elastic"):
+    for what in ("serve", "offline", "compare", "plan", "transfer", "structured", "prefix", "elastic", "quant"):
         args, _ = splitserve_parser().parse_known_args(["bench", what])
         assert args.what == what
     args = build_parser().parse_args(["offline", "--tiny", "jamba", "--workload", "sharegpt",
@@ -421,3 +421,24 @@ def test_tiers_bench_turns_evictions_into_hits_on_an_agentic_trace(tmp_path):
     assert agentic["off"]["hit_rate"] == 0 and agentic["tiers"]["hit_rate"] > agentic["pool"]["hit_rate"] + 0.2
     assert agentic["tiers"]["tier_host_hits"] + agentic["tiers"]["tier_disk_hits"] > 0
     assert "tiers vs pool" in format_rows(rows) and "no reuse" in format_rows(rows)
+
+
+def test_quant_bench_measures_every_format_against_float32(tmp_path):
+    """bench quant: the float32 row drifts by nothing from itself; each narrow format keeps fewer
+    bytes, fits more sequences once its working rows are counted, and drifts a little."""
+    from bench.checkpoints import build_checkpoint
+    from bench.quant import OPTIONS, format_rows, run_quant
+
+    build_checkpoint("jamba", tmp_path)
+    rows = {r["option"]: r for r in run_quant(str(tmp_path), list(OPTIONS), steps=6, num_prompts=2,
+                                               seq_lens=(64, 512), budget_mib=64, ppl_tokens=32, batch=2,
+                                               rounds=1, seed=0)}
+    base = rows["float32"]
+    assert base["logit_diff_max"] == 0.0 and base["argmax_agree"] == 1.0
+    for name in ("state-bfloat16", "state-float16", "both"):
+        assert rows[name]["state_bytes_per_seq"] * 2 == base["state_bytes_per_seq"]
+    for name in ("kv-fp8_e4m3", "kv-fp8_e5m2", "both"):
+        assert rows[name]["kv_bytes_per_token"] * 4 == base["kv_bytes_per_token"]
+    for name in set(OPTIONS) - {"float32"}:
+        assert rows[name]["seqs_vs_float32"][512] > 1.0 and 0 < rows[name]["logit_diff_max"] < 1.0, rows[name]
+    assert "fit@512" in format_rows(list(rows.values()))

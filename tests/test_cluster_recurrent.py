@@ -130,3 +130,29 @@ def test_api_and_a_retry_on_a_mamba2_family(ray_nodes, model_factory, tmp_path):
         the_one_that_died(cluster, cluster.workers.decode, before)
     finally:
         cluster.shutdown()
+
+
+@pytest.mark.parametrize("transport", sorted(PLACEMENTS))
+def test_fp8_kv_and_half_width_state_cross_the_wire(ray_nodes, model_factory, transport):
+    """FP8 blocks and bfloat16 state rows over each transport: each request, sent alone, gets the
+    tokens of a colocated engine in the same formats (the same passes, the same roundings)."""
+    from engine import LLM
+    from router.cluster import launch
+
+    path, _ = model_factory("jamba")
+    formats = dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16", block_size=4,
+                   max_num_batched_tokens=13)
+    cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
+                     num_kv_blocks=200, max_num_seqs=8, transfer_timeout_s=15.0, **formats, **PLACEMENTS[transport])
+    try:
+        colocated = LLM(str(path), **formats)
+        rng = random.Random(transport)
+        for n in (3, 9, 30):
+            prompt = [rng.randrange(3, 300) for _ in range(n)]
+            out = cluster.generate([prompt], GREEDY)[0]
+            assert out.error is None, out.error
+            assert out.token_ids == colocated.generate([prompt], GREEDY)[0].token_ids
+        workers = cluster.status()["workers"]
+        assert sum(w.get("handoff_count", 0) for w in workers) == 3
+    finally:
+        cluster.shutdown()
