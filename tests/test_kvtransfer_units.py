@@ -242,7 +242,8 @@ def test_transport_factory():
 def test_no_model_family_is_named_where_state_travels():
     """kvtransfer, the workers and the router move what layers declare: a new model family or
     state kind must not need code there. (kvtransfer/testing.py builds synthetic caches of named
-    kinds, as data, for the tests.)"""
+    kinds, as data, for the tests.) The one exception is the flag the issue and vLLM name for
+    recurrent state of every kind, `--mamba-state-dtype`."""
     import re
     from pathlib import Path
 
@@ -257,7 +258,7 @@ def test_no_model_family_is_named_where_state_travels():
             if path.name == "testing.py":
                 continue
             for number, line in enumerate(path.read_text().splitlines(), 1):
-                if pattern.search(line):
+                if pattern.search(re.sub(r"mamba[-_]state[-_]dtype", "", line)):
                     offenders.append(f"{path.relative_to(root)}:{number}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
 
