@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEvents
 from engine.cache import ModelCache, plan_cache
-from engine.cache_formats import CacheFormat
+from engine.cache_formats import CacheFormat, wasted_formats
 from engine.kv_format import KV_DTYPES, read_kv_scales
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice
@@ -107,6 +107,8 @@ class LLMEngine:
         scales = read_kv_scales(config.model, self.spec) if KV_DTYPES[config.kv_cache_dtype] is not None else {}
         self.cache_format = CacheFormat(config.mamba_state_dtype, config.kv_cache_dtype, scales)
         cache_spec = self.cache_format.apply(self.spec)
+        for reason in wasted_formats(self.spec, cache_spec, config.torch_dtype, config.block_size):
+            log.warning("%s (docs/cache-formats.md)", reason)
         if self.mtp_head is not None:
             cache_spec = dataclasses.replace(
                 cache_spec, layers=cache_spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))

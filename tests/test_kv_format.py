@@ -271,3 +271,22 @@ def test_tier_entries_carry_the_narrow_formats_exactly(model_factory, tmp_path):
     one_by_one(llm, prompts)
     stats = llm.engine.stats()
     assert stats["tier_disk_hits"] > 0 and len(loaded) >= 6, (stats, len(loaded))
+
+
+def test_a_format_that_saves_nothing_is_named_at_start(model_factory, caplog):
+    """One attention layer: FP8 blocks plus one layer of working rows in float32 cost 1/4 + 1 of
+    the plain layer, so the engine says so (it still serves)."""
+    import logging
+
+    from engine.cache_formats import CacheFormat, wasted_formats
+    from engine.models.hybrid import KVSpec, LayerCacheSpec, ModelSpec
+
+    one = ModelSpec("x", 10, 8, layers=(LayerCacheSpec("attention", KVSpec(2, 8)), LayerCacheSpec("mlp")))
+    two = ModelSpec("x", 10, 8, layers=(LayerCacheSpec("attention", KVSpec(2, 8)),) * 2)
+    fp8 = CacheFormat(kv_dtype="fp8_e4m3")
+    assert wasted_formats(one, fp8.apply(one), torch.float32, 4)[0].startswith("kv_cache_dtype: with 1 attention")
+    assert wasted_formats(two, fp8.apply(two), torch.float32, 4) == []
+    path, _ = model_factory("llama")
+    with caplog.at_level(logging.WARNING):
+        LLM(str(path), kv_cache_dtype="fp8_e4m3")
+    assert "no more blocks fit" not in caplog.text  # llama's two attention layers: 2/4 + 1 < 2
