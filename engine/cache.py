@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models import LayerCaches, ModelSpec
-from engine.cache_formats import NarrowCache, kv_working_bytes_per_block
+from engine.cache_formats import NarrowCache, kv_working_bytes_per_block, narrow_kv_layers
 from engine.state_format import working_bytes
 
 BLOCK_ROLE, SLOT_ROLE = "block", "slot"  # what dim 0 of a hand-off tensor indexes
@@ -67,6 +67,22 @@ def bytes_per_slot(spec: ModelSpec) -> int:
                 numel *= d
             total += numel * tensor.storage_dtype.itemsize
     return total
+
+
+def wasted_formats(full: ModelSpec, narrow: ModelSpec, dtype: torch.dtype, block_size: int) -> list[str]:
+    """Why a narrow format saves nothing for this model: its one layer of full-width working rows
+    costs as much as narrowing the other layers saves (a model with one or two such layers)."""
+    reasons = []
+    kv_layers = len(narrow_kv_layers(narrow))
+    if kv_layers and bytes_per_block(narrow, dtype, block_size) + kv_working_bytes_per_block(narrow, dtype, block_size) \
+            >= bytes_per_block(full, dtype, block_size):
+        reasons.append(f"kv_cache_dtype: with {kv_layers} attention layer(s), the FP8 blocks and one layer of "
+                       "full-width working rows take as much as the model's dtype: no more blocks fit")
+    state_layers = sum(1 for layer in narrow.layers if any(t.stored_dtype for t in layer.state))
+    if state_layers and bytes_per_slot(narrow) + working_bytes(narrow, 1) >= bytes_per_slot(full):
+        reasons.append(f"mamba_state_dtype: with {state_layers} recurrent layer(s), the half-width state and one "
+                       "layer of float32 working rows take as much as float32 state")
+    return reasons
 
 
 def plan_cache(spec: ModelSpec, dtype: torch.dtype, block_size: int, num_slots: int,

@@ -18,7 +18,7 @@ import torch
 from engine.kv_format import KV_DTYPES, NarrowKV, narrow_kv_spec
 from engine.models import LayerCaches, ModelSpec
 from engine.models.batch import ForwardBatch
-from engine.state_format import STATE_DTYPES, NarrowState, narrow_state_spec, working_bytes
+from engine.state_format import STATE_DTYPES, NarrowState, narrow_state_spec
 
 
 @dataclass(frozen=True)
@@ -51,24 +51,6 @@ def kv_working_bytes_per_block(spec: ModelSpec, dtype: torch.dtype, block_size: 
         counts[shape] = max(counts.get(shape, 0), len(kv.names))
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(n * block_size * heads * dim * itemsize for (heads, dim), n in counts.items())
-
-
-def wasted_formats(full: ModelSpec, narrow: ModelSpec, dtype: torch.dtype, block_size: int) -> list[str]:
-    """Why a narrow format saves nothing for this model: its one layer of full-width working rows
-    costs as much as narrowing the other layers saves (a model with one or two such layers)."""
-    from engine.cache import bytes_per_block, bytes_per_slot
-
-    reasons = []
-    kv_layers = len(narrow_kv_layers(narrow))
-    if kv_layers and bytes_per_block(narrow, dtype, block_size) + kv_working_bytes_per_block(narrow, dtype, block_size) \
-            >= bytes_per_block(full, dtype, block_size):
-        reasons.append(f"kv_cache_dtype: with {kv_layers} attention layer(s), the FP8 blocks and one layer of "
-                       "full-width working rows take as much as the model's dtype: no more blocks fit")
-    state_layers = sum(1 for layer in narrow.layers if any(t.stored_dtype for t in layer.state))
-    if state_layers and bytes_per_slot(narrow) + working_bytes(narrow, 1) >= bytes_per_slot(full):
-        reasons.append(f"mamba_state_dtype: with {state_layers} recurrent layer(s), the half-width state and one "
-                       "layer of float32 working rows take as much as float32 state")
-    return reasons
 
 
 class NarrowCache:

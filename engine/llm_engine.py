@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.cache_events import CacheEvents
-from engine.cache import ModelCache, plan_cache
-from engine.cache_formats import CacheFormat, wasted_formats
+from engine.cache import ModelCache, plan_cache, wasted_formats
+from engine.cache_formats import CacheFormat
 from engine.kv_format import KV_DTYPES, read_kv_scales
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice

@@ -278,7 +278,8 @@ def test_a_format_that_saves_nothing_is_named_at_start(model_factory, caplog):
     the plain layer, so the engine says so (it still serves)."""
     import logging
 
-    from engine.cache_formats import CacheFormat, wasted_formats
+    from engine.cache import wasted_formats
+    from engine.cache_formats import CacheFormat
     from engine.models.hybrid import KVSpec, LayerCacheSpec, ModelSpec
 
     one = ModelSpec("x", 10, 8, layers=(LayerCacheSpec("attention", KVSpec(2, 8)), LayerCacheSpec("mlp")))
