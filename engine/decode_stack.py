@@ -100,7 +100,7 @@ def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
         raise RuntimeError("engine/kernels/cpu_decode.cpp's LayerPlan and decode_plan.LayerPlan differ")
     narrow = caches.narrow
     run_on = caches if narrow is None else narrow.working
-    planned = [layer.plan_decode(run_on, index) if hasattr(layer, "plan_decode") else None
+    planned = [layer.plan_decode(run_on, index) if hasattr(layer, "plan_decode") and _packs_densely(layer) else None
                for index, layer in enumerate(layers)]
     if not any(planned):
         return None
@@ -121,6 +121,13 @@ def build_plan(layers, caches: LayerCaches) -> SegmentedPlan | None:
         if index < len(layers):
             segments.append((index, None))
     return SegmentedPlan(segments)
+
+
+def _packs_densely(layer) -> bool:
+    """Whether every module of the layer can join the stack's dense float32 panels; a module
+    that must run its own way (an FP8 linear rounds its input) says so with
+    `joins_decode_plan = False`, and its layer takes the layer path."""
+    return all(getattr(module, "joins_decode_plan", True) for module in layer.modules())
 
 
 def _segment(run: list) -> DecodeLayersPlan:

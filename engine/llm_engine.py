@@ -80,7 +80,8 @@ class LLMEngine:
         """`tp_launcher` starts ranks 1..N-1 (engine.tp: local processes by default)."""
         self.config = config
         self._hands_off = config.mode == "prefill"  # a prefill worker's requests leave after their first token
-        self.model = load_model(config.model, config.torch_dtype, config.device)
+        self.model = load_model(config.model, config.torch_dtype, config.device,
+                                keep_float8=config.tensor_parallel_size == 1)
         self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
         if config.tensor_parallel_size > 1:
             import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from engine.models.families_olmo_hybrid import FAMILIES as _OLMO_HYBRID_FAMILIES
 from engine.models.families_qwen3_next import FAMILIES as _QWEN3_NEXT_FAMILIES
 from engine.models.families_qwen3_next import MTP_HEADS
 from engine.models.families_zamba2 import FAMILIES as _ZAMBA2_FAMILIES
+from engine.models.fp8 import FLOAT8
+from engine.models.fp8_linear import use_float8_linears
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
 from engine.models.mtp_head import MTPHead
 
@@ -30,12 +33,16 @@ FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES, **_FALCON_H1_FAMILIES, **_ZAMB
 # Tensors some checkpoints carry that the model's forward does not use: cached rotary tables,
 # multi-token-prediction heads (loaded on their own for speculation: load_mtp_head), and the
 # KV cache's scales (read by the cache's format: engine.kv_format.read_kv_scales).
+logger = logging.getLogger(__name__)
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 _IGNORED_PREFIXES = ("mtp.",)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> HybridLM:
+               device: str | torch.device = "cpu", keep_float8: bool = True) -> HybridLM:
+    """The checkpoint's model in `dtype` on `device`; keep_float8: its FP8 linears stay FP8
+    where the device runs them (engine.models.fp8_linear; off for a model TP will shard)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -53,7 +60,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     return _build_and_load(
         lambda: build(ConfigReader(config, model_dir / "config.json")), model_dir, names, dtype, device,
         ignore=lambda model, n: n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
-        or (model.tie_embeddings and n == "lm_head.weight"))
+        or (model.tie_embeddings and n == "lm_head.weight"), keep_float8=keep_float8)
 
 
 def load_mtp_head(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -78,18 +85,22 @@ def load_mtp_head(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                            dtype, device, ignore=lambda head, n: not n.startswith("mtp."))
 
 
-def _build_and_load(build, model_dir: Path, names, dtype: torch.dtype, device, ignore):
+def _build_and_load(build, model_dir: Path, names, dtype: torch.dtype, device, ignore, keep_float8: bool = True):
     """build() on the meta device, storage in `dtype` on `device`, the weights loaded through
     `names`; `ignore(module, name)`: checkpoint tensors it does not use."""
-    with torch.device("meta"):
-        module = build()
-    # Storage for the meta tensors, floating ones in `dtype`: to_empty().to(dtype) through the
-    # same Module._apply to_empty uses, but with torch.empty (to_empty's empty_like of a meta
-    # tensor imports sympy: 0.5 s of every start).
-    module = module._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
-                                                 device=device))
     weights = WeightFiles(model_dir)
     try:
+        with torch.device("meta"):
+            module = build()
+            if keep_float8:  # chosen before any storage exists: an FP8 model is never materialized dense
+                kept = use_float8_linears(module, names, weights, torch.device(device), dtype)
+                if kept:
+                    logger.info("%s: %d linears keep the checkpoint's FP8 weights", model_dir, kept)
+        # Storage for the meta tensors, floating ones in `dtype` (FP8 weights stay float8):
+        # to_empty().to(dtype) through the same Module._apply to_empty uses, but with torch.empty
+        # (to_empty's empty_like of a meta tensor imports sympy: 0.5 s of every start).
+        module = module._apply(lambda t: torch.empty(
+            t.shape, dtype=dtype if t.is_floating_point() and t.dtype not in FLOAT8 else t.dtype, device=device))
         load_into(module, weights, names, ignore=lambda n: ignore(module, n))
     finally:
         weights.close()

@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.models.fp8 import FLOAT8, FP8Weights
+from engine.models.fp8_linear import Fp8Linear
 
 __all__ = ["CheckpointError", "ConfigReader", "WeightFiles", "load_into", "read_config", "read_json"]
 
@@ -157,11 +158,46 @@ class WeightFiles:
         self.used.add(name)
         return tensor
 
-    def _read(self, path: Path, name: str) -> torch.Tensor:
+    def get_float8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A float8 weight as stored, with its scale and its static input scale (None where
+        the checkpoint has none), for a linear that keeps FP8 (engine.models.fp8_linear)."""
+        weight = self._read(self._file_of[name], name)
+        scale_name, input_name = self.fp8.scale_name(name), self.fp8.input_scale_name(name)
+        if scale_name not in self._file_of:
+            raise CheckpointError(f"{self.fp8.where}: tensor {name!r} is {weight.dtype} but the checkpoint has no "
+                                  f"{scale_name!r}")
+        scale = self.fp8.checked_scale(name, weight, self._read(self._file_of[scale_name], scale_name))
+        input_scale = self._read(self._file_of[input_name], input_name) if input_name in self._file_of else None
+        if input_scale is not None and input_scale.numel() != 1:
+            raise CheckpointError(f"{self.fp8.where}: {input_name!r} has shape {list(input_scale.shape)}; "
+                                  "expected one scale")
+        self.used.update(n for n in (name, scale_name, input_name) if n in self._file_of)
+        return weight, scale, input_scale
+
+    def stored_dtype(self, name: str) -> str | None:
+        """A tensor's dtype as the file's header names it ("F8_E4M3", "BF16"); None if missing."""
+        return self._slice(name).get_dtype() if name in self._file_of else None
+
+    def numel_of(self, name: str) -> int:
+        """A tensor's element count from the file's header; 0 for a missing name."""
+        if name not in self._file_of:
+            return 0
+        count = 1
+        for d in self._slice(name).get_shape():
+            count *= d
+        return count
+
+    def _handle(self, path: Path):
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(path, framework="pt")
-        return handle.get_tensor(name)
+        return handle
+
+    def _slice(self, name: str):
+        return self._handle(self._file_of[name]).get_slice(name)
+
+    def _read(self, path: Path, name: str) -> torch.Tensor:
+        return self._handle(path).get_tensor(name)
 
     def unused(self) -> list[str]:
         """Tensors not read, less those that exist only for quantization."""
@@ -178,8 +214,12 @@ def load_into(module: torch.nn.Module, weights: WeightFiles, name_map, ignore=la
     assembled from several HF tensors (fused MoE experts). Leftover checkpoint tensors that
     `ignore` does not excuse are an error: they mean the architecture was read wrong.
     """
+    float8 = {f"{name}.qweight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
     with torch.no_grad():
         for our_name, param in module.named_parameters():
+            if our_name in float8:  # a linear that keeps the checkpoint's FP8 weight as stored
+                float8[our_name].load_float8(*weights.get_float8(name_map(our_name.removesuffix("qweight") + "weight")))
+                continue
             source = name_map(our_name)
             if callable(source):
                 tensor = source(weights)

@@ -12,8 +12,9 @@ A weight without a float8 dtype is loaded as it is (the formats' `ignore` lists:
 embeddings, LM heads, routers). Each float8 weight is dequantized in float32 as the name
 source reads it (engine.models.checkpoint.WeightFiles), so every family's loader, fused MoE
 experts included, sees plain weights. Activation scales have no use once the weights are
-dequantized: the forward runs in the serving dtype. Keeping the weights in FP8 for a GPU's
-scaled matmul is not done here.
+dequantized: the forward runs in the serving dtype. On a GPU with FP8 units the
+compressed-tensors weights stay FP8 instead (engine.models.fp8_linear, through
+WeightFiles.get_float8).
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class FP8Weights:
         """The scale tensor's name for weight `name`; None for a tensor that is not a weight."""
         return name.removesuffix("weight") + self.scale_suffix if name.endswith(".weight") else None
 
+    def input_scale_name(self, name: str) -> str:
+        """A weight's static activation scale (compressed-tensors' `input_scale`)."""
+        return name.removesuffix("weight") + "input_scale"
+
     def is_scale(self, name: str) -> bool:
         """Tensors that exist only for quantization (used with their weight, or unneeded)."""
         return name.endswith((".weight_scale", ".weight_scale_inv", ".input_scale"))
@@ -99,16 +104,20 @@ class FP8Weights:
         w = weight.float()
         scale = scale.float()
         if self.block is None:
-            out = w.shape[0]
-            if scale.numel() == 1:
-                return w * scale.reshape(())
-            if scale.numel() == out and w.dim() == 2:
-                return w * scale.reshape(out, 1)
-            raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; "
-                                  f"expected one scale or one per output channel ({out})")
+            return w * self.checked_scale(name, weight, scale)
         rows, cols = self.block
         if w.dim() != 2 or scale.shape != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
             raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; expected "
                                   f"one per {rows}x{cols} block of {list(w.shape)}")
         expanded = scale.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
         return w * expanded
+
+    def checked_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A compressed-tensors scale shaped to multiply `weight`: [] or [out, 1]."""
+        out = weight.shape[0]
+        if scale.numel() == 1:
+            return scale.reshape(())
+        if scale.numel() == out and weight.dim() == 2:
+            return scale.reshape(out, 1)
+        raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; "
+                              f"expected one scale or one per output channel ({out})")

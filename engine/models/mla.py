@@ -46,6 +46,8 @@ LATENT_KIND = "latent_attention"
 
 
 class LatentAttention(nn.Module):
+    reads_weights = ("kv_b_proj",)  # decode multiplies its weight in, absorbed: it stays dense under FP8
+
     def __init__(self, hidden: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  nope_dim: int, shared_dim: int, v_dim: int, bias: bool, latent_eps: float):
         super().__init__()

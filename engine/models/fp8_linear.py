@@ -1,0 +1,139 @@
+"""Linears that keep a checkpoint's FP8 weights and run through torch's scaled matmul.
+
+A compressed-tensors FP8 weight (per tensor or per output channel, float8_e4m3fn) stays in
+float8 on a GPU with FP8 units: half a bfloat16 weight's memory and the FP8 tensor cores'
+rate. Each call quantizes its input to float8_e4m3fn, with the checkpoint's static
+`input_scale` where it has one and a scale per token (row) otherwise, and `torch._scaled_mm`
+multiplies, accumulating in float32 and writing the serving dtype:
+
+    y[m, n] = (sum_k xq[m, k] * wq[n, k]) * scale_x[m] * scale_w[n] + bias[n]
+
+Which linears keep FP8 is decided on the meta model, before any storage exists (an FP8 model
+that fits a GPU only as FP8 must never be materialized dense): a plain nn.Linear whose weight
+is one float8_e4m3fn checkpoint tensor, both dimensions multiples of 16 (the GPU kernels'
+rule), that no module folds constants into after load (fold_scales) and that no module reads
+as a weight instead of calling it (`reads_weights`: MLA's absorbed kv_b_proj). Every other FP8
+weight, the fine-grained block-wise format's among them (torch's scaled matmul takes
+block-wise scales on few GPUs), is dequantized at load as before (engine.models.fp8).
+
+`keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (scales per
+row and per channel need 9.0 and a bfloat16 output). On a CPU the weights are dequantized: the
+engine's own float32 kernels beat a float8 matmul there. Tests run this same module on a CPU
+(torch's CPU scaled matmul takes both scalings) by setting the policy.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+GEMM_MULTIPLE = 16  # the scaled matmul's rule for K and N on a GPU, kept everywhere
+
+
+def keeps_float8(device: torch.device) -> bool:
+    """Whether a linear on `device` keeps FP8 weights (else: dequantized at load)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def runs_scaled(device: torch.device, dtype: torch.dtype, rowwise: bool) -> bool:
+    """Whether torch's scaled matmul takes this scaling on `device` with `dtype` output."""
+    if device.type != "cuda":
+        return True
+    return not rowwise or (torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T + b with W kept as float8_e4m3fn and its scale (one, or one per output row).
+
+    `qweight` is the checkpoint's float8 tensor, loaded as it is (engine.models.checkpoint.
+    load_into calls load_float8). `weight` gives the dequantized weight in the serving dtype
+    (computed on each read) for tests and tools; modules that multiply a weight in themselves
+    name it in `reads_weights` and keep it dense."""
+
+    joins_decode_plan = False  # the CPU decode stack packs dense panels and would skip the input's rounding
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.serving_dtype = in_features, out_features, dtype
+        self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
+                                    requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.weight_scale: torch.Tensor | None = None  # float32: [] (per tensor) or [1, out]
+        self.input_scale: torch.Tensor | None = None  # float32 [] where the checkpoint's is static
+
+    @classmethod
+    def replacing(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
+
+    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None) -> None:
+        """The checkpoint's float8 weight, its scale (1 or one per output row) and its static
+        input scale (None: a scale per token, computed on each call)."""
+        device = self.qweight.device
+        with torch.no_grad():
+            self.qweight.copy_(weight)
+        scale = scale.float().to(device)
+        self.weight_scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, self.out_features)
+        self.input_scale = None if input_scale is None else input_scale.float().to(device).reshape(())
+        if self.rowwise and self.weight_scale.dim() == 0:  # both scalings per row, or both per tensor
+            self.weight_scale = self.weight_scale.expand(1, self.out_features).contiguous()
+
+    @property
+    def rowwise(self) -> bool:
+        return self.input_scale is None or (self.weight_scale is not None and self.weight_scale.dim() > 0)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
+        return (self.qweight.float() * scale).to(self.serving_dtype)
+
+    def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, in] -> (float8 rows, their scale: [] static, or [M, 1] per row)."""
+        if self.input_scale is not None:
+            scale = self.input_scale
+        else:
+            scale = (rows.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        quantized = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if self.rowwise and scale.dim() == 0:
+            scale = scale.expand(rows.shape[0], 1).contiguous()
+        return quantized, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        quantized, scale = self.quantize_input(rows)
+        out = torch._scaled_mm(quantized, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
+                               out_dtype=x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kind = "per row" if self.rowwise else "per tensor"
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn, scaled {kind}"
+
+
+def use_float8_linears(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
+    """On the meta `model`, before storage: replace each plain nn.Linear that can keep its
+    checkpoint's FP8 weight (module docstring) by an Fp8Linear; returns how many."""
+    if weights.fp8 is None or weights.fp8.block is not None or not keeps_float8(device):
+        return 0
+    folding = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "fold_scales")]
+    read = {f"{name}.{attr}" for name, m in model.named_modules() for attr in getattr(m, "reads_weights", ())}
+    count = 0
+    for name, linear in list(model.named_modules()):
+        if type(linear) is not nn.Linear or name in read or any(name.startswith(prefix) for prefix in folding):
+            continue
+        if linear.in_features % GEMM_MULTIPLE or linear.out_features % GEMM_MULTIPLE:
+            continue
+        source = name_map(f"{name}.weight")
+        if not isinstance(source, str) or weights.stored_dtype(source) != "F8_E4M3":
+            continue
+        per_tensor = weights.numel_of(weights.fp8.scale_name(source)) == 1
+        static = weights.fp8.input_scale_name(source) in weights
+        if not runs_scaled(device, dtype, rowwise=not (per_tensor and static)):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, Fp8Linear.replacing(linear, dtype))
+        count += 1
+    return count

@@ -1,0 +1,151 @@
+"""Linears that keep a checkpoint's FP8 weights (engine.models.fp8_linear), run here on the CPU
+through torch's CPU scaled matmul with the policy set as a GPU with FP8 units sets it.
+
+The oracle is transformers on the dequantized weights with the same linears' inputs rounded
+to FP8 as the engine rounds them (a scale per token, or the checkpoint's static one): the
+same products as torch's scaled matmul, summed in another order. So most positions agree to
+float32 rounding, teacher-forced; but now and then the summation order moves one activation
+across an FP8 rounding boundary, one FP8 step (up to 2^-3 relative) of one element, which can
+also flip a MoE router's choice; from there on a tiny model's logprobs differ by up to ~0.03.
+FP8_TIE_TOLERANCE bounds that, for the tie rule and for each teacher-forced logprob; a wrong
+scale, a scaling applied per tensor instead of per row, or an unrounded input moves every
+position, and the median position must still agree to 1e-4.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import engine.models.fp8_linear as fp8_linear
+from engine import LLM, SamplingParams
+from engine.models import FAMILIES
+from engine.models.fp8_linear import FP8, FP8_MAX, Fp8Linear
+from tests import oracle
+from tests.test_fp8 import fp8_checkpoint
+
+FP8_TIE_TOLERANCE = 0.05
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+TEACHER_FORCED = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+
+
+def fake_quantized(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """x rounded to float8_e4m3fn and scaled back, per row (or by the static scale)."""
+    scale = static_scale if static_scale is not None else x.abs().amax(-1, keepdim=True) / FP8_MAX
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+
+
+@pytest.fixture
+def keeps_float8(monkeypatch):
+    monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: True)
+
+
+@pytest.mark.parametrize("weight_scale, static", [("tensor", True), ("tensor", False), ("channel", False),
+                                                  ("channel", True)])
+def test_the_scaled_matmul_is_the_fp8_rounded_product(weight_scale, static):
+    torch.manual_seed(0)
+    out_features, in_features = 48, 64
+    dense = torch.randn(out_features, in_features) * 0.1
+    scale = (dense.abs().amax(1, keepdim=True) if weight_scale == "channel" else dense.abs().max()) / FP8_MAX
+    qweight = (dense / scale).to(FP8)
+    linear = Fp8Linear(in_features, out_features, bias=True, dtype=torch.float32)
+    linear.bias.data = torch.randn(out_features)
+    input_scale = torch.tensor(0.01) if static else None
+    linear.load_float8(qweight, scale.reshape(-1), input_scale)
+    x = torch.randn(3, 5, in_features)
+    x[0, 0, 0] = 50.0  # past 448 x the static scale: saturates, as the GPU kernel's input would
+    y = linear(x)
+    assert y.shape == (3, 5, out_features) and y.dtype == torch.float32
+    weight = qweight.float() * scale
+    assert torch.equal(linear.weight, weight)
+    expected = F.linear(fake_quantized(x.reshape(-1, in_features), input_scale), weight, linear.bias)
+    torch.testing.assert_close(y.reshape(-1, out_features), expected, rtol=1e-5, atol=1e-5)
+    if not static:  # a scale per token rounds each input element to within 2^-4 of itself
+        bound = 2.0 ** -4 * (x.abs() @ weight.abs().t()) + 1e-5
+        assert ((y - F.linear(x, weight, linear.bias)).abs() <= bound).all()
+
+
+def test_the_policy_keeps_fp8_only_on_gpus_with_fp8_units():
+    assert not fp8_linear.keeps_float8(torch.device("cpu"))
+    assert fp8_linear.runs_scaled(torch.device("cpu"), torch.float32, rowwise=True)
+
+
+def kept_linears(llm) -> dict[str, Fp8Linear]:
+    return {name: m for name, m in llm.engine.model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def oracle_with_fp8_inputs(hf, model_type: str, kept: dict[str, Fp8Linear]):
+    """transformers' model whose linears that the engine keeps in FP8 round their inputs as the
+    engine's do; the rest run as they are."""
+    name_map = FAMILIES[model_type][1]
+    for name, ours in kept.items():
+        theirs = hf.get_submodule(name_map(f"{name}.weight").removesuffix(".weight"))
+        static = ours.input_scale
+
+        def forward(x, m=theirs, static=static):
+            return F.linear(fake_quantized(x, static), m.weight, m.bias)
+        theirs.forward = forward
+    return hf
+
+
+@pytest.mark.parametrize("name, scheme", [("llama", "per_tensor"), ("jamba", "per_channel"),
+                                          ("bamba", "per_channel"), ("kimi_linear", "per_tensor"),
+                                          ("qwen3_next", "per_channel")])
+def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, keeps_float8, model_factory,
+                                                                  tmp_path):
+    path, _ = model_factory(name)
+    hf = fp8_checkpoint(path, tmp_path / "fp8", scheme)
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    kept = kept_linears(llm)
+    assert kept, "no linear kept its FP8 weight"
+    stored = load_file(tmp_path / "fp8" / "model.safetensors")
+    model_type = hf.config.model_type
+    name_map = FAMILIES[model_type][1]
+    for module_name, linear in kept.items():  # the checkpoint's bytes, not a re-quantization
+        source = name_map(f"{module_name}.weight")
+        assert linear.qweight.dtype == FP8 and torch.equal(linear.qweight.view(torch.uint8),
+                                                           stored[source].view(torch.uint8))
+        assert (linear.input_scale is not None) == (scheme == "per_tensor")
+    judge = oracle_with_fp8_inputs(hf, model_type, kept)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (4, 19)]
+    gaps = []
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        tokens = prompt + out.token_ids
+        logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
+        for i, token in enumerate(out.token_ids):
+            row = logprobs[len(prompt) - 1 + i]
+            assert float(row.max() - row[token]) <= FP8_TIE_TOLERANCE, (name, i, out.token_ids)
+        scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
+        gaps += [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
+    assert max(gaps) <= FP8_TIE_TOLERANCE, max(gaps)
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps  # most positions: the same products, to float32
+
+
+def test_without_the_policy_fp8_weights_are_dequantized(model_factory, tmp_path):
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+    assert not kept_linears(LLM(str(tmp_path / "fp8"), block_size=4))
+
+
+def test_linears_that_take_folded_multipliers_stay_dense(keeps_float8, model_factory, tmp_path):
+    """Falcon-H1's layers fold their multipliers into every projection's rows after load, which
+    a float8 weight cannot take without a new rounding: all of them are dequantized."""
+    path, _ = model_factory("falcon_h1")
+    fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    assert not kept_linears(llm)
+    assert any(p.dtype == torch.float32 for n, p in llm.engine.model.named_parameters() if "in_proj" in n)
+
+
+def test_a_model_tensor_parallelism_shards_keeps_dense_weights(keeps_float8, model_factory, tmp_path):
+    from engine.models import load_model
+
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+    assert not any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8", keep_float8=False).modules())
+    assert any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8").modules())
