@@ -149,3 +149,42 @@ def test_a_model_tensor_parallelism_shards_keeps_dense_weights(keeps_float8, mod
     fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
     assert not any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8", keep_float8=False).modules())
     assert any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8").modules())
+
+
+# ---------------------------------------------------------------- on a GPU with FP8 units
+
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA device of compute capability 8.9 or above")
+@pytest.mark.parametrize("weight_scale, static", [("tensor", True), ("channel", False)])
+def test_the_gpu_scaled_matmul_is_the_fp8_rounded_product(weight_scale, static):
+    device = torch.device("cuda")
+    if not fp8_linear.runs_scaled(device, torch.bfloat16, rowwise=not static):
+        pytest.skip("this GPU's scaled matmul takes no scale per row")
+    torch.manual_seed(0)
+    out_features, in_features = 256, 512
+    dense = torch.randn(out_features, in_features, device=device) * 0.05
+    scale = (dense.abs().amax(1, keepdim=True) if weight_scale == "channel" else dense.abs().max()) / FP8_MAX
+    qweight = (dense / scale).to(FP8)
+    linear = Fp8Linear(in_features, out_features, bias=False, dtype=torch.bfloat16, device=device)
+    input_scale = torch.tensor(0.02, device=device) if static else None
+    linear.load_float8(qweight, scale.reshape(-1), input_scale)
+    x = torch.randn(37, in_features, device=device, dtype=torch.bfloat16)
+    y = linear(x)
+    assert y.dtype == torch.bfloat16
+    expected = F.linear(fake_quantized(x.float(), input_scale), qweight.float() * scale)
+    torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2)  # a bf16 output's rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA device of compute capability 8.9 or above")
+def test_an_fp8_checkpoint_keeps_fp8_weights_on_the_gpu(model_factory, tmp_path):
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "per_tensor")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4, device="cuda")
+    assert kept_linears(llm)
+    first, second = llm.generate([[5, 6, 7], [9, 10, 11]], GREEDY)
+    assert len(first.token_ids) == len(second.token_ids) == GREEDY.max_tokens
