@@ -6,6 +6,11 @@ worker never reads an entry made for another layout, and entries outlive the wor
 written under a temporary name and renamed into place: a crash leaves no file that reads as a
 whole entry. Its metadata holds the chain's keys and a checksum of its bytes; a file that does
 not verify is removed and the request computes the prefix instead.
+
+Writes run on a writer thread; reads for requests still queued run on a reader thread
+(`prefetch`), so a request admitted later finds its entry already read and verified. The
+reader only reads: what a read finds is acted on (used, or refused and removed) on the
+engine's thread, in `get`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import logging
 import os
 import queue
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,6 +33,7 @@ from safetensors.torch import save_file
 from engine.host_tier import Entry, least_useful
 
 log = logging.getLogger(__name__)
+PREFETCH_LIMIT = 8  # entries read ahead and not yet asked for (a request that left leaves one)
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -52,6 +60,9 @@ class DiskTier:
         self._lock = threading.Lock()
         self._queue: queue.Queue[Path] = queue.Queue()
         threading.Thread(target=self._writer, name="disk-cache-writer", daemon=True).start()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache-reader")
+        self.prefetched: OrderedDict[Path, Future] = OrderedDict()  # by file: (tensors, why bad)
+        self.prefetch_hits = 0
 
     def flush(self) -> None:
         """Wait until every queued entry is written (or failed)."""
@@ -127,39 +138,65 @@ class DiskTier:
             files.remove(victim)
             used -= victim[3]
 
+    def prefetch(self, key: bytes, end: int, keys: list[bytes], shapes: dict[str, tuple]) -> bool:
+        """Start reading the entry's file on the reader thread, for a request still queued;
+        whether there is a file (or a queued write) for it."""
+        path = self.path(key, end)
+        with self._lock:
+            queued = path in self.pending
+        if queued or path in self.prefetched:
+            return True
+        if not path.exists():
+            return False
+        self.prefetched[path] = self._reader.submit(self._read, path, keys, shapes)
+        while len(self.prefetched) > PREFETCH_LIMIT:
+            self.prefetched.popitem(last=False)[1].cancel()
+        return True
+
     def get(self, key: bytes, end: int, keys: list[bytes], shapes: dict[str, tuple]) -> Entry | None:
         """The entry for `keys` if its file exists and verifies against the chain and the
         cache's shapes (`shapes`: name -> (one row's shape, dtype)); a file that does not is
-        removed."""
+        removed. A read the reader thread did ahead is used where it verified."""
         path = self.path(key, end)
         with self._lock:
             queued = self.pending.get(path)
         if queued is not None:
             return Entry(list(keys), end, queued.tensors) if queued.keys == keys else None
-        if not path.exists():
-            return None
-        try:
-            with safe_open(path, framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
-            bad = None
-            if meta.get("fingerprint") != self.fingerprint or meta.get("keys") != b"".join(keys).hex():
-                bad = "another layout or chain"
-            elif {n: (tuple(t.shape[1:] if n.startswith("kv:") else t.shape), t.dtype)
-                  for n, t in tensors.items()} != shapes \
-                    or any(t.shape[0] != len(keys) for n, t in tensors.items() if n.startswith("kv:")):
-                bad = "tensor shapes"
-            elif meta.get("checksum") != checksum(tensors):
-                bad = "checksum"
-        except Exception as e:  # truncated or not a safetensors file at all
-            tensors, bad = {}, f"unreadable ({type(e).__name__})"
+        ahead = self.prefetched.pop(path, None)
+        tensors, bad = ahead.result() if ahead is not None and not ahead.cancelled() else (None, "not read")
+        if bad is None:
+            self.prefetch_hits += 1
+        else:  # not read ahead, or the file changed or went while it was read: read it now
+            if not path.exists():
+                return None
+            tensors, bad = self._read(path, keys, shapes)
         if bad is not None:
             log.warning("disk cache: %s refused (%s) and removed", path.name, bad)
             self._remove(path)
             self.removed_bad += 1
             return None
-        os.utime(path)  # recency, for the disk's own eviction
+        try:
+            os.utime(path)  # recency, for the disk's own eviction
+        except FileNotFoundError:
+            pass  # evicted by the writer since it was read: the entry read stays good
         return Entry(list(keys), end, tensors)
+
+    def _read(self, path: Path, keys: list[bytes], shapes: dict[str, tuple]) -> tuple[dict, str | None]:
+        """(the file's tensors, None) where it verifies, else ({}, why not). Reads only."""
+        try:
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                tensors = {name: f.get_tensor(name) for name in f.keys()}
+        except Exception as e:  # truncated, gone, or not a safetensors file at all
+            return {}, f"unreadable ({type(e).__name__})"
+        if meta.get("fingerprint") != self.fingerprint or meta.get("keys") != b"".join(keys).hex():
+            return {}, "another layout or chain"
+        if {n: (tuple(t.shape[1:] if n.startswith("kv:") else t.shape), t.dtype) for n, t in tensors.items()} \
+                != shapes or any(t.shape[0] != len(keys) for n, t in tensors.items() if n.startswith("kv:")):
+            return {}, "tensor shapes"
+        if meta.get("checksum") != checksum(tensors):
+            return {}, "checksum"
+        return tensors, None
 
 
 def key_of(path: Path) -> tuple[bytes, int]:

@@ -27,6 +27,7 @@ from engine.scheduler import Scheduler, ScheduledSeq
 from engine.verify import Speculation, split_verify_rows
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
+from engine.disk_tier import PREFETCH_LIMIT
 from engine.tiered_cache import TieredCache, cache_fingerprint
 from engine.tokenizer import Tokenizer
 
@@ -310,10 +311,15 @@ class LLMEngine:
 
     def schedule(self):
         """The scheduler's plan for the next step, after loading the prefixes the requests it
-        may admit have in a lower tier back into the pool (engine.tiered_cache)."""
+        may admit have in a lower tier back into the pool (engine.tiered_cache), and starting
+        the disk reads of those queued behind them."""
         if self.tiers is not None:
-            for request in itertools.islice(self.scheduler.waiting, self.slots.num_free_slots):
-                self.tiers.promote(request)
+            admissible = self.slots.num_free_slots
+            for i, request in enumerate(itertools.islice(self.scheduler.waiting, admissible + PREFETCH_LIMIT)):
+                if i < admissible:
+                    self.tiers.promote(request)
+                else:  # queued behind those: its disk entry read meanwhile
+                    self.tiers.prefetch(request)
         return self.scheduler.schedule()
 
     def _step(self, plan, scratch: list[ScheduledSeq] = ()) -> list[RequestOutput]:

@@ -73,6 +73,7 @@ class Request:
     rolling_checkpoint: bytes | None = None  # the decode-boundary checkpoint this request saved last
     num_cached_tokens: int | None = None
     tier_checked: bool = False  # its prefix was looked up in the lower tiers (engine.tiered_cache)
+    tier_prefetched: bool = False  # its disk entry was asked for ahead, while it queued
     # sampling_params.prompt_logprobs: an entry per prompt token as far as computed (the first
     # None); a resumed request's caller has them already, so it gets None here.
     prompt_logprobs: list[dict | None] | None = None

@@ -6,6 +6,8 @@ the pool when the pool evicts it under pressure, pushed from host memory to disk
 memory is full, dropped from disk when the disk budget is. A request about to be admitted whose
 longest tier entry goes past its pool hit gets that entry loaded back into the pool (its blocks
 indexed, its checkpoint in a checkpoint row), where the scheduler then finds it as any pool hit.
+A request that waits longer (behind the ones the free slots admit) has its disk entry read on
+the disk tier's reader thread meanwhile, so its load at admission copies from memory.
 """
 
 from __future__ import annotations
@@ -78,19 +80,10 @@ class TieredCache:
         into the pool. Tokens loaded (0: none)."""
         if request.tier_checked:
             return 0
-        size = self.block_size
-        request.block_hashes = block_hashes(request.all_token_ids, size, request.block_hashes)
-        hashes = request.block_hashes
-        hit = self.prefix_cache.lookup(hashes, request.num_tokens).num_tokens
-        for i in range(len(hashes) - 1, -1, -1):
-            end = (i + 1) * size
-            if end >= request.num_tokens:
-                continue  # one token is always computed
-            if end <= hit:
-                break
-            if sum(key not in self.prefix_cache.nodes for key in hashes[: i + 1]) > self.blocks.num_available_blocks:
+        for keys, end in self._past_the_pool(request):
+            if sum(key not in self.prefix_cache.nodes for key in keys) > self.blocks.num_available_blocks:
                 return 0  # no room in the pool now (nothing read): looked up again in a later step
-            entry = self._find(hashes[: i + 1], end)
+            entry = self._find(keys, end)
             if entry is None:
                 continue
             if not self._load(entry):
@@ -104,6 +97,33 @@ class TieredCache:
             return end
         request.tier_checked = True
         return 0
+
+    def prefetch(self, request) -> None:
+        """While `request` queues: start reading its longest entry past its pool hit from disk
+        (engine.disk_tier.DiskTier.prefetch), unless host memory holds a longer one."""
+        if self.disk is None or request.tier_checked or request.tier_prefetched:
+            return
+        request.tier_prefetched = True
+        for keys, end in self._past_the_pool(request):
+            if self.host is not None and keys[-1] in self.host.entries:
+                return
+            if self.disk.prefetch(keys[-1], end, keys, self.row_shapes):
+                return
+
+    def _past_the_pool(self, request):
+        """(chain, tokens) of each block-aligned prefix of `request` longer than its pool hit,
+        longest first, leaving at least one token to compute."""
+        size = self.block_size
+        request.block_hashes = block_hashes(request.all_token_ids, size, request.block_hashes)
+        hashes = request.block_hashes
+        hit = self.prefix_cache.lookup(hashes, request.num_tokens).num_tokens
+        for i in range(len(hashes) - 1, -1, -1):
+            end = (i + 1) * size
+            if end >= request.num_tokens:
+                continue  # one token is always computed
+            if end <= hit:
+                return
+            yield hashes[: i + 1], end
 
     def _find(self, keys: list[bytes], end: int) -> Entry | None:
         if self.host is not None and (entry := self.host.entries.get(keys[-1])) is not None:
@@ -156,5 +176,6 @@ class TieredCache:
         if self.disk is not None:
             files = self.disk.files()
             out.update(tier_disk_bytes=sum(f[3] for f in files), tier_disk_entries=len(files),
-                       tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad)
+                       tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad,
+                       tier_disk_read_ahead=self.disk.prefetch_hits)
         return out

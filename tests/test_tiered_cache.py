@@ -128,6 +128,32 @@ def test_a_damaged_disk_entry_is_refused_removed_and_recomputed(damage, model_fa
     assert len(gone) == stats["tier_disk_removed_bad"]
 
 
+@pytest.mark.parametrize("damaged", [False, True])
+def test_requests_that_queue_find_their_disk_entries_read_ahead(damaged, model_factory, tmp_path):
+    """Six chats' next turns at once on one slot: the five that queue have their disk entries
+    read and verified on the reader thread meanwhile; a damaged file is still refused, removed
+    and recomputed, on the engine's thread."""
+    path, _ = model_factory("jamba")
+    prompts, expected = chat_trace(path, 2)
+    disk = dict(disk_cache_dir=str(tmp_path), disk_cache_bytes=1 << 24)
+    one_by_one(LLM(str(path), **SMALL_POOL, **disk), prompts[:6])
+    files = entry_files(tmp_path)
+    if damaged:
+        for file in files:
+            data = bytearray(file.read_bytes())
+            data[-5] ^= 0xFF
+            file.write_bytes(bytes(data))
+    llm = LLM(str(path), **{**SMALL_POOL, "max_num_seqs": 1}, **disk)
+    assert [out.token_ids for out in llm.generate(prompts[6:12], GREEDY)] == expected[6:12]
+    llm.engine.check_integrity()
+    stats = llm.engine.stats()
+    if damaged:
+        assert stats["tier_disk_hits"] == stats["tier_disk_read_ahead"] == 0, stats
+        assert stats["tier_disk_removed_bad"] >= 5, stats
+    else:
+        assert stats["tier_disk_hits"] >= 5 and stats["tier_disk_read_ahead"] >= 4, stats
+
+
 def test_a_full_disk_and_a_crashed_write_lose_entries_not_requests(model_factory, tmp_path, monkeypatch):
     import engine.disk_tier as tiered
 
