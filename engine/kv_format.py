@@ -1,10 +1,13 @@
-"""KV blocks stored in FP8 (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2) with a scale per layer and tensor.
+"""KV blocks stored in FP8 (`kv_cache_dtype` fp8_e4m3 / fp8_e5m2) with a scale per layer and
+tensor, or per KV head.
 
 Each attention layer's K and V (an MLA layer's latent rows) are stored as value / scale in
 float8, saturated at the format's largest value. The scales come from the checkpoint where it
 carries them (`<layer>.k_scale` / `v_scale`, or `k_proj.output_scale` / `v_proj.output_scale`,
-as vLLM's and llm-compressor's FP8 checkpoints do), else 1.0; a checkpoint whose config
-declares a static `kv_cache_scheme` must carry them for every attention layer.
+as vLLM's and llm-compressor's FP8 checkpoints do): one number, or one per KV head (the
+`attn_head` strategy), else 1.0; a checkpoint whose config declares a static
+`kv_cache_scheme` must carry them for every attention layer. Scales per head are not taken
+with tensor parallelism (each rank would hold its heads' share; refused at load).
 
 As for narrow recurrent state (engine.state_format), the attention layers do not change: around
 each such layer's forward, NarrowKV dequantizes the blocks the step's rows read into working
@@ -40,10 +43,13 @@ def is_kv_scale(name: str) -> bool:
     return _SCALE_NAME.search(name) is not None
 
 
-def read_kv_scales(model_dir: str | Path, spec: ModelSpec) -> dict[int, dict[str, float]]:
+Scale = float | tuple[float, ...]  # one for the layer's tensor, or one per KV head
+
+
+def read_kv_scales(model_dir: str | Path, spec: ModelSpec) -> dict[int, dict[str, Scale]]:
     """{layer: {"k": scale, "v": scale}} from the checkpoint; a CheckpointError naming the tensor
-    where a scale is not one positive finite number, or the layer where a static
-    kv_cache_scheme leaves one out."""
+    where a scale is not one positive finite number or one per KV head, or the layer where a
+    static kv_cache_scheme leaves one out."""
     from engine.models.checkpoint import WeightFiles
 
     model_dir = Path(model_dir)
@@ -55,11 +61,15 @@ def read_kv_scales(model_dir: str | Path, spec: ModelSpec) -> dict[int, dict[str
             if match is None:
                 continue
             layer, which = int(match.group(1)), match.group(2) or match.group(3)
-            value = weights.get(name)
-            if value.numel() != 1 or not bool(torch.isfinite(value.float()).all()) or float(value) <= 0:
-                raise CheckpointError(f"{model_dir}: {name}: a KV scale must be one positive number, "
-                                      f"got shape {tuple(value.shape)}")
-            scales.setdefault(layer, {})[which] = float(value)
+            value = weights.get(name).float().reshape(-1)
+            kv = spec.layers[layer].kv if layer < len(spec.layers) else None
+            heads = kv.num_kv_heads if kv is not None else 1
+            if value.numel() not in (1, heads):
+                raise CheckpointError(f"{model_dir}: {name}: a KV scale must be one number or one per KV head "
+                                      f"({heads}), got shape {tuple(weights.get(name).shape)}")
+            if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
+                raise CheckpointError(f"{model_dir}: {name}: a KV scale must be positive and finite")
+            scales.setdefault(layer, {})[which] = float(value) if value.numel() == 1 else tuple(value.tolist())
     finally:
         weights.close()
     config = json.loads((model_dir / "config.json").read_text())
@@ -73,7 +83,7 @@ def read_kv_scales(model_dir: str | Path, spec: ModelSpec) -> dict[int, dict[str
     return scales
 
 
-def narrow_kv_spec(spec: ModelSpec, kv_dtype: str, scales: dict[int, dict[str, float]]) -> ModelSpec:
+def narrow_kv_spec(spec: ModelSpec, kv_dtype: str, scales: dict[int, dict[str, Scale]]) -> ModelSpec:
     """`spec` with every attention layer's KV stored as `kv_dtype` (a KV_DTYPES key), its scales
     (1.0 where the checkpoint has none) in the spec and named in the layer's KV kind."""
     if kv_dtype not in KV_DTYPES:
@@ -84,21 +94,32 @@ def narrow_kv_spec(spec: ModelSpec, kv_dtype: str, scales: dict[int, dict[str, f
     for i in spec.attention_layers:
         kv = layers[i].kv
         values = tuple(scales.get(i, {}).get(name, 1.0) for name in kv.names)
-        kind = f"{kv.kind} in {KV_DTYPES[kv_dtype]} scaled " + ",".join(f"{n}={s:.9g}" for n, s in zip(kv.names, values))
+        kind = f"{kv.kind} in {KV_DTYPES[kv_dtype]} scaled " + ",".join(f"{n}={scale_text(s)}"
+                                                                       for n, s in zip(kv.names, values))
         layers[i] = dataclasses.replace(layers[i], kv=dataclasses.replace(
             kv, stored_dtype=KV_DTYPES[kv_dtype], scales=values, kind=kind))
     return dataclasses.replace(spec, layers=tuple(layers))
 
 
-def quantize(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def scale_text(scale: Scale) -> str:
+    return f"{scale:.9g}" if isinstance(scale, float) else "[" + ",".join(f"{s:.9g}" for s in scale) + "]"
+
+
+def scale_tensor(scale: Scale, device) -> float | torch.Tensor:
+    """A scale as quantize takes it: the number, or [heads, 1] to broadcast over rows of
+    [..., heads, head_dim]."""
+    return scale if isinstance(scale, float) else torch.tensor(scale, device=device).reshape(-1, 1)
+
+
+def quantize(rows: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """rows / scale in the float8 `dtype`, saturated at its largest value (not inf or nan)."""
     largest = torch.finfo(dtype).max
-    values = rows.float() if scale == 1.0 else rows.float() / scale
+    values = rows.float() if isinstance(scale, float) and scale == 1.0 else rows.float() / scale
     return values.clamp_(-largest, largest).to(dtype)
 
 
-def dequantize(rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    values = rows.float() if scale == 1.0 else rows.float() * scale
+def dequantize(rows: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    values = rows.float() if isinstance(scale, float) and scale == 1.0 else rows.float() * scale
     return values.to(dtype)
 
 
@@ -109,7 +130,8 @@ class NarrowKV:
     def __init__(self, pool: LayerCaches, spec: ModelSpec, layers: list[int], num_block_rows: int,
                  compute_dtype: torch.dtype):
         self.pool, self.layers, self.dtype = pool, set(layers), compute_dtype
-        self.scales = {i: spec.layers[i].kv.scales for i in layers}
+        self.scales = {i: [scale_tensor(s, t.device) for s, t in zip(spec.layers[i].kv.scales, pool.kv[i])]
+                       for i in layers}
         buffers: dict[tuple, list[torch.Tensor]] = {}
         self.working: dict[int, tuple[torch.Tensor, ...]] = {}
         for i in layers:

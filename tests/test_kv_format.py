@@ -21,7 +21,7 @@ from bench.quant import forced_logits
 from engine import LLM, SamplingParams
 from engine.cache import plan_cache
 from engine.config import EngineConfig
-from engine.kv_format import dequantize, quantize
+from engine.kv_format import dequantize, quantize, scale_tensor
 from engine.llm_engine import LLMEngine
 from engine.models import CheckpointError
 from kvtransfer import CacheTensors, LayoutMismatchError
@@ -32,8 +32,9 @@ ATTENTION_FAMILIES = ["jamba", "llama", "bamba", "granitemoehybrid", "nemotron_h
                       "qwen3_next", "lfm2_moe", "olmo_hybrid", "kimi_linear"]
 
 
-def with_kv_scales(source, target, scales: dict[int, tuple[float, float]], scheme: bool = True):
-    """A copy of checkpoint `source` whose attention layers carry k_scale / v_scale tensors."""
+def with_kv_scales(source, target, scales: dict[int, tuple], scheme: bool = True):
+    """A copy of checkpoint `source` whose attention layers carry k_scale / v_scale tensors
+    (each a number, or a list of one per KV head)."""
     shutil.copytree(source, target)
     weights = load_file(target / "model.safetensors")
     for layer, (k, v) in scales.items():
@@ -41,9 +42,11 @@ def with_kv_scales(source, target, scales: dict[int, tuple[float, float]], schem
         weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
     save_file(weights, target / "model.safetensors")
     if scheme:
+        per_head = any(isinstance(scale, list) for pair in scales.values() for scale in pair)
         config = json.loads((target / "config.json").read_text())
         config["quantization_config"] = {"quant_method": "compressed-tensors",
-                                         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                         "kv_cache_scheme": {"num_bits": 8, "type": "float",
+                                                             "strategy": "attn_head" if per_head else "tensor",
                                                              "dynamic": False, "symmetric": True}}
         (target / "config.json").write_text(json.dumps(config))
     return target
@@ -132,14 +135,52 @@ def test_checkpoint_scales_are_used_named_in_the_layout_and_refused_when_they_di
         layouts[1].check_compatible(layouts[2], "prefill", "decode")
 
 
+def test_scales_per_kv_head_scale_each_heads_rows(model_factory, tmp_path):
+    """The attn_head strategy: k_scale with one value per KV head divides each head's rows by
+    its own; named in the layout; refused with tensor parallelism, where a rank holds a share."""
+    path, _ = model_factory("llama")  # 2 KV heads, 2 attention layers
+    plain = LLMEngine(EngineConfig(str(path), block_size=4))
+    per_head = with_kv_scales(path, tmp_path / "per_head", {0: ([0.5, 4.0], 2.0), 1: ([1.0, 0.25], [3.0, 1.0])})
+    engine = LLMEngine(EngineConfig(str(per_head), block_size=4, kv_cache_dtype="fp8_e4m3"))
+    kinds = {i: kind for _, i, kind, role, _ in engine.cache.handoff_tensors()}
+    assert kinds[0] == "attention in float8_e4m3fn scaled k=[0.5,4],v=2", kinds
+    assert kinds[1] == "attention in float8_e4m3fn scaled k=[1,0.25],v=[3,1]", kinds
+    for e in (engine, plain):
+        e.add_request([5, 6, 7, 8, 9, 10], GREEDY, request_id="r")
+        e.step()
+    b8, b = blocks_of(engine, "r")[0], blocks_of(plain, "r")[0]
+    expected = {"layer0.k": [0.5, 4.0], "layer0.v": 2.0, "layer1.k": [1.0, 0.25], "layer1.v": [3.0, 1.0]}
+    stored, written = dict(engine.cache.block_tensors()), dict(plain.cache.block_tensors())
+    assert sorted(stored) == sorted(expected)
+    for name, scale in expected.items():
+        rows = quantize(written[name][b], scale_tensor(scale if isinstance(scale, float) else tuple(scale), "cpu"),
+                        stored[name].dtype)
+        assert torch.equal(stored[name].view(torch.uint8)[b8], rows.view(torch.uint8)), name
+        if isinstance(scale, list):  # a head's rows over its own scale, not the other head's
+            head0 = quantize(written[name][b][:, 0], scale[0], stored[name].dtype)
+            assert torch.equal(stored[name].view(torch.uint8)[b8][:, 0], head0.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"scales per KV head and tensor_parallel_size 2: not supported yet"):
+        LLM(str(per_head), kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2)
+
+
 def test_bad_scales_and_flags_are_refused_naming_them(model_factory, tmp_path):
-    path, _ = model_factory("llama")
+    path, _ = model_factory("llama")  # 2 KV heads
     wrong = with_kv_scales(path, tmp_path / "wrong", {0: (0.5, 1.0)})
     weights = load_file(wrong / "model.safetensors")
-    weights["model.layers.0.self_attn.k_scale"] = torch.ones(4)
+    weights["model.layers.0.self_attn.k_scale"] = torch.ones(3)
     save_file(weights, wrong / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.k_scale: a KV scale must be one "
-                                              r"positive number, got shape \(4,\)"):
+                                              r"number or one per KV head \(2\), got shape \(3,\)"):
+        LLM(str(wrong), kv_cache_dtype="fp8_e4m3")
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor([1.0, -1.0])
+    save_file(weights, wrong / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"k_scale: a KV scale must be positive and finite"):
+        LLM(str(wrong), kv_cache_dtype="fp8_e4m3")
+    config = json.loads((wrong / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"]["strategy"] = "channel"
+    (wrong / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme\.strategy = 'channel': only 'tensor' .* and "
+                                              r"'attn_head' \(one per KV head\) are supported"):
         LLM(str(wrong), kv_cache_dtype="fp8_e4m3")
     missing = with_kv_scales(path, tmp_path / "missing", {0: (0.5, 1.0)})  # layer 1 has none
     with pytest.raises(CheckpointError, match="kv_cache_scheme is static, but layer 1 has no k_scale tensor"):

@@ -60,9 +60,9 @@ class FP8Weights:
             if kv.get("num_bits") != 8 or kv.get("type") != "float":
                 raise CheckpointError(f"{field}: num_bits {kv.get('num_bits')!r}, type {kv.get('type')!r}: "
                                       "only 8-bit float (FP8) KV caches are supported")
-            if kv.get("strategy", "tensor") != "tensor":
+            if kv.get("strategy", "tensor") not in ("tensor", "attn_head"):
                 raise CheckpointError(f"{field}.strategy = {kv.get('strategy')!r}: only 'tensor' (a scale per "
-                                      "layer for K and for V) is supported")
+                                      "layer for K and for V) and 'attn_head' (one per KV head) are supported")
         groups = quant.get("config_groups")
         if kv is not None and not groups:
             return  # the KV cache alone is quantized: every weight is as it is

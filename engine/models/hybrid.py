@@ -65,7 +65,7 @@ class KVSpec:
     # Where the cache stores the rows in another dtype than the model's (engine.kv_format:
     # kv_cache_dtype), that dtype's name and the scale of each of `names`; None: as computed.
     stored_dtype: str | None = None
-    scales: tuple[float, ...] = ()
+    scales: tuple = ()  # per name: one float, or a tuple of one per KV head
 
     def __post_init__(self):
         if (self.num_kv_heads <= 0 or self.head_dim <= 0 or not self.names
