@@ -28,15 +28,60 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.mark.triton
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch, name):
-    enter_kernel_mode()
     path, hf = model_factory(name)
+    llm = static_engine(path, monkeypatch)
+    for prompt, out in zip(PROMPTS, decode_guarded(llm, monkeypatch)):
+        judge_greedy(hf, prompt, out)
+    assert capture_blockers(llm.engine.model, torch.device("cpu")) == []  # Triton forced, as on CUDA
+
+
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("name, options", [
+    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),
+    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16")),
+    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3")),
+    ("llama", dict(fp8_weights=True)),
+])
+def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, monkeypatch, tmp_path, name, options):
+    """The cache formats' load and store around a layer (engine.state_format, engine.kv_format)
+    and FP8 linears (engine.models.fp8_linear, under the GPU's policy) inside the forward a
+    CUDA graph captures; the tokens are those of the same engine on its eager path."""
+    import engine.models.fp8_linear as fp8_linear
+    from tests.test_fp8 import fp8_checkpoint
+
+    path, _ = model_factory(name)
+    if options.pop("fp8_weights", False):
+        monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: True)
+        fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+        path = str(tmp_path / "fp8")
+    eager = static_engine(path, monkeypatch, static=False, **options)
+    expected = [out.token_ids for out in eager.generate(PROMPTS, GREEDY)]
+    llm = static_engine(path, monkeypatch, **options)
+    assert decode_guarded(llm, monkeypatch) == expected
+    if name == "llama":
+        assert any(isinstance(m, fp8_linear.Fp8Linear) for m in llm.engine.model.modules())
+
+
+PROMPTS = [[5, 6, 7], [9], list(range(3, 14))]
+
+
+def static_engine(path, monkeypatch, static: bool = True, **options) -> LLM:
+    """An engine that runs as on CUDA: Triton kernels, no C++ CPU kernels, MoE without the
+    per-expert loop; its decode steps on the static path unless `static` is False."""
+    enter_kernel_mode()
     monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")
     monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
     monkeypatch.setenv(STATIC_ENV, "1")
-    llm = LLM(path, block_size=4, max_num_seqs=4, num_kv_blocks=48)
-    runner = llm.engine.runner
-    runner.use_static_decode(capture=False)
-    static = runner.static
+    llm = LLM(str(path), block_size=4, max_num_seqs=4, num_kv_blocks=48, **options)
+    if static:
+        llm.engine.runner.use_static_decode(capture=False)
+    return llm
+
+
+def decode_guarded(llm: LLM, monkeypatch) -> list[list[int]]:
+    """PROMPTS' greedy tokens, every static decode forward under the host-read guard."""
+    static = llm.engine.runner.static
     forward, guarded = static.model, []
 
     def model(batch, caches):
@@ -45,10 +90,8 @@ def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch
             return forward(batch, caches)
 
     monkeypatch.setattr(static, "model", model)
-    prompts = [[5, 6, 7], [9], list(range(3, 14))]
-    outs = llm.generate(prompts, GREEDY)
+    outs = llm.generate(PROMPTS, GREEDY)
     assert guarded, "no decode step took the static path"
-    for prompt, out in zip(prompts, outs):
+    for out in outs:
         assert out.error is None and len(out.token_ids) == GREEDY.max_tokens, out.error  # a guard's error fails the request
-        judge_greedy(hf, prompt, out.token_ids)
-    assert capture_blockers(llm.engine.model, torch.device("cpu")) == []  # Triton forced, as on CUDA
+    return [out.token_ids for out in outs]
