@@ -9,7 +9,7 @@ captured is what every replay computes, with new data in the same tensors.
 Padded rows are the danger: they run every layer like real decodes. Each one decodes token 0
 at position 0 from the cache's scratch state slot and scratch KV block (engine.cache: rows
 the allocators never hand out and a hand-off never moves), its whole block-table row is the
-scratch block, and its logits are dropped. All padded rows share the scratch rows, so what
+scratch block, and its logits (and, for an MTP head, its hidden states) are dropped. All padded rows share the scratch rows, so what
 they leave there is garbage, read only by other padded rows; every layer computes each row
 on its own, so nothing of it reaches a real row.
 
@@ -54,8 +54,11 @@ def capture_blockers(model: HybridLM, device: torch.device) -> list[str]:
 
 class StaticDecode:
     def __init__(self, model: HybridLM, cache: ModelCache, max_num_seqs: int, max_blocks: int,
-                 device: torch.device):
+                 device: torch.device, keep_hidden: bool = False):
+        """`keep_hidden`: each step also gives its rows' final hidden states (an MTP head's
+        input, engine.mtp), as one more output of the graphs."""
         self.model, self.cache, self.device = model, cache, device
+        self.keep_hidden = keep_hidden
         self.sizes = padded_sizes(max_num_seqs)
         self.max_blocks = max_blocks
         self.scratch_block = cache.scratch_block
@@ -69,6 +72,8 @@ class StaticDecode:
         self.batches = {size: self._batch(size, rows[:size]) for size in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_logits: dict[int, torch.Tensor] = {}
+        self.graph_hidden: dict[int, torch.Tensor] = {}
+        self.last_hidden: torch.Tensor | None = None  # the real rows' of the last run, with keep_hidden
         self.eager_reason: str | None = "not captured"
 
     def _batch(self, size: int, rows: torch.Tensor) -> ForwardBatch:
@@ -79,7 +84,7 @@ class StaticDecode:
             phases=[Phase.DECODE] * size, state_slots=[], block_tables=tables,
             kv_write_index=write_index, block_size=self.cache.block_size, logits_indices=rows,
             decode_token_index=rows, decode_slots=slots, decode_context_lens=context_lens,
-            decode_block_tables=tables)
+            decode_block_tables=tables, keep_hidden=self.keep_hidden)
 
     def fits(self, host: HostBatch) -> bool:
         return (len(host.phases) <= self.sizes[-1] and host.block_tables.shape[1] <= self.max_blocks
@@ -102,13 +107,16 @@ class StaticDecode:
 
     def run(self, host: HostBatch) -> torch.Tensor:
         """Logits of the real rows, [n, vocab]: a view valid until the next step."""
-        size = self.load(host)
+        size, n = self.load(host), len(host.phases)
         if size in self.graphs:
             self.graphs[size].replay()
-            logits = self.graph_logits[size]
+            logits, hidden = self.graph_logits[size], self.graph_hidden.get(size)
         else:
-            logits = self.model(self.batches[size], self.cache.layers)
-        return logits[: len(host.phases)]
+            batch = self.batches[size]
+            logits = self.model(batch, self.cache.layers)
+            hidden = batch.hidden
+        self.last_hidden = hidden[:n] if self.keep_hidden else None
+        return logits[:n]
 
     @torch.inference_mode()
     def capture(self) -> bool:
@@ -136,10 +144,13 @@ class StaticDecode:
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                     logits = self.model(batch, self.cache.layers)
                 self.graphs[size], self.graph_logits[size] = graph, logits
+                if self.keep_hidden:
+                    self.graph_hidden[size] = batch.hidden
             torch.cuda.synchronize(self.device)
         except Exception as e:  # a capture failure must leave a working (eager) engine
             self.graphs.clear()
             self.graph_logits.clear()
+            self.graph_hidden.clear()
             self.eager_reason = f"capture failed: {type(e).__name__}: {e}"
             log.warning("decode step not captured as CUDA graphs, running eagerly: %s", self.eager_reason)
             try:

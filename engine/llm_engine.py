@@ -162,11 +162,11 @@ class LLMEngine:
         # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
         self.speculation = Speculation(speculative, self) if speculative is not None else None
-        # (An MTP head reads each step's hidden states: its decode steps are not graphs.)
+        # (An MTP head reads each step's hidden states: the runner keeps them, graphs too.)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
-                                  config.enforce_eager or self.mtp is not None, self.max_model_len, tp=self.tp)
+                                  config.enforce_eager, self.max_model_len, tp=self.tp,
+                                  keep_hidden=self.mtp_head is not None)
         self.runner.verifies = self.speculation is not None
-        self.runner.keep_hidden = self.mtp_head is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []

@@ -199,7 +199,7 @@ def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
 class ModelRunner:
     def __init__(self, model: HybridLM, cache: ModelCache, slots: StateSlotAllocator,
                  device: torch.device | str, debug: bool, enforce_eager: bool = True,
-                 max_model_len: int | None = None, tp=None):
+                 max_model_len: int | None = None, tp=None, keep_hidden: bool = False):
         self.model = model
         model.pack_for_cpu()  # weights are final here (loaded, sharded); a no-op off the CPU
         # a CPU decode step's layers as one C++ call where they fit (built after the packing)
@@ -215,8 +215,8 @@ class ModelRunner:
         self.static: StaticDecode | None = None
         self.verifies = False  # the engine speculates: some steps may hold VERIFY rows
         # An MTP head reads every token's final hidden state (engine.mtp): each step leaves
-        # them in last_hidden, and decode steps run eagerly (a graph's outputs are its logits).
-        self.keep_hidden = False
+        # them in last_hidden (a decode graph's outputs are then its logits and its hidden states).
+        self.keep_hidden = keep_hidden
         self.last_hidden: torch.Tensor | None = None
         width = self.cache.sizes.num_blocks
         if max_model_len is not None:
@@ -233,7 +233,7 @@ class ModelRunner:
         same order as the graphs of the others."""
         def mine():
             self.static = StaticDecode(self.model, self.cache, self.slots.num_slots,
-                                       self.block_tables.rows.shape[1], self.device)
+                                       self.block_tables.rows.shape[1], self.device, self.keep_hidden)
             if capture:
                 self.static.capture()
 
@@ -292,13 +292,14 @@ class ModelRunner:
         """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
         host = None
-        if self.static is not None and not self.keep_hidden and all(s.phase is Phase.DECODE for s in seqs):
+        if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
         logits = None
         if host is not None and self.static.fits(host):
             if self.tp is not None:  # every rank replays its own graph of this size
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
+            self.last_hidden = self.static.last_hidden
         # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
         elif self.verifies and self.decode_stack is not None and self.cache.layers.narrow is None \
                 and any(s.phase is Phase.VERIFY for s in seqs) \

@@ -108,6 +108,36 @@ def test_mtp_under_preemption_prefix_caching_sampled_rows_and_a_resume(mtp_model
         assert_drafts_are_the_heads(hf, head, tokens, drafts)
 
 
+def test_decode_steps_on_the_static_path_give_the_head_its_hidden_states(mtp_model, monkeypatch):
+    """A CUDA graph's decode step (the static path, run here on the CPU) gives the head the
+    step's hidden states as one more output: drafts that follow a plain decode step start
+    from the g it observed there, and stay the head's. Two proposals of three are dropped: a
+    step that replays a rejected draft's accepted tokens, then a plain decode step."""
+    path, hf, head = mtp_model
+    prompts = prompts_for(5)
+    plain = [out.token_ids for out in LLM(str(path), block_size=4).generate(prompts, GREEDY)]
+    proposals, calls = record_proposals(monkeypatch), [0]
+    drafting = MTPProposer.propose_all
+
+    def every_other(self, requests, limits):
+        calls[0] += 1
+        drafts = drafting(self, requests, limits)
+        return drafts if calls[0] % 3 == 0 else [[] for _ in requests]
+
+    monkeypatch.setattr(MTPProposer, "propose_all", every_other)
+    llm = LLM(str(path), block_size=4, speculative_config=MTP)
+    llm.engine.runner.use_static_decode(capture=False)
+    static, runs = llm.engine.runner.static, []
+    run = static.run
+    monkeypatch.setattr(static, "run", lambda host: runs.append(len(host.phases)) or run(host))
+    assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == plain
+    assert len(runs) > 5 and static.keep_hidden
+    after_static = [(tokens, drafts) for tokens, drafts in proposals if drafts]
+    assert len(after_static) > 10
+    for tokens, drafts in after_static[::3]:
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)
+
+
 def test_a_head_that_skips_the_accepted_positions_drafts_wrong_tokens(mtp_model, monkeypatch):
     """The mutation: observe only the first position of a VERIFY row (its accepted drafts
     never reach the head's KV, and g comes from the wrong position) and the drafts stop being
