@@ -398,5 +398,22 @@ def test_cache_tiers_serve_evicted_chats_and_the_router_sees_every_tier(cluster,
         assert sum(o.num_cached_tokens for o in outs[6:]) >= 6 * 32
         index = tiered.workers.prefill[0].prefixes.held
         assert {"pool", "host", "disk"} <= set().union(*index.values()), index
+        # The prefill worker dies right after the step that loaded a chat's entry from a tier:
+        # the retry is served exactly, and the worker Ray restarts reports its disk tier (warm;
+        # its pool and host memory died with it) and none of its old life's entries.
+        from tests.test_reliability import arm_crash, collect, the_one_that_died
+
+        again = systems[0] + prompts[6][36:] + outs[6].token_ids + [7, 8, 9]
+        before = arm_crash(tiered.workers.prefill, "killed-after-a-load")
+        _, final = asyncio.run(collect(tiered, "killed-after-a-load", again, GREEDY))
+        assert final.error is None, final.error
+        assert_same_tokens(hf, again, final.token_ids, LLM(path, block_size=4).generate([again], GREEDY)[0].token_ids)
+        the_one_that_died(tiered, tiered.workers.prefill, before)
+        time.sleep(0.6)  # its first report: a snapshot
+        tiered.status()
+        index = tiered.workers.prefill[0].prefixes.held
+        served = set(tiered._block_hashes(again + final.token_ids))  # all the new life has run
+        assert any("disk" in tiers for tiers in index.values()), index
+        assert all(key in served for key, tiers in index.items() if tiers - {"disk"}), index
     finally:
         tiered.shutdown()
