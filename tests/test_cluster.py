@@ -398,9 +398,10 @@ def test_cache_tiers_serve_evicted_chats_and_the_router_sees_every_tier(cluster,
         assert sum(o.num_cached_tokens for o in outs[6:]) >= 6 * 32
         index = tiered.workers.prefill[0].prefixes.held
         assert {"pool", "host", "disk"} <= set().union(*index.values()), index
-        # The prefill worker dies right after the step that loaded a chat's entry from a tier:
-        # the retry is served exactly, and the worker Ray restarts reports its disk tier (warm;
-        # its pool and host memory died with it) and none of its old life's entries.
+        # The prefill worker dies right after the first step of a chat's next turn, whose prefix
+        # its cache holds: the retry is served exactly, and the worker Ray restarts reports its
+        # disk tier (warm: the files outlive it; its pool and host memory died with it) and, of
+        # the rest, only what its new life ran.
         from tests.test_reliability import arm_crash, collect, the_one_that_died
 
         again = systems[0] + prompts[6][36:] + outs[6].token_ids + [7, 8, 9]
