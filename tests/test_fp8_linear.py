@@ -142,6 +142,25 @@ def test_linears_that_take_folded_multipliers_stay_dense(keeps_float8, model_fac
     assert any(p.dtype == torch.float32 for n, p in llm.engine.model.named_parameters() if "in_proj" in n)
 
 
+def test_misshapen_scales_of_kept_linears_are_refused_naming_them(keeps_float8, model_factory, tmp_path):
+    from safetensors.torch import save_file
+
+    from engine.models import CheckpointError
+
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "per_tensor")
+    weights = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj"
+    for broken, message in ((f"{name}.weight_scale", r"o_proj\.weight_scale' has shape \[3\]; expected one scale "
+                                                     r"or one per output channel"),
+                            (f"{name}.input_scale", r"o_proj\.input_scale' has shape \[2\]; expected one scale")):
+        damaged = dict(weights)
+        damaged[broken] = torch.ones(3 if broken.endswith("weight_scale") else 2)
+        save_file(damaged, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=message):
+            LLM(str(tmp_path / "fp8"), block_size=4)
+
+
 def test_a_model_tensor_parallelism_shards_keeps_dense_weights(keeps_float8, model_factory, tmp_path):
     from engine.models import load_model
 
