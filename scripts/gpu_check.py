@@ -10,6 +10,7 @@ Steps (scripts/gpu_check_steps.py), each in its own process with its own time li
             float32 against its reference (error, compile time) and the device's bandwidth
   engine    LLM(cuda) in float32 and bf16 against LLM(cpu) on every zoo family, judged by the
             tie rule, with a prompt longer than the step budget and a prefix-cache repeat;
+            bf16 with FP8 KV and bf16 state runs (tokens against plain bf16, for information);
             no C++ CPU library built by a CUDA engine
   graphs    CUDA-graph replay equal to eager bit for bit (dense and MoE hybrids)
   handoff   a prefill worker handing off to a decode worker in another process on the same

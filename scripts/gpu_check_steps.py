@@ -173,6 +173,9 @@ def step_engine(dry_run: bool) -> dict:
                 "bf16": _tokens_or_error(lambda: LLM(path, device=device, dtype="bfloat16", **ENGINE_OPTIONS), params),
                 "prefix": _tokens_or_error(lambda: LLM(path, device=device, dtype="float32", enable_prefix_caching=True,
                                                        **ENGINE_OPTIONS), params, twice=True),
+                # the cache formats' torch path (docs/cache-formats.md), captured graphs included
+                "formats": _tokens_or_error(lambda: LLM(path, device=device, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
+                                                        mamba_state_dtype="bfloat16", **ENGINE_OPTIONS), params),
             }
         built = native.library.cache_info().currsize > 0 or any(Path(kernel_cache).iterdir())
         if not dry_run and built:
@@ -189,15 +192,17 @@ def step_engine(dry_run: bool) -> dict:
                 row.append(verdict)
                 if not verdict.startswith(("equal", "ties")):
                     failures.append(f"{name} {kind}: {verdict}")
-            bf16 = runs[name]["bf16"]
-            if isinstance(bf16, str):
-                failures.append(f"{name} bf16: {bf16}")
-                row.append(bf16)
-            else:
-                equal = sum(a == b for x, y in zip(bf16, cpu) for a, b in zip(x, y))
-                row.append(f"{equal}/{sum(map(len, cpu))} tokens as float32 CPU (info)")
+            for kind, against, what in (("bf16", cpu, "float32 CPU"), ("formats", runs[name]["bf16"], "bf16")):
+                ours = runs[name][kind]
+                if isinstance(ours, str) or isinstance(against, str):
+                    failures.append(f"{name} {kind}: {ours if isinstance(ours, str) else 'no bf16 run'}")
+                    row.append(ours if isinstance(ours, str) else "-")
+                    continue
+                equal = sum(a == b for x, y in zip(ours, against) for a, b in zip(x, y))
+                row.append(f"{equal}/{sum(map(len, against))} tokens as {what} (info)")
             rows.append(row)
-    header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice", f"LLM({device}) bf16"]
+    header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice", f"LLM({device}) bf16",
+              "bf16, FP8 KV e4m3 + bf16 state"]
     note = "" if trusted else "; transformers here normalises Mamba2's gated norm over the full width, so " \
                               "mamba2/bamba/granite are judged by equality to the CPU engine only"
     summary = (f"{len(names) - len({f.split()[0] for f in failures})}/{len(names)} families equal the CPU "
