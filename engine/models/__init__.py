@@ -30,11 +30,11 @@ __all__ = ["CheckpointError", "ForwardBatch", "HybridLM", "LayerCacheSpec", "Lay
 FAMILIES = {**_BASE_FAMILIES, **_MAMBA2_FAMILIES, **_FALCON_H1_FAMILIES, **_ZAMBA2_FAMILIES,
             **_QWEN3_NEXT_FAMILIES, **_LFM2_FAMILIES, **_LFM2_MOE_FAMILIES,
             **_OLMO_HYBRID_FAMILIES, **_KIMI_LINEAR_FAMILIES}
+logger = logging.getLogger(__name__)
+
 # Tensors some checkpoints carry that the model's forward does not use: cached rotary tables,
 # multi-token-prediction heads (loaded on their own for speculation: load_mtp_head), and the
 # KV cache's scales (read by the cache's format: engine.kv_format.read_kv_scales).
-logger = logging.getLogger(__name__)
-
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".k_scale", ".v_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 _IGNORED_PREFIXES = ("mtp.",)
 
