@@ -9,9 +9,9 @@ captured is what every replay computes, with new data in the same tensors.
 Padded rows are the danger: they run every layer like real decodes. Each one decodes token 0
 at position 0 from the cache's scratch state slot and scratch KV block (engine.cache: rows
 the allocators never hand out and a hand-off never moves), its whole block-table row is the
-scratch block, and its logits (and, for an MTP head, its hidden states) are dropped. All padded rows share the scratch rows, so what
-they leave there is garbage, read only by other padded rows; every layer computes each row
-on its own, so nothing of it reaches a real row.
+scratch block, and its logits (and, for an MTP head, its hidden states) are dropped. All
+padded rows share the scratch rows, so what they leave there is garbage, read only by other
+padded rows; every layer computes each row on its own, so nothing of it reaches a real row.
 
 Capture is refused with a reason, and the step stays eager, when the decode step would
 synchronise with the host (`capture_blockers`); any other capture failure is logged and

@@ -163,7 +163,7 @@ class DiskTier:
         if queued is not None:
             return Entry(list(keys), end, queued.tensors) if queued.keys == keys else None
         ahead = self.prefetched.pop(path, None)
-        tensors, bad = ahead.result() if ahead is not None and not ahead.cancelled() else (None, "not read")
+        tensors, bad = ahead.result() if ahead is not None else (None, "not read")
         if bad is None:
             self.prefetch_hits += 1
         else:  # not read ahead, or the file changed or went while it was read: read it now

@@ -61,12 +61,13 @@ def read_kv_scales(model_dir: str | Path, spec: ModelSpec) -> dict[int, dict[str
             if match is None:
                 continue
             layer, which = int(match.group(1)), match.group(2) or match.group(3)
-            value = weights.get(name).float().reshape(-1)
+            stored = weights.get(name)
+            value = stored.float().reshape(-1)
             kv = spec.layers[layer].kv if layer < len(spec.layers) else None
             heads = kv.num_kv_heads if kv is not None else 1
             if value.numel() not in (1, heads):
                 raise CheckpointError(f"{model_dir}: {name}: a KV scale must be one number or one per KV head "
-                                      f"({heads}), got shape {tuple(weights.get(name).shape)}")
+                                      f"({heads}), got shape {tuple(stored.shape)}")
             if not bool(torch.isfinite(value).all()) or bool((value <= 0).any()):
                 raise CheckpointError(f"{model_dir}: {name}: a KV scale must be positive and finite")
             scales.setdefault(layer, {})[which] = float(value) if value.numel() == 1 else tuple(value.tolist())

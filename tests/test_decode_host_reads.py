@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch, name):
     path, hf = model_factory(name)
-    llm = static_engine(path, monkeypatch)
+    llm = cuda_like_engine(path, monkeypatch)
     for prompt, out in zip(PROMPTS, decode_guarded(llm, monkeypatch)):
         judge_greedy(hf, prompt, out)
     assert capture_blockers(llm.engine.model, torch.device("cpu")) == []  # Triton forced, as on CUDA
@@ -37,13 +37,14 @@ def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch
 
 @requires_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("name, options", [
-    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),
-    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16")),
-    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3")),
-    ("llama", dict(fp8_weights=True)),
+@pytest.mark.parametrize("name, options, fp8_weights", [
+    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16"), False),
+    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16"), False),
+    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3"), False),
+    ("llama", {}, True),
 ])
-def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, monkeypatch, tmp_path, name, options):
+def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, monkeypatch, tmp_path, name, options,
+                                                                   fp8_weights):
     """The cache formats' load and store around a layer (engine.state_format, engine.kv_format)
     and FP8 linears (engine.models.fp8_linear, under the GPU's policy) inside the forward a
     CUDA graph captures; the tokens are those of the same engine on its eager path."""
@@ -51,22 +52,22 @@ def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, 
     from tests.test_fp8 import fp8_checkpoint
 
     path, _ = model_factory(name)
-    if options.pop("fp8_weights", False):
+    if fp8_weights:
         monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: True)
         fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
         path = str(tmp_path / "fp8")
-    eager = static_engine(path, monkeypatch, static=False, **options)
+    eager = cuda_like_engine(path, monkeypatch, static=False, **options)
     expected = [out.token_ids for out in eager.generate(PROMPTS, GREEDY)]
-    llm = static_engine(path, monkeypatch, **options)
+    llm = cuda_like_engine(path, monkeypatch, **options)
     assert decode_guarded(llm, monkeypatch) == expected
-    if name == "llama":
+    if fp8_weights:
         assert any(isinstance(m, fp8_linear.Fp8Linear) for m in llm.engine.model.modules())
 
 
 PROMPTS = [[5, 6, 7], [9], list(range(3, 14))]
 
 
-def static_engine(path, monkeypatch, static: bool = True, **options) -> LLM:
+def cuda_like_engine(path, monkeypatch, static: bool = True, **options) -> LLM:
     """An engine that runs as on CUDA: Triton kernels, no C++ CPU kernels, MoE without the
     per-expert loop; its decode steps on the static path unless `static` is False."""
     enter_kernel_mode()

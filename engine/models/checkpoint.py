@@ -161,18 +161,10 @@ class WeightFiles:
     def get_float8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A float8 weight as stored, with its scale and its static input scale (None where
         the checkpoint has none), for a linear that keeps FP8 (engine.models.fp8_linear)."""
-        weight = self._read(self._file_of[name], name)
-        scale_name, input_name = self.fp8.scale_name(name), self.fp8.input_scale_name(name)
-        if scale_name not in self._file_of:
-            raise CheckpointError(f"{self.fp8.where}: tensor {name!r} is {weight.dtype} but the checkpoint has no "
-                                  f"{scale_name!r}")
-        scale = self.fp8.checked_scale(name, weight, self._read(self._file_of[scale_name], scale_name))
-        input_scale = self._read(self._file_of[input_name], input_name) if input_name in self._file_of else None
-        if input_scale is not None and input_scale.numel() != 1:
-            raise CheckpointError(f"{self.fp8.where}: {input_name!r} has shape {list(input_scale.shape)}; "
-                                  "expected one scale")
-        self.used.update(n for n in (name, scale_name, input_name) if n in self._file_of)
-        return weight, scale, input_scale
+        names = (name, self.fp8.scale_name(name), self.fp8.input_scale_name(name))
+        weight, scale, input_scale = (self._read(self._file_of[n], n) if n in self._file_of else None for n in names)
+        self.used.update(n for n in names if n in self._file_of)
+        return weight, self.fp8.checked_scale(name, weight, scale), self.fp8.checked_input_scale(name, input_scale)
 
     def stored_dtype(self, name: str) -> str | None:
         """A tensor's dtype as the file's header names it ("F8_E4M3", "BF16"); None if missing."""

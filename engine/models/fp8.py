@@ -98,13 +98,10 @@ class FP8Weights:
 
     def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """`weight` (float8) times its scale, in float32; errors name the tensor."""
-        if scale is None:
-            raise CheckpointError(f"{self.where}: tensor {name!r} is {weight.dtype} but the checkpoint has no "
-                                  f"{self.scale_name(name)!r}")
         w = weight.float()
-        scale = scale.float()
         if self.block is None:
-            return w * self.checked_scale(name, weight, scale)
+            return w * self.checked_scale(name, weight, scale).float()
+        scale = self._present(name, weight, scale).float()
         rows, cols = self.block
         if w.dim() != 2 or scale.shape != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
             raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; expected "
@@ -112,8 +109,9 @@ class FP8Weights:
         expanded = scale.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
         return w * expanded
 
-    def checked_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def checked_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """A compressed-tensors scale shaped to multiply `weight`: [] or [out, 1]."""
+        scale = self._present(name, weight, scale)
         out = weight.shape[0]
         if scale.numel() == 1:
             return scale.reshape(())
@@ -121,3 +119,16 @@ class FP8Weights:
             return scale.reshape(out, 1)
         raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; "
                               f"expected one scale or one per output channel ({out})")
+
+    def checked_input_scale(self, name: str, input_scale: torch.Tensor | None) -> torch.Tensor | None:
+        """Weight `name`'s static activation scale (None: the checkpoint has none), one number."""
+        if input_scale is not None and input_scale.numel() != 1:
+            raise CheckpointError(f"{self.where}: {self.input_scale_name(name)!r} has shape "
+                                  f"{list(input_scale.shape)}; expected one scale")
+        return input_scale
+
+    def _present(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        if scale is None:
+            raise CheckpointError(f"{self.where}: tensor {name!r} is {weight.dtype} but the checkpoint has no "
+                                  f"{self.scale_name(name)!r}")
+        return scale
