@@ -155,9 +155,15 @@ class LLMEngine:
             self.prefix_cache.events = self.cache_events
             if self.tiers is not None:
                 self.tiers.attach_events(self.cache_events)
+        # A pass leaves a save point's state in its checkpoint row (engine.models.batch.StateSpans)
+        # unless some state is not the recurrent layers' own as computed: a narrow format's store
+        # rounds whole slots after the layer, and an MTP head's hidden row is written after the
+        # pass. There a chunk runs in passes that end at the save points.
+        captures = self.cache.layers.narrow is None and self.mtp_head is None
         self.scheduler = Scheduler(self.blocks, self.slots, config.max_num_batched_tokens,
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
-                                   verify_needs_scratch=bool(self.spec.state_layers))
+                                   verify_needs_scratch=bool(self.spec.state_layers),
+                                   split_at_save_points=not captures)
         self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
         # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
@@ -341,6 +347,7 @@ class LLMEngine:
             self._restore_checkpoints(plan.restores)
             if scratch:
                 self.speculation.keep_state(scratch)
+            self._plan_captures(seqs)
             while seqs:  # one pass, or more when a prefill chunk stops at a save point
                 outputs += self._run_pass(seqs)
                 seqs = [later for later in (s.then() for s in seqs) if later is not None]
@@ -351,6 +358,11 @@ class LLMEngine:
         except Exception as e:  # one bad batch must not take the engine down
             log.exception("forward failed")
             return outputs + self._fail(seqs, f"internal error: {e}")
+        finally:
+            for seq in plan.seqs:  # rows a failed pass reserved and never attached
+                for _, row in seq.captures:
+                    self.prefix_cache.release_checkpoint_row(row)
+                seq.captures.clear()
         return outputs
 
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
@@ -389,6 +401,22 @@ class LLMEngine:
         for _, _, request_id in restores:
             self.slots.mark_written(request_id)
 
+    def _plan_captures(self, seqs: list[ScheduledSeq]) -> None:
+        """Each save point strictly inside a prefill chunk (the scheduler did not split there):
+        a checkpoint row for the pass to leave the state after it in (ScheduledSeq.captures)."""
+        if self.prefix_cache is None or self.scheduler.split_at_save_points:
+            return
+        for seq in seqs:
+            begin = seq.request.num_computed_tokens
+            if seq.phase not in (Phase.FRESH_PREFILL, Phase.CONTINUED_PREFILL):
+                continue
+            for point in sorted(seq.request.save_points):
+                if begin < point < begin + seq.num_new_tokens:
+                    row = self.prefix_cache.reserve_checkpoint_row()
+                    if row is None:
+                        break
+                    seq.captures.append((point - begin, row))
+
     def _cache_prefixes(self, seqs: list[ScheduledSeq]) -> None:
         """After a step: index newly full blocks; checkpoint the state at the prompt's last
         block boundary and at the latest boundary a decode crossed."""
@@ -405,6 +433,10 @@ class LLMEngine:
             self.prefix_cache.insert(request.block_hashes[:full], self.blocks.table(request.request_id),
                                      request.num_indexed_blocks)
             request.num_indexed_blocks = full
+            while seq.captures:  # the pass left the state at these save points: their blocks' now
+                offset, row = seq.captures.pop()
+                point = computed - seq.num_new_tokens + offset
+                self.prefix_cache.attach_checkpoint(request.block_hashes[point // size - 1], row)
             if not self.prefix_cache.needs_state or computed % size:
                 continue
             key = request.block_hashes[full - 1]

@@ -45,6 +45,8 @@ class HostBatch:
     # The flat indices whose logits the step returns, where a VERIFY row wants more than its
     # last token's (its last token's and each draft's, in order); None: each row's last token.
     logits_indices: torch.Tensor | None = None
+    # ForwardBatch.state_captures: (row, tokens into the row, state row)
+    state_captures: tuple[tuple[int, int, int], ...] = ()
 
 
 class SlotBlockTables:
@@ -252,6 +254,8 @@ class ModelRunner:
         host = host_batch(seqs, self.cache.block_size, self.block_tables)
         if host.row_lists is None:  # a step with prefill rows: some may want their prompt's logprobs
             host.prompt_logprobs = prompt_logprobs.plan(seqs)
+            host.state_captures = tuple((i, offset, self.cache.checkpoint_row(row))
+                                        for i, seq in enumerate(seqs) for offset, row in seq.captures)
         return host
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
@@ -277,6 +281,7 @@ class ModelRunner:
             logits_indices=logits_indices, decode_token_index=d_index, decode_slots=d_slots,
             decode_context_lens=d_lens, decode_block_tables=d_tables,
             prompt_logprobs=host.prompt_logprobs.to(self.device) if host.prompt_logprobs is not None else None,
+            state_captures=host.state_captures,
         )
 
     def check_state_reads(self, seqs: list[ScheduledSeq]) -> None:

@@ -159,14 +159,34 @@ class PrefixCache:
             return None
         if node.checkpoint is not None:
             return node.checkpoint
+        row = self.reserve_checkpoint_row()
+        if row is not None:
+            self.attach_checkpoint(key, row)
+        return row
+
+    def reserve_checkpoint_row(self) -> int | None:
+        """A row no block owns yet (a checkpoint evicted where none is free), for a pass to
+        write a state into before that state's block is indexed; the caller attaches it
+        (attach_checkpoint) or gives it back (release_checkpoint_row). None: no row."""
         if not self._free_rows and not self._evict_checkpoint():
             return None
-        row = self._free_rows.pop()
+        return self._free_rows.pop()
+
+    def attach_checkpoint(self, key: bytes, row: int) -> bool:
+        """Reserved `row` becomes the checkpoint of block `key`; False, and the row given back,
+        where that block is not indexed or already has one."""
+        node = self.nodes.get(key)
+        if node is None or node.checkpoint is not None:
+            self.release_checkpoint_row(row)
+            return False
         node.checkpoint, self._row_owner[row] = row, key
         node.last_used = self._tick()
         if self.events is not None:
             self.events.stored("pool", key, node.end)
-        return row
+        return True
+
+    def release_checkpoint_row(self, row: int) -> None:
+        self._free_rows.append(row)
 
     def drop_checkpoint(self, key: bytes) -> None:
         node = self.nodes.get(key)

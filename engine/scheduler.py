@@ -8,9 +8,11 @@ from zero later (its phase is then FRESH_PREFILL again, never a read of the drop
 
 With a prefix cache, an admitted request starts from its longest cached prefix: the blocks are
 shared, the checkpoint is listed in `restores` for the engine to copy into the request's own
-slot before the step, and the rest runs as a CONTINUED_PREFILL. A prefill chunk that crosses a
-point of `request.save_points` (block boundaries whose state the engine checkpoints) runs in
-pieces, one pass of the step each (ScheduledSeq.num_later_tokens).
+slot before the step, and the rest runs as a CONTINUED_PREFILL. A prefill chunk may cross a
+point of `request.save_points` (block boundaries whose state the engine checkpoints): the
+engine has the pass leave the state there in a checkpoint row (ScheduledSeq.captures). Where
+the model cannot (split_at_save_points), the chunk runs in pieces that end at the points, one
+pass of the step each (ScheduledSeq.num_later_tokens).
 
 A prefill-only scheduler (a prefill worker's) admits a request only with blocks for its whole
 prompt, taken at admission: its requests never grow afterwards, so none is ever preempted, and
@@ -43,6 +45,11 @@ class ScheduledSeq:
     # VERIFY (engine.speculative): the slot its state is copied to before the step, to copy
     # back if a draft is rejected; None where nothing needs rolling back.
     scratch_slot: int | None = None
+    # (tokens into this chunk, checkpoint row): where the engine has this pass leave the state
+    # after that many of the chunk's tokens in that prefix-cache checkpoint row (each strictly
+    # inside the chunk, at a save point); the engine attaches each row to its block after the
+    # pass and takes it off this list.
+    captures: list[tuple[int, int]] = field(default_factory=list)
 
     def then(self) -> ScheduledSeq | None:
         """This sequence's next pass within the step, after the engine advanced its counters."""
@@ -82,7 +89,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, blocks: BlockManager, slots: StateSlotAllocator, max_num_batched_tokens: int,
                  prefill_only: bool = False, prefix_cache: PrefixCache | None = None,
-                 verify_needs_scratch: bool = False):
+                 verify_needs_scratch: bool = False, split_at_save_points: bool = True):
         self.blocks = blocks
         self.slots = slots
         self.prefix_cache = prefix_cache
@@ -90,6 +97,8 @@ class Scheduler:
         self.prefill_only = prefill_only  # whole prompts' blocks at admission (see above)
         # Recurrent layers: a step verifying drafts needs a scratch slot to roll back (see _verify).
         self.verify_needs_scratch = verify_needs_scratch
+        # False where the engine captures a save point's state inside a pass (see above).
+        self.split_at_save_points = split_at_save_points
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -251,7 +260,7 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, total: int) -> ScheduledSeq:
         table = self.blocks.allocate(request.request_id, total)
-        piece = first_piece(request, num_new)
+        piece = first_piece(request, num_new) if self.split_at_save_points else num_new
         return ScheduledSeq(request, request.phase(), piece, self.slots.slot_of[request.request_id],
                             table, num_new - piece)
 

@@ -185,12 +185,16 @@ def test_gated_skip_and_bias_softplus():
 def test_causal_conv_prefill_matches_varlen_conv(fresh, silu, length, channels, width):
     """Against the torch path of engine.models.ssm.varlen_causal_conv, on a view of a wider
     projection, from a NaN-poisoned slot when fresh (it must read zeros, not the slot)."""
+    from engine.models.batch import StateSpans
     from engine.models.ssm import varlen_causal_conv
     from engine.phase import Phase
 
     class OneRow:
         prefill_rows, decode_rows, query_starts, state_slots = [0], [], [0, length], [1]
         phases = [Phase.FRESH_PREFILL if fresh else Phase.CONTINUED_PREFILL]
+        state_captures = ()
+
+    OneRow.state_spans = StateSpans(OneRow)
 
     torch.manual_seed(length * channels + width)
     x = torch.randn(length, channels + 3)[:, 1:channels + 1]

@@ -48,6 +48,11 @@ class ForwardBatch:
     # The prefill rows as one varlen attention call takes them (engine.kernels.varlen_attention),
     # built by the first attention layer that asks and shared by the others.
     varlen_rows: object | None = field(default=None, init=False, repr=False)
+    # (row, tokens into the row, state row): prefill rows whose recurrent state after that many
+    # of their tokens this pass also leaves in that state row (a prefix-cache checkpoint,
+    # engine.LLMEngine), so a chunk that crosses a save point still runs as one pass.
+    state_captures: tuple[tuple[int, int, int], ...] = ()
+    _state_spans: StateSpans | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.decode_rows = [i for i, p in enumerate(self.phases) if p is Phase.DECODE]
@@ -64,11 +69,84 @@ class ForwardBatch:
         self.decode_tokens = slice(None) if only_decodes and on_cpu else self.decode_token_index
 
     @property
+    def state_spans(self) -> StateSpans:
+        """How the prefill rows run through a recurrent layer (built once per batch)."""
+        if self._state_spans is None:
+            self._state_spans = StateSpans(self)
+        return self._state_spans
+
+    @property
     def num_seqs(self) -> int:
         return len(self.phases)
 
     def query_len(self, row: int) -> int:
         return self.query_starts[row + 1] - self.query_starts[row]
+
+
+@dataclass(frozen=True)
+class StateSegment:
+    """Tokens [start, end) of one prefill row, run by a recurrent layer from the state in row
+    `src` of its pools (zeros when `fresh`) to a final state written to row `dst`."""
+
+    index: int  # the span's position in StateSpans.bounds: [bounds[index], bounds[index + 1])
+    start: int
+    end: int
+    src: int
+    dst: int
+    fresh: bool
+
+    def prepare(self, pool: torch.Tensor) -> None:
+        """`dst` made to hold the state this segment starts from, so a layer runs it in place
+        at `dst` as it runs any prefill row at its slot."""
+        if not self.fresh and self.src != self.dst:
+            pool[self.dst].copy_(pool[self.src])
+
+
+class StateSpans:
+    """The prefill rows of a step as a recurrent layer runs them. Without captures, one
+    segment per row, from and to its slot. A row captured after p tokens into state row c runs
+    as two: its first p tokens from its slot (or zeros) into c, then the rest from c into its
+    slot. The second reads what the first wrote, so segments come in rounds: a layer runs each
+    round whole (one varlen call) before preparing the next; a layer that runs segment by
+    segment takes them in round order (`segments`).
+
+    bounds: the batch's query_starts with the capture points added, so every segment, and
+    every decode row, is one span between consecutive bounds (what a varlen kernel's
+    cu_seqlens with row indices takes)."""
+
+    def __init__(self, batch: ForwardBatch):
+        cuts: dict[int, list[tuple[int, int]]] = {}
+        for row, offset, state_row in batch.state_captures:
+            if batch.phases[row] not in (Phase.FRESH_PREFILL, Phase.CONTINUED_PREFILL) \
+                    or not 0 < offset < batch.query_len(row):
+                raise ValueError(f"state capture after {offset} tokens of row {row} "
+                                 f"({batch.phases[row].name}, {batch.query_len(row)} tokens)")
+            cuts.setdefault(row, []).append((batch.query_starts[row] + offset, state_row))
+        self.bounds = sorted({*batch.query_starts, *(at for row in cuts.values() for at, _ in row)})
+        where = {at: i for i, at in enumerate(self.bounds)}
+        self.rounds: list[list[StateSegment]] = [[]]
+        for row in batch.prefill_rows:
+            start, end, slot = batch.query_starts[row], batch.query_starts[row + 1], batch.state_slots[row]
+            src, fresh = slot, batch.phases[row] is Phase.FRESH_PREFILL
+            for k, (at, state_row) in enumerate([*sorted(cuts.get(row, ())), (end, slot)]):
+                if len(self.rounds) <= k:
+                    self.rounds.append([])
+                self.rounds[k].append(StateSegment(where[start], start, at, src, state_row, fresh))
+                start, src, fresh = at, state_row, False
+
+    def segments(self, pool: torch.Tensor):
+        """Every segment in round order, `pool` prepared for each just before it is yielded."""
+        for segments in self.rounds:
+            for segment in segments:
+                segment.prepare(pool)
+                yield segment
+
+    def prepared_rounds(self, pool: torch.Tensor):
+        """Each round's segments, `pool` prepared for all of them before the round is yielded."""
+        for segments in self.rounds:
+            for segment in segments:
+                segment.prepare(pool)
+            yield segments
 
 
 @dataclass

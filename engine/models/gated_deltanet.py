@@ -28,7 +28,6 @@ from engine.tp.plan import deltanet_layout, expand, scaled
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import activation
 from engine.models.ssm import PrefillRows, conv_then_act, decodes_in_one_call, packed_fit
-from engine.phase import Phase
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -141,11 +140,10 @@ class GatedDeltaNetMixer(nn.Module):
 
         out = torch.empty(tokens, self.num_v_heads, self.v_head_dim, dtype=torch.float32, device=hidden.device)
         if batch.prefill_rows and not self._prefill_in_one_call(out, q, k, v, g, beta, batch, recurrent_state):
-            for row in batch.prefill_rows:
-                start, end = batch.query_starts[row], batch.query_starts[row + 1]
-                slot = batch.state_slots[row]
+            for segment in batch.state_spans.segments(recurrent_state):
+                start, end, slot = segment.start, segment.end, segment.dst
                 h0 = (torch.zeros(recurrent_state.shape[1:], device=hidden.device)
-                      if batch.phases[row] is Phase.FRESH_PREFILL else recurrent_state[slot])
+                      if segment.fresh else recurrent_state[slot])
                 out[start:end], h = chunk_gated_delta_rule(q[start:end], k[start:end], v[start:end],
                                                            g[start:end], beta[start:end], h0, self.chunk_size)
                 recurrent_state[slot] = h.to(recurrent_state.dtype)
@@ -161,13 +159,15 @@ class GatedDeltaNetMixer(nn.Module):
         slot's state or zeros (a fresh prefill); False where none serves them (the caller loops)."""
         if not gated_delta_varlen_available(q, v, g):
             return False
-        rows = PrefillRows(batch, q.device)
-        cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device, non_blocking=True)
-        done = chunk_gated_delta_rule_varlen(*rows.pick(q, k, v, g, beta), rows.initial_states(recurrent_state),
-                                             cu_seqlens)
-        if done is None:
-            return False
-        rows.put(out, done[0], recurrent_state, done[1])
+        for round_, rows in enumerate(PrefillRows.rounds(batch, recurrent_state, q.device)):
+            cu_seqlens = torch.tensor(rows.bounds, dtype=torch.long).to(q.device, non_blocking=True)
+            done = chunk_gated_delta_rule_varlen(*rows.pick(q, k, v, g, beta),
+                                                 rows.initial_states(recurrent_state), cu_seqlens)
+            if done is None and round_ == 0:
+                return False  # nothing written yet: the caller's loop runs every segment
+            if done is None:  # fla refuses by shape, the same for every round of a step
+                raise RuntimeError("fla turned down a later round of a step it had served")
+            rows.put(out, done[0], recurrent_state, done[1])
         return True
 
     def tp_plan(self, group: TPGroup) -> Apply | None:

@@ -28,7 +28,6 @@ from engine.models.batch import ForwardBatch
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import GatedRMSNorm, activation
 from engine.models.ssm import PrefillRows, conv_then_act, decodes_in_one_call, packed_fit
-from engine.phase import Phase
 
 
 class Mamba2Mixer(nn.Module):
@@ -86,18 +85,16 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(tokens, self.num_heads, self.head_dim, dtype=torch.float32, device=x.device)
         if batch.prefill_rows:
             dt_full = process_dt(dt, self.dt_bias, True, self.dt_limit)
-        if batch.prefill_rows and ssd_varlen_available(ssm_state):  # all rows in one pass (CUDA)
-            rows = PrefillRows(batch, x.device)
-            picked_x, picked_dt, picked_B, picked_C = rows.pick(x, dt_full, B, C)
-            out, states = ssd_chunk_scan_varlen(picked_x, picked_dt, A, picked_B, picked_C,
-                                                rows.initial_states(ssm_state), rows.bounds, self.chunk_size)
-            rows.put(y, out, ssm_state, states)
-        else:
-            for row in batch.prefill_rows:
-                start, end = batch.query_starts[row], batch.query_starts[row + 1]
-                slot = batch.state_slots[row]
-                h0 = (torch.zeros(ssm_state.shape[1:], device=x.device)
-                      if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
+        if batch.prefill_rows and ssd_varlen_available(ssm_state):  # a round's segments in one pass (CUDA)
+            for rows in PrefillRows.rounds(batch, ssm_state, x.device):
+                picked_x, picked_dt, picked_B, picked_C = rows.pick(x, dt_full, B, C)
+                out, states = ssd_chunk_scan_varlen(picked_x, picked_dt, A, picked_B, picked_C,
+                                                    rows.initial_states(ssm_state), rows.bounds, self.chunk_size)
+                rows.put(y, out, ssm_state, states)
+        elif batch.prefill_rows:
+            for segment in batch.state_spans.segments(ssm_state):
+                start, end, slot = segment.start, segment.end, segment.dst
+                h0 = torch.zeros(ssm_state.shape[1:], device=x.device) if segment.fresh else ssm_state[slot]
                 y[start:end], h = ssd_chunk_scan(x[start:end], dt_full[start:end], A, B[start:end],
                                                  C[start:end], h0, self.chunk_size)
                 ssm_state[slot] = h.to(ssm_state.dtype)

@@ -19,14 +19,13 @@ from torch import nn
 
 from engine.kernels import (causal_conv1d_update, cpu, native, selective_scan_varlen, selective_state_update,
                             uses_cpu_kernel, uses_triton)
-from engine.models.batch import ForwardBatch
+from engine.models.batch import ForwardBatch, StateSegment
 from engine.kernels.decode_plan import MAMBA, LayerPlan, Needs, all_cpu, pointer
 from engine.tp.group import TPGroup
 from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, set_param, span
 from engine.tp.plan import even_split
 from engine.models.hybrid import StateTensorSpec
 from engine.models.layers import RMSNorm, activation
-from engine.phase import Phase
 
 # Elements of one [block, d_inner, d_state] scan tensor: 64 tokens at d_inner*d_state = 8192.
 SCAN_BLOCK_ELEMENTS = 1 << 19
@@ -213,23 +212,25 @@ class MambaMixer(nn.Module):
         return 5 * self.d_inner + 2 * self.dt_rank + 4 * self.d_state
 
     def _prefill_scan(self, x, dt, A, B, C, batch: ForwardBatch, ssm_state, y) -> None:
-        """Every prefill row from its starting state (zeros when fresh, else its slot's), final
-        states into the slots; y written at the prefill rows' tokens."""
-        if uses_triton(x):  # all rows in one launch
-            rows, device = batch.prefill_rows, x.device
-            slots = torch.tensor([batch.state_slots[r] for r in rows], device=device)
-            fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows], device=device)
-            # Fresh rows start from zeros, whatever their slot holds (NaN poison included).
-            h0 = ssm_state.index_select(0, slots).float().masked_fill_(fresh[:, None, None], 0.0)
-            selective_scan_varlen(x.float(), dt.float(), A, B.float(), C.float(),
-                                  torch.tensor(batch.query_starts, device=device), h0,
-                                  rows=torch.tensor(rows, device=device), state=ssm_state, slots=slots, out=y)
+        """Every prefill segment (engine.models.batch.StateSpans) from its starting state (zeros
+        when fresh), final states into their rows; y written at the prefill rows' tokens."""
+        spans = batch.state_spans
+        if uses_triton(x):  # a round's segments in one launch
+            device = x.device
+            bounds = torch.tensor(spans.bounds, device=device)
+            for segments in spans.prepared_rounds(ssm_state):
+                slots = torch.tensor([s.dst for s in segments], device=device)
+                fresh = torch.tensor([s.fresh for s in segments], device=device)
+                # Fresh segments start from zeros, whatever their row holds (NaN poison included).
+                h0 = ssm_state.index_select(0, slots).float().masked_fill_(fresh[:, None, None], 0.0)
+                selective_scan_varlen(x.float(), dt.float(), A, B.float(), C.float(), bounds, h0,
+                                      rows=torch.tensor([s.index for s in segments], device=device),
+                                      state=ssm_state, slots=slots, out=y)
             return
-        for row in batch.prefill_rows:
-            start, end = batch.query_starts[row], batch.query_starts[row + 1]
-            slot = batch.state_slots[row]
+        for segment in spans.segments(ssm_state):
+            start, end, slot = segment.start, segment.end, segment.dst
             h0 = (torch.zeros(self.d_inner, self.d_state, device=x.device)
-                  if batch.phases[row] is Phase.FRESH_PREFILL else ssm_state[slot])
+                  if segment.fresh else ssm_state[slot])
             args = (x[start:end].float(), dt[start:end].float(), A, B[start:end].float(), C[start:end].float(), h0)
             if uses_cpu_kernel(x):
                 _, h = cpu.selective_scan_cpu(*args, out=y[start:end])
@@ -283,10 +284,8 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
     channels, d_conv = weight.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     kernel = x.dtype == torch.float32 and x.stride(-1) == 1 and uses_cpu_kernel(conv_state)
-    for row in batch.prefill_rows:
-        start, end = batch.query_starts[row], batch.query_starts[row + 1]
-        slot = batch.state_slots[row]
-        fresh = batch.phases[row] is Phase.FRESH_PREFILL
+    for segment in batch.state_spans.segments(conv_state):
+        start, end, slot, fresh = segment.start, segment.end, segment.dst, segment.fresh
         if kernel:
             cpu.causal_conv_prefill_cpu(x[start:end], conv_state[slot], weight, bias, fresh, silu, out[start:end])
             continue
@@ -316,20 +315,25 @@ def into_decode_rows(out: torch.Tensor, idx, update, *args, **kwargs) -> None:
 
 
 class PrefillRows:
-    """A step's prefill rows packed for one varlen call: their tokens back to back (`index` into
-    the step's tokens, `bounds` the host offsets, 0 ... total), their slots, and which start
-    fresh (from zeros) rather than from their slot's state."""
+    """One round of a step's prefill segments (engine.models.batch.StateSpans) packed for one
+    varlen call: their tokens back to back (`index` into the step's tokens, `bounds` the host
+    offsets, 0 ... total), the state rows they run from and to, and which start fresh (from
+    zeros) rather than from their row's state."""
 
-    def __init__(self, batch: ForwardBatch, device: torch.device):
-        rows = batch.prefill_rows
-        spans = [(batch.query_starts[r], batch.query_starts[r + 1]) for r in rows]
+    def __init__(self, segments: list[StateSegment], device: torch.device):
         self.bounds = [0]
-        for start, end in spans:
-            self.bounds.append(self.bounds[-1] + end - start)
+        for segment in segments:
+            self.bounds.append(self.bounds[-1] + segment.end - segment.start)
         # non_blocking: a host -> device copy that waits only for itself, not for the step's queued work
-        self.index = torch.cat([torch.arange(start, end) for start, end in spans]).to(device, non_blocking=True)
-        self.slots = torch.tensor([batch.state_slots[r] for r in rows], dtype=torch.long).to(device, non_blocking=True)
-        self.fresh = torch.tensor([batch.phases[r] is Phase.FRESH_PREFILL for r in rows]).to(device, non_blocking=True)
+        self.index = torch.cat([torch.arange(s.start, s.end) for s in segments]).to(device, non_blocking=True)
+        self.slots = torch.tensor([s.dst for s in segments], dtype=torch.long).to(device, non_blocking=True)
+        self.fresh = torch.tensor([s.fresh for s in segments]).to(device, non_blocking=True)
+
+    @staticmethod
+    def rounds(batch: ForwardBatch, pool: torch.Tensor, device: torch.device):
+        """A PrefillRows per round of `batch`'s segments, `pool` prepared for each round."""
+        for segments in batch.state_spans.prepared_rounds(pool):
+            yield PrefillRows(segments, device)
 
     def pick(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         return [t.index_select(0, self.index) for t in tensors]
