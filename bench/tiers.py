@@ -74,7 +74,7 @@ def run_tiers(model: str, conversations: int = 16, turns: int = 4, message_len: 
     return rows + _no_reuse(llms, words, params, conversations, longest - answer_len)
 
 
-def _no_reuse(llms: dict, words, params, requests: int, length: int, rounds: int = 3) -> list[dict]:
+def _no_reuse(llms: dict, words, params, requests: int, length: int, rounds: int = 9) -> list[dict]:
     """Distinct prompts of `length` tokens on every engine, the order rotating each round:
     output tokens/s."""
     names = list(llms)

@@ -12,6 +12,7 @@ the disk tier's reader thread meanwhile, so its load at admission copies from me
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -80,8 +81,11 @@ class TieredCache:
         into the pool. Tokens loaded (0: none)."""
         if request.tier_checked:
             return 0
+        missing = None  # missing[i]: blocks of the first i + 1 the pool lacks (the longest prefix comes first)
         for keys, end in self._past_the_pool(request):
-            if sum(key not in self.prefix_cache.nodes for key in keys) > self.blocks.num_available_blocks:
+            if missing is None:
+                missing = list(itertools.accumulate(key not in self.prefix_cache.nodes for key in keys))
+            if missing[len(keys) - 1] > self.blocks.num_available_blocks:
                 return 0  # no room in the pool now (nothing read): looked up again in a later step
             entry = self._find(keys, end)
             if entry is None:
