@@ -81,8 +81,7 @@ class LLMEngine:
         """`tp_launcher` starts ranks 1..N-1 (engine.tp: local processes by default)."""
         self.config = config
         self._hands_off = config.mode == "prefill"  # a prefill worker's requests leave after their first token
-        self.model = load_model(config.model, config.torch_dtype, config.device,
-                                keep_float8=config.tensor_parallel_size == 1)
+        self.model = load_model(config.model, config.torch_dtype, config.device)
         # FP8 KV's scales, checked against the un-sharded model's KV heads (engine.kv_format)
         scales = read_kv_scales(config.model, self.model.spec) if KV_DTYPES[config.kv_cache_dtype] is not None else {}
         if config.tensor_parallel_size > 1 and any(isinstance(s, tuple) for d in scales.values() for s in d.values()):

@@ -14,6 +14,7 @@ position, and the median position must still agree to 1e-4.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -161,13 +162,81 @@ def test_misshapen_scales_of_kept_linears_are_refused_naming_them(keeps_float8, 
             LLM(str(tmp_path / "fp8"), block_size=4)
 
 
-def test_a_model_tensor_parallelism_shards_keeps_dense_weights(keeps_float8, model_factory, tmp_path):
-    from engine.models import load_model
+def random_fp8_linear(inputs: int, outputs: int, per_channel: bool, static: bool, seed: int = 0) -> Fp8Linear:
+    torch.manual_seed(seed)
+    linear = Fp8Linear(inputs, outputs, True, torch.float32)
+    scale = torch.rand(outputs) * 0.01 + 0.001 if per_channel else torch.tensor(0.004)
+    linear.load_float8((torch.randn(outputs, inputs) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale,
+                       torch.tensor(0.02) if static else None)
+    with torch.no_grad():
+        linear.bias.copy_(torch.randn(outputs))
+    return linear
 
-    path, _ = model_factory("llama")
-    fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
-    assert not any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8", keep_float8=False).modules())
-    assert any(isinstance(m, Fp8Linear) for m in load_model(tmp_path / "fp8").modules())
+
+@pytest.mark.parametrize("per_channel, static", [(True, False), (False, True), (True, True)])
+def test_tensor_parallel_shards_of_an_fp8_linear_keep_its_products(per_channel, static):
+    """Column parallel (rows kept): each shard's rows are the linear's rows, exactly. Row
+    parallel (columns kept): the shards' partial sums add up to the linear's output, each
+    shard's input rounded with the static scale, or with a scale per token of its own shard."""
+    from engine.tp.group import SingleRank
+    from engine.tp.parallel import RowParallelLinear, check_linear, keep_rows
+
+    full = random_fp8_linear(64, 48, per_channel, static)
+    check_linear(full, "the linear")
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = full(x)
+        halves = []
+        for rows in (range(0, 32), range(32, 48)):
+            part = random_fp8_linear(64, 48, per_channel, static)
+            keep_rows(part, rows)
+            assert part.qweight.dtype == FP8 and part.dense is None and part.out_features == len(rows)
+            halves.append(part(x))
+        torch.testing.assert_close(torch.cat(halves, 1), want, rtol=0, atol=0)
+
+        partial, expected = torch.zeros_like(want), torch.zeros_like(want)
+        for rank, cols in enumerate((range(0, 32), range(32, 64))):
+            group = SingleRank()
+            group.rank = rank  # the bias is added by rank 0 alone
+            part = RowParallelLinear.of(full, cols, group, False, "the linear")
+            assert isinstance(part, Fp8Linear) and part.qweight.dtype == FP8 and part.dense is None
+            assert (part.bias is not None) == (rank == 0)
+            partial += part(x[:, cols.start:cols.stop])
+            expected += F.linear(fake_quantized(x[:, cols.start:cols.stop], full.input_scale),
+                                 full.weight[:, cols.start:cols.stop])
+        torch.testing.assert_close(partial, expected + full.bias, rtol=1e-5, atol=1e-4)
+        if static:  # the same rounding as the whole linear's: the same output, summed in another order
+            torch.testing.assert_close(partial, want, rtol=1e-5, atol=1e-4)
+
+        # a shard the scaled matmul's shape rule (multiples of 16) does not take: the same
+        # rounded input times the dequantized weight
+        odd = RowParallelLinear.of(full, range(0, 24), SingleRank(), False, "the linear")
+        assert odd.dense is not None
+        torch.testing.assert_close(odd(x[:, :24]), F.linear(fake_quantized(x[:, :24], full.input_scale),
+                                                            full.weight[:, :24], full.bias), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["llama", "jamba", "qwen3_next", "bamba"])
+def test_tensor_parallel_ranks_keep_fp8_weights_and_match_the_unsharded_model(name, keeps_float8, model_factory,
+                                                                               tmp_path):
+    """Two ranks (threads of this process) shard an FP8 model whose linears stay FP8: every
+    rank's logits equal the un-sharded FP8 model's (static input scales: the same rounding,
+    summed in another order) through a prefill and decodes."""
+    from engine.models import load_model
+    from engine.tp import run_in_threads
+    from engine.tp.shard import shard_model
+    from tests.test_tp_layers import check_model
+
+    path, _ = model_factory(name)
+    fp8_checkpoint(path, tmp_path / "fp8", "per_tensor")
+    full = load_model(tmp_path / "fp8")
+    assert any(isinstance(m, Fp8Linear) for m in full.modules())
+    _, results = check_model(full, 2)
+    assert all(r[1] for r in results)
+    shards = run_in_threads(2, lambda group: [m for m in shard_model(copy.deepcopy(full), group).modules()
+                                              if isinstance(m, Fp8Linear)])
+    for kept in shards:  # the ranks ran FP8 products, not a dequantized copy
+        assert kept and any(m.dense is None and m.qweight.dtype == FP8 for m in kept)
 
 
 # ---------------------------------------------------------------- on a GPU with FP8 units

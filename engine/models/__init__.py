@@ -40,9 +40,9 @@ _IGNORED_PREFIXES = ("mtp.",)
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", keep_float8: bool = True) -> HybridLM:
-    """The checkpoint's model in `dtype` on `device`; keep_float8: its FP8 linears stay FP8
-    where the device runs them (engine.models.fp8_linear; off for a model TP will shard)."""
+               device: str | torch.device = "cpu") -> HybridLM:
+    """The checkpoint's model in `dtype` on `device`; its FP8 linears stay FP8 where the device
+    runs them (engine.models.fp8_linear), a tensor-parallel shard's too."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
@@ -60,7 +60,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     return _build_and_load(
         lambda: build(ConfigReader(config, model_dir / "config.json")), model_dir, names, dtype, device,
         ignore=lambda model, n: n.endswith(_IGNORED_SUFFIXES) or n.startswith(_IGNORED_PREFIXES)
-        or (model.tie_embeddings and n == "lm_head.weight"), keep_float8=keep_float8)
+        or (model.tie_embeddings and n == "lm_head.weight"))
 
 
 def load_mtp_head(model_dir: str | Path, dtype: torch.dtype = torch.float32,
@@ -85,17 +85,17 @@ def load_mtp_head(model_dir: str | Path, dtype: torch.dtype = torch.float32,
                            dtype, device, ignore=lambda head, n: not n.startswith("mtp."))
 
 
-def _build_and_load(build, model_dir: Path, names, dtype: torch.dtype, device, ignore, keep_float8: bool = True):
+def _build_and_load(build, model_dir: Path, names, dtype: torch.dtype, device, ignore):
     """build() on the meta device, storage in `dtype` on `device`, the weights loaded through
     `names`; `ignore(module, name)`: checkpoint tensors it does not use."""
     weights = WeightFiles(model_dir)
     try:
         with torch.device("meta"):
             module = build()
-            if keep_float8:  # chosen before any storage exists: an FP8 model is never materialized dense
-                kept = use_float8_linears(module, names, weights, torch.device(device), dtype)
-                if kept:
-                    logger.info("%s: %d linears keep the checkpoint's FP8 weights", model_dir, kept)
+            # chosen before any storage exists: an FP8 model is never materialized dense
+            kept = use_float8_linears(module, names, weights, torch.device(device), dtype)
+            if kept:
+                logger.info("%s: %d linears keep the checkpoint's FP8 weights", model_dir, kept)
         # Storage for the meta tensors, floating ones in `dtype` (FP8 weights stay float8):
         # to_empty().to(dtype) through the same Module._apply to_empty uses, but with torch.empty
         # (to_empty's empty_like of a meta tensor imports sympy: 0.5 s of every start).

@@ -25,6 +25,7 @@ engine's own float32 kernels beat a float8 matmul there. Tests run this same mod
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 FP8 = torch.float8_e4m3fn
@@ -62,6 +63,9 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
         self.weight_scale: torch.Tensor | None = None  # float32: [] (per tensor) or [1, out]
         self.input_scale: torch.Tensor | None = None  # float32 [] where the checkpoint's is static
+        # The dequantized weight, where a tensor-parallel shard's shape breaks the scaled
+        # matmul's rule (GEMM_MULTIPLE): the same rounded input times it, in the serving dtype.
+        self.dense: torch.Tensor | None = None
 
     @classmethod
     def replacing(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
@@ -102,11 +106,48 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         quantized, scale = self.quantize_input(rows)
-        out = torch._scaled_mm(quantized, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
-                               out_dtype=x.dtype)
+        if self.dense is not None:
+            out = F.linear((quantized.float() * scale).to(self.dense.dtype), self.dense).to(x.dtype)
+        else:
+            out = torch._scaled_mm(quantized, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
+                                   out_dtype=x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    # ------------------------------------------------------------ tensor parallelism (engine.tp.parallel)
+
+    def tp_keep_rows(self, rows: list[int]) -> None:
+        """Column parallelism in place: output features `rows`, with their scales and bias."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.qweight.device)
+        with torch.no_grad():
+            self.qweight = nn.Parameter(self.qweight.index_select(0, index).clone(), requires_grad=False)
+            if self.weight_scale.dim() > 0:
+                self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
+            if self.bias is not None:
+                self.bias = nn.Parameter(self.bias.index_select(0, index).clone(), requires_grad=False)
+        self.out_features = len(rows)
+        self._fit_gemm()
+
+    def tp_columns(self, cols: list[int], keep_bias: bool) -> Fp8Linear:
+        """Row parallelism: this linear over input features `cols` (a rank's shard of the input),
+        the output a partial sum; the bias where `keep_bias` (one rank adds it). The weight
+        scales are per output row, so they stay whole; a static input scale stays the
+        checkpoint's, and a scale per token is then the shard's own, as row-parallel FP8
+        linears in the field compute it (no collective to agree on one)."""
+        index = torch.as_tensor(cols, dtype=torch.long, device=self.qweight.device)
+        out = Fp8Linear(len(cols), self.out_features, False, self.serving_dtype, device="meta")
+        with torch.no_grad():
+            out.qweight = nn.Parameter(self.qweight.index_select(1, index).clone(), requires_grad=False)
+            if keep_bias and self.bias is not None:
+                out.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        out.weight_scale, out.input_scale = self.weight_scale, self.input_scale
+        out._fit_gemm()
+        return out
+
+    def _fit_gemm(self) -> None:
+        if self.in_features % GEMM_MULTIPLE or self.out_features % GEMM_MULTIPLE:
+            self.dense = self.weight
 
     def extra_repr(self) -> str:
         kind = "per row" if self.rowwise else "per tensor"

@@ -26,12 +26,18 @@ Apply = Callable[[], None]
 
 
 def check_linear(linear, what: str, row_sliceable: bool = False) -> None:
-    """A plain nn.Linear (or, where only its rows are kept, one that says its forward is F.linear
-    times per-row work: `tp_row_sliceable`, Falcon-H1's ScaledLinear)."""
-    if type(linear) is nn.Linear or (row_sliceable and getattr(type(linear), "tp_row_sliceable", False)):
+    """A plain nn.Linear, a linear that shards itself (`tp_keep_rows` and `tp_columns`: an FP8
+    linear, engine.models.fp8_linear), or, where only its rows are kept, one that says its
+    forward is F.linear times per-row work (`tp_row_sliceable`, Falcon-H1's ScaledLinear)."""
+    if type(linear) is nn.Linear or shards_itself(linear) \
+            or (row_sliceable and getattr(type(linear), "tp_row_sliceable", False)):
         return
     allowed = "nn.Linear or a row-sliceable linear" if row_sliceable else "nn.Linear"
     raise ValueError(f"tensor parallelism: {what} is a {type(linear).__name__}, not {allowed}")
+
+
+def shards_itself(linear) -> bool:
+    return hasattr(type(linear), "tp_keep_rows") and hasattr(type(linear), "tp_columns")
 
 
 def span(bounds) -> list[int]:
@@ -83,6 +89,9 @@ def keep_rows(linear: nn.Linear, rows) -> None:
     """Column parallelism in place: keep output features `rows` of a linear (and its bias). The
     caller has checked the linear's forward is F.linear plus per-row work (check_linear)."""
     rows = list(rows)
+    if shards_itself(linear):
+        linear.tp_keep_rows(rows)
+        return
     with torch.no_grad():
         set_param(linear, "weight", linear.weight, 0, rows)
         if linear.bias is not None:
@@ -103,7 +112,11 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @classmethod
-    def of(cls, linear: nn.Module, cols, group: TPGroup, reduce: bool, what: str) -> RowParallelLinear:
+    def of(cls, linear: nn.Module, cols, group: TPGroup, reduce: bool, what: str) -> nn.Module:
+        """Row parallelism for `linear` (a linear that shards itself returns its own kind)."""
+        if shards_itself(linear):
+            part = linear.tp_columns(list(cols), keep_bias=group.rank == 0)
+            return Reduced(part, group) if reduce else part
         if type(linear) is not nn.Linear:  # a subclass may do more than F.linear: refuse
             raise ValueError(f"tensor parallelism: {what} is a {type(linear).__name__}, not an nn.Linear")
         with torch.no_grad():

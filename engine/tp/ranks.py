@@ -291,7 +291,7 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     group = StoreGroup.join(port, rank, size, device)
     conn = Client(address, authkey=authkey)
     conn.send(rank)
-    follower = Follower(group, shard_model(load_model(model_path, torch_dtype, device, keep_float8=False), group),
+    follower = Follower(group, shard_model(load_model(model_path, torch_dtype, device), group),
                         block_size, torch_dtype, device)
     try:
         while True:
