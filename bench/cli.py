@@ -177,6 +177,14 @@ def cmd_prefix(args) -> int:
     from bench.prefix import format_rows, run_prefix, run_prefix_cluster
 
     with _model_dir(args) as model:
+        if args.fetch:
+            from bench.fetch import format_rows as format_fetch, run_fetch
+
+            rows = run_fetch(model, seed=args.seed)
+            print(format_fetch(rows))
+            if args.out:
+                Path(args.out).write_text(json.dumps(rows, indent=2))
+            return 0
         if args.tiers:
             from bench.tiers import format_rows as format_tiers, run_tiers
 

@@ -164,6 +164,9 @@ def add_prefix_arguments(p) -> None:
                    help="instead: an agentic trace 4x the pool, the pool alone against the pool with a host tier "
                         "(bench/tiers.py)")
     p.add_argument("--disk-cache-dir", default=None, help="--tiers: add a disk tier in this folder")
+    p.add_argument("--fetch", action="store_true",
+                   help="instead: fetching a cached prefix from another engine against recomputing it, "
+                        "by prefix length (bench/fetch.py)")
     p.add_argument("--local-prefill-tokens", type=int, default=128,
                    help="--cluster: uncached part a decode worker prefills itself")
     p.add_argument("--out", default=None, help="write the JSON rows here")

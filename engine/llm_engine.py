@@ -28,6 +28,7 @@ from engine.verify import Speculation, split_verify_rows
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.disk_tier import PREFETCH_LIMIT
+from engine.prefix_exchange import ExportedPrefix, PrefixExchange
 from engine.tiered_cache import TieredCache, cache_fingerprint
 from engine.tokenizer import Tokenizer
 
@@ -146,6 +147,9 @@ class LLMEngine:
         if self.prefix_cache is not None and config.tier_config.enabled:
             fingerprint = cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
             self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache, fingerprint)
+        # Entries exported to and imported from other workers (a tensor-parallel engine's cache
+        # is sharded over ranks: it takes no part)
+        self.exchange = PrefixExchange(self) if self.prefix_cache is not None and self.tp is None else None
         # What the prefix cache and its tiers store and drop, for the router's index (a worker's
         # stats report drains it: drain_cache_events).
         self.cache_events = None
@@ -197,6 +201,18 @@ class LLMEngine:
         if self.tiers is not None:
             events += [("+", tier, key, end) for tier, key, end in self.tiers.held()]
         return events
+
+    def export_prefix(self, hashes: list[bytes]) -> ExportedPrefix | None:
+        """The longest usable prefix of the block chain `hashes` this engine holds, copied out
+        for another worker (engine.prefix_exchange); None where it holds none."""
+        return self.exchange.export(hashes) if self.exchange is not None else None
+
+    def import_prefix(self, exported: ExportedPrefix) -> int:
+        """Another worker's exported prefix, into this engine's host tier: the tokens it covers
+        (0: refused, or held already)."""
+        if self.exchange is None:
+            return 0
+        return self.exchange.accept(exported)
 
     def drain_cache_events(self) -> dict | None:
         """What the prefix cache and its tiers stored and dropped since the last call
@@ -576,5 +592,6 @@ class LLMEngine:
             **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
             **(self.speculation.stats() if self.speculation is not None else {}),
             **(self.tiers.stats() if self.tiers is not None else {}),
+            **(self.exchange.stats() if self.exchange is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
         }

@@ -34,12 +34,8 @@ class TieredCache:
         self.cache, self.blocks, self.prefix_cache = cache, blocks, prefix_cache
         self.host = HostTier(config.host_bytes) if config.host_bytes else None
         self.disk = DiskTier(config.disk_dir, config.disk_bytes, fingerprint) if config.disk_dir else None
-        block_size = blocks.block_size
-        self.block_size = block_size
-        self.kv_tensors = cache.block_tensors()
-        self.state_tensors = cache.whole_state_tensors() if prefix_cache.needs_state else []
-        self.row_shapes = {f"kv:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in self.kv_tensors}
-        self.row_shapes.update({f"state:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in self.state_tensors})
+        self.block_size = blocks.block_size
+        self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(cache, prefix_cache.needs_state)
         self.spills = self.host_hits = self.disk_hits = self.loaded_tokens = 0
         prefix_cache.on_evict = self.spill
 
@@ -61,14 +57,11 @@ class TieredCache:
         if self.host is not None and keys[-1] in self.host.entries:
             self.host.entries[keys[-1]].last_used = time.monotonic()
             return
-        index = torch.tensor(blocks, device=self.kv_tensors[0][1].device) if self.kv_tensors else None
-        tensors = {f"kv:{n}": t.index_select(0, index).cpu() for n, t in self.kv_tensors}
-        if checkpoint is not None:
-            row = self.cache.checkpoint_row(checkpoint)
-            # a copy: on the CPU, t[row].cpu() would be a view of a row the pool reuses
-            tensors.update({f"state:{n}": t[row].to("cpu", copy=True) for n, t in self.state_tensors})
-        entry = Entry(list(keys), end, tensors)
         self.spills += 1
+        self.keep(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end))
+
+    def keep(self, entry: Entry) -> None:
+        """`entry` into the highest tier with room (what host memory pushes out goes to disk)."""
         below = self.host.put(entry) if self.host is not None else [entry]
         if self.disk is not None:
             for pushed in below:
@@ -87,7 +80,7 @@ class TieredCache:
                 missing = list(itertools.accumulate(key not in self.prefix_cache.nodes for key in keys))
             if missing[len(keys) - 1] > self.blocks.num_available_blocks:
                 return 0  # no room in the pool now (nothing read): looked up again in a later step
-            entry = self._find(keys, end)
+            entry = self.find(keys, end)
             if entry is None:
                 continue
             if not self._load(entry):
@@ -129,7 +122,8 @@ class TieredCache:
                 return
             yield hashes[: i + 1], end
 
-    def _find(self, keys: list[bytes], end: int) -> Entry | None:
+    def find(self, keys: list[bytes], end: int) -> Entry | None:
+        """The entry for the prefix `keys` (of `end` tokens) in host memory or on disk; None."""
         if self.host is not None and (entry := self.host.entries.get(keys[-1])) is not None:
             return entry
         if self.disk is not None:
@@ -183,3 +177,25 @@ class TieredCache:
                        tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad,
                        tier_disk_read_ahead=self.disk.prefetch_hits)
         return out
+
+
+def entry_tensors(cache, needs_state: bool):
+    """What an entry copies (the cache's block tensors; its whole state tensors where the model
+    has recurrent layers) and each copy's row shape and dtype by entry name."""
+    kv = cache.block_tensors()
+    state = cache.whole_state_tensors() if needs_state else []
+    shapes = {f"kv:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in kv}
+    shapes.update({f"state:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in state})
+    return kv, state, shapes
+
+
+def copy_out(cache, kv_tensors, state_tensors, keys: list[bytes], blocks: list[int], checkpoint: int | None,
+             end: int) -> Entry:
+    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole."""
+    index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
+    tensors = {f"kv:{n}": t.index_select(0, index).cpu() for n, t in kv_tensors}
+    if checkpoint is not None:
+        row = cache.checkpoint_row(checkpoint)
+        # a copy: on the CPU, t[row].cpu() would be a view of a row the pool reuses
+        tensors.update({f"state:{n}": t[row].to("cpu", copy=True) for n, t in state_tensors})
+    return Entry(list(keys), end, tensors)

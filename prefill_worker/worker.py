@@ -63,6 +63,15 @@ class PendingTarget:
         return await self.reservation
 
 
+class PendingPrefix:
+    """A prefix another worker exports for this request (the ObjectRef of its export_prefix();
+    inside an object, so the call does not wait for it, and a source that fails or is slow
+    costs a recompute, never the request)."""
+
+    def __init__(self, export, source: str):
+        self.export, self.source = export, source
+
+
 @dataclass(frozen=True)
 class ReservationFailed:
     why: str
@@ -134,14 +143,17 @@ class PrefillWorker(WorkerBase):
         return sorted(broken + [p for p in self._peers - self._rank_peers if not self.sender.connected(p)])
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      target: HandoffTarget | PendingTarget | None, resume: Resume | None = None) -> PrefillOutcome:
+                      target: HandoffTarget | PendingTarget | None, resume: Resume | None = None,
+                      prefix: PendingPrefix | None = None) -> PrefillOutcome:
         """Prefill one request and send it to `target` (a PendingTarget: once the reservation it
         awaits is granted); None: the router reserved nowhere, since the request ends at its first
-        token (the outcome then carries its output)."""
-        return await self._prefill(request_id, prompt_token_ids, params, target, resume, None)
+        token (the outcome then carries its output). `prefix`: a cached prefix another worker
+        exports for it, imported before the request is queued."""
+        return await self._prefill(request_id, prompt_token_ids, params, target, resume, None, prefix)
 
     async def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                             target: HandoffTarget | PendingTarget | None, resume: Resume | None = None):
+                             target: HandoffTarget | PendingTarget | None, resume: Resume | None = None,
+                             prefix: PendingPrefix | None = None):
         """prefill() as the router calls it, a Ray streaming generator: the first token (a
         RequestOutput delta, with its logprobs and the prompt's) the moment it is sampled, so it
         reaches the caller while the hand-off runs, then the PrefillOutcome. A request that ends
@@ -153,14 +165,14 @@ class PrefillWorker(WorkerBase):
             loop.call_soon_threadsafe(first.set_result, out)
 
         outcome = asyncio.ensure_future(self._prefill(request_id, prompt_token_ids, params, target,
-                                                      resume, on_first))
+                                                      resume, on_first, prefix))
         await asyncio.wait({first, outcome}, return_when=asyncio.FIRST_COMPLETED)
         if first.done():
             yield first.result()
         yield await outcome
 
     async def _prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       target, resume: Resume | None, on_first) -> PrefillOutcome:
+                       target, resume: Resume | None, on_first, prefix: PendingPrefix | None = None) -> PrefillOutcome:
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters[request_id] = waiter
         self._targets[request_id] = _AWAITED if isinstance(target, PendingTarget) else target
@@ -172,6 +184,8 @@ class PrefillWorker(WorkerBase):
         try:
             if params.structured_output is not None:  # compiled here, off the engine loop (engine/structured.py)
                 await asyncio.to_thread(self.engine.grammars.compile, params.structured_output)
+            if prefix is not None:
+                await self._import_prefix(request_id, prefix)
             await asyncio.wrap_future(self.thread.call(
                 lambda engine: engine.add_request(prompt_token_ids, params, request_id=request_id, resume=resume)))
             return await asyncio.wrap_future(waiter)
@@ -187,6 +201,18 @@ class PrefillWorker(WorkerBase):
             self._sent.pop(request_id, None)
             self._first_token_to.pop(request_id, None)
             self._streaming.pop(request_id, None)
+
+    async def _import_prefix(self, request_id: str, prefix: PendingPrefix) -> None:
+        """The prefix another worker exported, into this engine's host tier; a failed or slow
+        export, or one refused here, only means the request computes that part itself."""
+        try:
+            # a third of the hand-off's timeout: the decode worker's reservation waits meanwhile
+            exported = await asyncio.wait_for(prefix.export, self.transfer_config.timeout_s / 3)
+            if exported is not None:
+                await asyncio.wrap_future(self.thread.call(lambda engine: engine.import_prefix(exported)))
+        except Exception as e:
+            log.warning("%s: prefix from %s for %s not imported (%s: %s); computing it", self.name,
+                        prefix.source, request_id, type(e).__name__, e)
 
     async def _await_target(self, request_id: str, pending: PendingTarget) -> None:
         try:

@@ -118,6 +118,7 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
     launch_options = dict(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
                           decode_tp=args.decode_tp, transport=args.transport,
                           address=args.address, local_prefill_tokens=args.local_prefill_tokens,
+                          prefix_fetch_tokens=args.prefix_fetch_tokens,
                           max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
                           gpus_per_worker=args.gpus_per_worker,
                           prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
@@ -210,6 +211,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--local-prefill-tokens", type=int, default=0,
                        help="prompts with at most this many tokens not cached prefill on the decode "
                             "worker (conditional disaggregation)")
+    serve.add_argument("--prefix-fetch-tokens", type=int, default=256,
+                       help="with prefix caching and a host tier: a prefill worker fetches a cached prefix "
+                            "another worker holds when it covers at least this many more prompt tokens "
+                            "than its own (0: never; docs/prefix-caching.md)")
     serve.add_argument("--enable-prefix-caching", action="store_true",
                        help="reuse the KV blocks and recurrent state of repeated prefixes; the router "
                             "sends each request where its prefix likely is (docs/prefix-caching.md)")

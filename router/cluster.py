@@ -32,14 +32,15 @@ from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
-from prefill_worker.worker import PendingTarget, PrefillOutcome
+from prefill_worker.worker import PendingPrefix, PendingTarget, PrefillOutcome
 from kvtransfer.transport import check_transport
 from router.backend import ModelInfo, Overloaded, Unavailable
 from router.autoscaler import AutoscaleConfig
 from router.placement import PlacementConfig
+from router.prefix_fetch import plan_fetch
 from router.scaling import ElasticPools
 from router.tracking import Failure, PrefillFirst, Tracked
-from router.workers import STATS_INTERVAL_S, WorkerSet
+from router.workers import STATS_INTERVAL_S, WorkerRef, WorkerSet
 
 PLACING_WAIT_S = 30.0  # the longest a cancelled attempt's abort waits for the call placing it
 
@@ -63,6 +64,9 @@ class ClusterConfig:
     decode_block_size: int | None = None
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     local_prefill_tokens: int = 0  # conditional disaggregation threshold; 0: always split
+    # Fetch a prefix another worker reports holding when it covers at least this many more
+    # prompt tokens than the chosen prefill worker holds (router.prefix_fetch); 0: never.
+    prefix_fetch_tokens: int = 256
     max_queued: int = 1024  # requests in flight before Overloaded
     transfer_timeout_s: float = 30.0
     max_retries: int = 3  # attempts after the first, when a worker dies or a hand-off breaks
@@ -95,6 +99,9 @@ class ClusterConfig:
         check_transport(self.transport, self.placement.gpus_per_worker)
         if self.local_prefill_tokens < 0 or self.max_queued < 1:
             raise ValueError("local_prefill_tokens must be >= 0 and max_queued >= 1")
+        if isinstance(self.prefix_fetch_tokens, bool) or not isinstance(self.prefix_fetch_tokens, int) \
+                or self.prefix_fetch_tokens < 0:
+            raise ValueError(f"prefix_fetch_tokens must be an integer >= 0, got {self.prefix_fetch_tokens!r}")
         if self.max_retries < 0 or self.retry_wait_s < 0 or self.max_restarts < -1:
             raise ValueError("max_retries and retry_wait_s must be >= 0, max_restarts >= -1")
 
@@ -116,6 +123,7 @@ class Cluster(ElasticPools):
         self._background: set[asyncio.Task] = set()  # unawaited router-loop tasks (_spawn)
         self._room = self._run(self._make_condition())  # signalled when capacity may have freed
         self.retries = 0
+        self.prefix_fetches = 0  # prefixes asked of one worker for another (router.prefix_fetch)
         self.workers = WorkerSet(config, on_lost=self._worker_lost, on_room=self._notify_room)
         try:
             self._run(self.workers.start(self._route))
@@ -181,7 +189,8 @@ class Cluster(ElasticPools):
             self._run(self.workers.refresh_stats(), timeout=10)
         except Exception:
             log.warning("stats refresh failed; showing the last known", exc_info=True)
-        status = {**self.workers.status(), "in_flight": len(self._requests), "retries": self.retries}
+        status = {**self.workers.status(), "in_flight": len(self._requests), "retries": self.retries,
+                  "prefix_fetches": self.prefix_fetches}
         if self.autoscaler is not None:
             status["autoscaler"] = self.autoscaler.status()
         return status
@@ -311,7 +320,8 @@ class Cluster(ElasticPools):
             prefill, charge = self.workers.pick_prefill(tracked.num_tokens, hashes)
             tracked.prefill_outcome = asyncio.get_running_loop().create_future()
             asked = time.monotonic()
-            call = prefill.handle.prefill.remote(wid, ids, params, None, resume)
+            prefix = self._prefix_for(prefill, hashes, tracked.num_tokens - charge)
+            call = prefill.handle.prefill.remote(wid, ids, params, None, resume, prefix)
             self._spawn(self._prefill(prefill, None, tracked, wid, charge, call, asked))
             return True
         decode, cached = self.workers.pick_decode(tracked.num_tokens, hashes, self.config.local_prefill_tokens)
@@ -332,7 +342,9 @@ class Cluster(ElasticPools):
                 tracked.placing = decode.handle.reserve.remote(wid, ids, params, resume, prefill.name)
                 # The prefill starts now, not a round trip later: its hand-off waits for the
                 # reservation only once its rows are ready (PendingTarget).
-                stream = prefill.handle.prefill_stream.remote(wid, ids, params, PendingTarget(tracked.placing), resume)
+                prefix = self._prefix_for(prefill, hashes, tracked.num_tokens - charge)
+                stream = prefill.handle.prefill_stream.remote(wid, ids, params, PendingTarget(tracked.placing), resume,
+                                                              prefix)
                 try:
                     await tracked.placing
                 except Exception:  # (a cancel: _abort_once_placed aborts it everywhere, the prefill too)
@@ -372,6 +384,16 @@ class Cluster(ElasticPools):
             await asyncio.wait_for(prefill.handle.abort.remote(wid), PLACING_WAIT_S)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(call, PLACING_WAIT_S)
+
+    def _prefix_for(self, prefill: WorkerRef, hashes: list[bytes], cached: int) -> PendingPrefix | None:
+        """The export of the request's longest cached prefix from the worker that holds more of it
+        than `prefill` does (its `cached` tokens), where fetching pays (router.prefix_fetch)."""
+        plan = plan_fetch(self.workers.prefill + self.workers.decode, prefill, hashes, cached,
+                          self.workers.model_facts.get("block_size", 1), self.config.prefix_fetch_tokens)
+        if plan is None:
+            return None
+        self.prefix_fetches += 1
+        return PendingPrefix(plan.source.handle.export_prefix.remote(plan.hashes), plan.source.name)
 
     def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
         """The engine's block keys of `token_ids` when workers cache prefixes, else none."""

@@ -123,6 +123,11 @@ class WorkerStatusCollector:
                                           "Request attempts run again after a worker died or a hand-off broke")
             retries.add_metric([], status["retries"])
             yield retries
+        if "prefix_fetches" in status:
+            fetches = CounterMetricFamily("splitserve_prefix_fetches",
+                                          "Cached prefixes the router asked one worker to export to another")
+            fetches.add_metric([], status["prefix_fetches"])
+            yield fetches
         if "autoscaler" in status:
             decisions = CounterMetricFamily("splitserve_autoscaler_decisions",
                                             "Pool size changes the autoscaler made, by kind, direction and reason",

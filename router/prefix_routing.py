@@ -54,10 +54,14 @@ class PrefixIndex:
     def tiers_of(self, key: bytes) -> set[str]:
         return set(self.held.get(key, ()))
 
+    def reported_blocks(self, hashes: list[bytes]) -> int:
+        """Leading blocks of `hashes` through the longest usable prefix the worker reported."""
+        return next((i + 1 for i in range(len(hashes) - 1, -1, -1) if hashes[i] in self.held), 0)
+
     def matched_blocks(self, hashes: list[bytes]) -> int:
         """Leading blocks of `hashes` cached there: through the longest usable prefix the
         worker reported, or the longest run of blocks sent to it since."""
-        reported = next((i + 1 for i in range(len(hashes) - 1, -1, -1) if hashes[i] in self.held), 0)
+        reported = self.reported_blocks(hashes)
         sent = 0
         for key in hashes:
             if key not in self._sent:

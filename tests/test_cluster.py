@@ -370,6 +370,56 @@ def test_prefix_caching_finds_the_worker_that_holds_the_prefix(cluster):
     wait_idle(handle)
 
 
+def test_a_prefill_worker_fetches_the_longer_prefix_another_worker_holds(cluster):
+    """prefix_fetch_tokens: a chat's next turn goes to the prefill worker that holds its prompt;
+    the decode worker (on the other node) that answered holds the prompt and the answer, and the
+    prefill worker imports that instead of recomputing it. A request sent past a busy prefill
+    worker fetches the prefix that worker holds. Outputs are exact either way."""
+    from router.cluster import launch
+
+    _, path, hf, (nodes, _, _) = cluster
+    fetching = launch(path, prefill=2, decode=1, address=nodes.address, prefill_resource=PREFILL_RES,
+                      decode_resource=DECODE_RES, block_size=4, num_kv_blocks=200, max_num_seqs=8,
+                      enable_prefix_caching=True, host_cache_bytes=1 << 22, prefix_fetch_tokens=4)
+    local = LLM(path, block_size=4)
+
+    def served(prompt):
+        out = fetching.generate([prompt], GREEDY)[0]
+        assert out.error is None, out.error
+        assert_same_tokens(hf, prompt, out.token_ids, local.generate([prompt], GREEDY)[0].token_ids)
+        time.sleep(0.6)  # the router's next stats reports: the workers' cache events
+        fetching.status()
+        return out
+
+    def counts(name):
+        return {w["id"]: w.get(name, 0) for w in fetching.status()["workers"]}
+
+    try:
+        rng = random.Random(53)
+        turn1 = [rng.randrange(3, 300) for _ in range(22)]
+        first = served(turn1)
+        second = served(turn1 + first.token_ids + [rng.randrange(3, 300) for _ in range(3)])
+        # turn 1's decode computed 31 tokens: its checkpoint at 28 came from the decode worker
+        assert second.num_cached_tokens == 28
+        assert counts("prefix_fetch_exported")["decode-0"] == 1
+        assert sum(counts("prefix_fetch_imported").values()) == 1 and fetching.status()["prefix_fetches"] == 1
+
+        system = [rng.randrange(3, 300) for _ in range(26)]
+        served(system)  # its prefill worker checkpoints its last boundary short of the end, 24
+        holder = next(w for w in fetching.workers.prefill
+                      if w.prefixes.reported_blocks(fetching._block_hashes(system)) == 6)
+        holder.queued_tokens += 10_000  # busy: the next request goes to the other prefill worker
+        try:
+            third = served(system[:24] + [rng.randrange(3, 300) for _ in range(5)])
+        finally:
+            holder.queued_tokens -= 10_000
+        assert third.num_cached_tokens == 24
+        assert counts("prefix_fetch_exported")[holder.name] == 1
+        assert sum(counts("prefix_fetch_imported").values()) == 2 and fetching.status()["prefix_fetches"] == 2
+    finally:
+        fetching.shutdown()
+
+
 def test_cache_tiers_serve_evicted_chats_and_the_router_sees_every_tier(cluster, tmp_path):
     """A 1P+1D pair with a small pool, a host tier and a disk tier: chats that come back after
     the pool evicted them are served from the tiers, exactly; the router's index, built from

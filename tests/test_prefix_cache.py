@@ -198,13 +198,46 @@ def test_the_router_index_follows_the_workers_reports_and_guesses_only_the_gap()
     assert index.matched_blocks(chat) == 0 and len(index) == 0
 
 
+def test_the_router_fetches_a_prefix_only_a_report_shows_and_only_where_it_pays():
+    from router.prefix_fetch import plan_fetch
+    from router.prefix_routing import PrefixIndex
+    from router.workers import WorkerRef
+
+    chat = block_hashes(list(range(40)), SIZE, [])  # 10 blocks
+
+    def worker(name, kind, node="a", stats=None):
+        return WorkerRef(name, kind, None, node_id=node, prefixes=PrefixIndex(64), stats=stats or {})
+
+    target = worker("prefill-0", "prefill", stats={"tier_host_bytes": 0})
+    other = worker("prefill-1", "prefill", node="b")
+    decode = worker("decode-0", "decode")
+    workers = [target, other, decode]
+    other.prefixes.add(chat)  # only sent there: not reported, so not fetched from
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8) is None
+    decode.prefixes.apply({"reset": True, "events": [("+", "pool", chat[7], 32)]})
+    plan = plan_fetch(workers, target, chat, 16, SIZE, 8)
+    assert plan.source is decode and plan.tokens == 32 and plan.hashes == chat[:8]
+    assert plan_fetch(workers, target, chat, 28, SIZE, 8) is None  # saves 4 tokens: recomputed
+    assert plan_fetch(workers, target, chat, 16, SIZE, 0) is None  # fetching off
+    other.prefixes.apply({"reset": True, "events": [("+", "host", chat[7], 32)]})
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8).source is decode  # as long, on the target's node
+    other.node_id = "a"
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8).source is other  # then a prefill worker
+    other.draining, decode.alive = True, False
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8) is None
+    other.draining, decode.alive = False, True
+    del target.stats["tier_host_bytes"]  # no host tier to take the entry
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8) is None
+    assert plan_fetch([target], target, chat, 0, SIZE, 8) is None
+
+
 def test_serve_flags_reach_the_workers_engine_options():
     from router.cli import build_parser, serve_options
 
     args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--prefix-checkpoints", "16",
-                                      "--local-prefill-tokens", "128"])
+                                      "--local-prefill-tokens", "128", "--prefix-fetch-tokens", "64"])
     launch_options, _ = serve_options(args)
     assert launch_options["enable_prefix_caching"] is True and launch_options["prefix_checkpoints"] == 16
-    assert launch_options["local_prefill_tokens"] == 128
+    assert launch_options["local_prefill_tokens"] == 128 and launch_options["prefix_fetch_tokens"] == 64
     plain, _ = serve_options(build_parser().parse_args(["serve"]))
     assert "enable_prefix_caching" not in plain

@@ -6,6 +6,7 @@ bytes; this is where a worker meets it."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -69,6 +70,11 @@ class WorkerBase:
 
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
+
+    async def export_prefix(self, hashes: list[bytes]):
+        """The longest usable prefix of the block chain `hashes` this worker holds, copied out
+        between engine steps for another worker to import (engine.prefix_exchange); None."""
+        return await asyncio.wrap_future(self.thread.call(lambda engine: engine.export_prefix(hashes)))
 
     def _rank_lost(self, rank: int | None, why) -> None:
         """A tensor-parallel rank died (None: a collective failed, which one is unknown): the

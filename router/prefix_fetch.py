@@ -1,0 +1,53 @@
+"""Fetching a cached prefix from another worker instead of recomputing it.
+
+The router knows, from the workers' cache events (router.prefix_routing), which usable prefixes
+each worker holds in its pool and tiers. When the prefill worker chosen for a request holds
+less of its prompt than another worker reports holding, by at least `prefix_fetch_tokens`,
+that worker exports the entry (engine.prefix_exchange) and the prefill worker imports it into
+its host tier before queueing the request: copying the prefix's KV and checkpoint beats
+recomputing it once it is long enough (docs/prefix-caching.md has the measured break-even).
+A source may be a prefill worker that saw the same system prompt, or the decode worker that
+answered a chat's last turn. The entry goes from the source's node to the importer's through
+Ray's object store; the router passes a reference and never holds the bytes.
+
+Only what a worker reported is trusted as held (not what the router merely sent it); a stale
+report costs one export that finds nothing. A failed, slow or refused fetch costs the
+recompute it tried to save, never the request (prefill_worker.PendingPrefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.workers import WorkerRef
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    source: WorkerRef
+    hashes: list[bytes]  # the block chain to export (the source's longest usable prefix of it)
+    tokens: int  # prompt tokens the source reported holding
+
+
+def plan_fetch(workers: list[WorkerRef], target: WorkerRef, hashes: list[bytes], target_cached: int,
+               block_size: int, min_tokens: int) -> FetchPlan | None:
+    """The source to fetch `hashes`' longest cached prefix from for `target` (which holds
+    `target_cached` of its tokens), or None: fetching is off (min_tokens 0), `target` has no
+    host tier to take an entry, or no live worker holds at least `min_tokens` more. Of equal
+    holders: one on the target's node, then a prefill worker (a decode worker's export takes
+    time between its decode steps)."""
+    if min_tokens <= 0 or not hashes or "tier_host_bytes" not in target.stats:
+        return None
+    best, best_key = None, None
+    for worker in workers:
+        if worker is target or not worker.alive or worker.draining:
+            continue
+        tokens = worker.prefixes.reported_blocks(hashes) * block_size
+        if tokens - target_cached < min_tokens:
+            continue
+        key = (tokens, worker.node_id == target.node_id, worker.kind == "prefill")
+        if best_key is None or key > best_key:
+            best, best_key = worker, key
+    if best is None:
+        return None
+    return FetchPlan(best, hashes[: best_key[0] // block_size], best_key[0])
