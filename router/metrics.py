@@ -176,6 +176,14 @@ class WorkerStatusCollector:
                               "Prompt tokens whose KV and state a lower tier supplied")
         tier_spills = counter("splitserve_worker_cache_tier_spills",
                               "Prefix-cache entries the pool evicted into a lower tier")
+        fetch_exported = counter("splitserve_worker_prefix_fetch_exported",
+                                 "Cached prefixes this worker exported for another (router/prefix_fetch.py)")
+        fetch_imported = counter("splitserve_worker_prefix_fetch_imported",
+                                 "Cached prefixes this worker imported from another")
+        fetch_tokens = counter("splitserve_worker_prefix_fetch_imported_tokens",
+                               "Prompt tokens the prefixes this worker imported cover")
+        fetch_refused = counter("splitserve_worker_prefix_fetch_refused",
+                                "Imports refused: a cache unlike this worker's, or no host tier")
         handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
                                               "Hand-off latency (count and sum)", labels=WORKER_LABELS)
         for w in workers:
@@ -205,6 +213,11 @@ class WorkerStatusCollector:
                         tier_bytes.add_metric([*labels, tier], w[f"tier_{tier}_bytes"])
                         tier_entries.add_metric([*labels, tier], w.get(f"tier_{tier}_entries", 0))
                         tier_hits.add_metric([*labels, tier], w.get(f"tier_{tier}_hits", 0))
+            if "prefix_fetch_exported" in w:
+                fetch_exported.add_metric(labels, w["prefix_fetch_exported"])
+                fetch_imported.add_metric(labels, w.get("prefix_fetch_imported", 0))
+                fetch_tokens.add_metric(labels, w.get("prefix_fetch_imported_tokens", 0))
+                fetch_refused.add_metric(labels, w.get("prefix_fetch_refused", 0))
             if "spec_drafts" in w:
                 spec_drafts.add_metric(labels, w["spec_drafts"])
                 spec_draft_tokens.add_metric(labels, w.get("spec_draft_tokens", 0))
@@ -220,7 +233,8 @@ class WorkerStatusCollector:
                     preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
                     cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes,
                     spec_drafts, spec_draft_tokens, spec_accepted, spec_per_position,
-                    tier_bytes, tier_entries, tier_hits, tier_loaded, tier_spills)
+                    tier_bytes, tier_entries, tier_hits, tier_loaded, tier_spills,
+                    fetch_exported, fetch_imported, fetch_tokens, fetch_refused)
 
 
 class VllmWorkerAliases:

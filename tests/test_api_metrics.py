@@ -151,6 +151,23 @@ def test_cache_tiers_by_worker_and_tier():
     assert not any("tier" in name and dict(labels).get("worker") == "decode-0" for name, labels in samples)
 
 
+def test_prefix_fetches_by_worker_and_for_the_router():
+    status = {"prefix_fetches": 4, "workers": [
+        {"id": "prefill-0", "kind": "prefill", "node": "n1", "prefix_fetch_exported": 0, "prefix_fetch_imported": 3,
+         "prefix_fetch_imported_tokens": 768, "prefix_fetch_refused": 1},
+        {"id": "decode-0", "kind": "decode", "node": "n2", "prefix_fetch_exported": 3, "prefix_fetch_imported": 0,
+         "prefix_fetch_imported_tokens": 0, "prefix_fetch_refused": 0},
+        {"id": "decode-1", "kind": "decode", "node": "n2"}]}
+    samples = rendered(status)
+    p, d = dict(worker="prefill-0", kind="prefill", node="n1"), dict(worker="decode-0", kind="decode", node="n2")
+    assert value(samples, "splitserve_prefix_fetches_total") == 4
+    assert value(samples, "splitserve_worker_prefix_fetch_imported_total", **p) == 3
+    assert value(samples, "splitserve_worker_prefix_fetch_imported_tokens_total", **p) == 768
+    assert value(samples, "splitserve_worker_prefix_fetch_refused_total", **p) == 1
+    assert value(samples, "splitserve_worker_prefix_fetch_exported_total", **d) == 3
+    assert not any("fetch" in name and dict(labels).get("worker") == "decode-1" for name, labels in samples)
+
+
 def test_a_failing_status_still_scrapes():
     def broken():
         raise RuntimeError("cluster gone")
