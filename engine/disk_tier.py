@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.host_tier import Entry, least_useful
+from engine.host_tier import Entry, least_useful, unfit_tensors
 
 log = logging.getLogger(__name__)
 PREFETCH_LIMIT = 8  # entries read ahead and not yet asked for (a request that left leaves one)
@@ -191,9 +191,9 @@ class DiskTier:
             return {}, f"unreadable ({type(e).__name__})"
         if meta.get("fingerprint") != self.fingerprint or meta.get("keys") != b"".join(keys).hex():
             return {}, "another layout or chain"
-        if {n: (tuple(t.shape[1:] if n.startswith("kv:") else t.shape), t.dtype) for n, t in tensors.items()} \
-                != shapes or any(t.shape[0] != len(keys) for n, t in tensors.items() if n.startswith("kv:")):
-            return {}, "tensor shapes"
+        unfit = unfit_tensors(tensors, len(keys), shapes)
+        if unfit is not None:
+            return {}, f"tensor shapes: {unfit}"
         if meta.get("checksum") != checksum(tensors):
             return {}, "checksum"
         return tensors, None

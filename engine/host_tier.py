@@ -50,6 +50,19 @@ class Entry:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def unfit_tensors(tensors: dict[str, torch.Tensor], num_blocks: int, shapes: dict[str, tuple]) -> str | None:
+    """Why an entry's `tensors` (of a chain of `num_blocks` blocks) are not rows of a cache whose
+    rows are `shapes` (name -> (one row's shape, dtype)); None where they are."""
+    if set(tensors) != set(shapes):
+        return f"tensors {sorted(tensors)} are not the cache's {sorted(shapes)}"
+    for name, tensor in tensors.items():
+        shape, dtype = shapes[name]
+        want = (num_blocks, *shape) if name.startswith("kv:") else tuple(shape)
+        if tuple(tensor.shape) != want or tensor.dtype != dtype:
+            return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, not {want} {dtype}"
+    return None
+
+
 def least_useful(candidates: list[tuple[object, float, int]]) -> object:
     """Of (item, last used, tokens), the one the pool's rule evicts first."""
     oldest, newest = min(c[1] for c in candidates), max(c[1] for c in candidates)

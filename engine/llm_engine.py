@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import dataclasses
@@ -145,8 +146,8 @@ class LLMEngine:
             if config.enable_prefix_caching else None
         self.tiers = None  # engine.tiered_cache: what the prefix cache's pool evicts, kept lower
         if self.prefix_cache is not None and config.tier_config.enabled:
-            fingerprint = cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
-            self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache, fingerprint)
+            self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache,
+                                     self.cache_fingerprint)
         # Entries exported to and imported from other workers (a tensor-parallel engine's cache
         # is sharded over ranks: it takes no part)
         self.exchange = PrefixExchange(self) if self.prefix_cache is not None and self.tp is None else None
@@ -201,6 +202,13 @@ class LLMEngine:
         if self.tiers is not None:
             events += [("+", tier, key, end) for tier, key, end in self.tiers.held()]
         return events
+
+    @functools.cached_property
+    def cache_fingerprint(self) -> str:
+        """What another cache must match to take this one's entries (engine.disk_tier.
+        cache_fingerprint: it reads the weight files' ends, so once)."""
+        config = self.config
+        return cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
 
     def export_prefix(self, hashes: list[bytes]) -> ExportedPrefix | None:
         """The longest usable prefix of the block chain `hashes` this engine holds, copied out

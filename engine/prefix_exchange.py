@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.disk_tier import cache_fingerprint
-from engine.host_tier import Entry
+from engine.host_tier import Entry, unfit_tensors
 from engine.tiered_cache import copy_out, entry_tensors
 
 log = logging.getLogger(__name__)
@@ -42,15 +41,11 @@ class PrefixExchange:
         self.cache, self.prefix_cache = engine.cache, engine.prefix_cache
         self.block_size = engine.config.block_size
         self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(self.cache, self.prefix_cache.needs_state)
-        self._fingerprint: str | None = None
         self.exported = self.imported = self.imported_tokens = self.refused = 0
 
     @property
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            config = self.engine.config
-            self._fingerprint = cache_fingerprint(config.model, config.dtype, self.block_size, self.cache)
-        return self._fingerprint
+        return self.engine.cache_fingerprint
 
     @torch.inference_mode()
     def export(self, hashes: list[bytes]) -> ExportedPrefix | None:
@@ -66,7 +61,7 @@ class PrefixExchange:
             if entry is not None:
                 tier = "host" if tiers.host is not None and hashes[i] in tiers.host.entries else "disk"
                 self.exported += 1
-                return ExportedPrefix(self.fingerprint, Entry(list(entry.keys), entry.end, entry.tensors), tier)
+                return ExportedPrefix(self.fingerprint, entry, tier)
         if not hit.num_tokens:
             return None
         keys = hashes[: hit.num_tokens // self.block_size]
@@ -88,6 +83,7 @@ class PrefixExchange:
         held = self.prefix_cache.lookup(entry.keys, entry.end + 1).num_tokens >= entry.end
         if held or entry.keys[-1] in tiers.host.entries:
             return 0
+        # a new Entry: its recency is this process's clock, not the exporter's
         tiers.keep(Entry(list(entry.keys), entry.end, entry.tensors))
         self.imported += 1
         self.imported_tokens += entry.end
@@ -101,14 +97,7 @@ class PrefixExchange:
             return f"exported by a cache unlike this one (fingerprint {exported.fingerprint} != {self.fingerprint})"
         if not entry.keys or len(entry.keys) * self.block_size != entry.end:
             return f"{len(entry.keys)} blocks of {self.block_size} tokens do not cover {entry.end} tokens"
-        if set(entry.tensors) != set(self.row_shapes):
-            return f"tensors {sorted(entry.tensors)} are not this cache's {sorted(self.row_shapes)}"
-        for name, tensor in entry.tensors.items():
-            shape, dtype = self.row_shapes[name]
-            want = (len(entry.keys), *shape) if name.startswith("kv:") else shape
-            if tuple(tensor.shape) != want or tensor.dtype != dtype:
-                return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, not {want} {dtype}"
-        return None
+        return unfit_tensors(entry.tensors, len(entry.keys), self.row_shapes)
 
     def stats(self) -> dict:
         return {"prefix_fetch_exported": self.exported, "prefix_fetch_imported": self.imported,

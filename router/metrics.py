@@ -20,6 +20,13 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.
                    0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 WORKER_LABELS = ["worker", "kind", "node"]
+# A worker's prefix fetch stats (engine.prefix_exchange), each a counter named after it
+PREFIX_FETCH_COUNTERS = (
+    ("prefix_fetch_exported", "Cached prefixes this worker exported for another (router/prefix_fetch.py)"),
+    ("prefix_fetch_imported", "Cached prefixes this worker imported from another"),
+    ("prefix_fetch_imported_tokens", "Prompt tokens the prefixes this worker imported cover"),
+    ("prefix_fetch_refused", "Imports refused: a cache unlike this worker's, or no host tier"),
+)
 
 
 METRICS_COMPAT = ("none", "vllm")
@@ -176,14 +183,7 @@ class WorkerStatusCollector:
                               "Prompt tokens whose KV and state a lower tier supplied")
         tier_spills = counter("splitserve_worker_cache_tier_spills",
                               "Prefix-cache entries the pool evicted into a lower tier")
-        fetch_exported = counter("splitserve_worker_prefix_fetch_exported",
-                                 "Cached prefixes this worker exported for another (router/prefix_fetch.py)")
-        fetch_imported = counter("splitserve_worker_prefix_fetch_imported",
-                                 "Cached prefixes this worker imported from another")
-        fetch_tokens = counter("splitserve_worker_prefix_fetch_imported_tokens",
-                               "Prompt tokens the prefixes this worker imported cover")
-        fetch_refused = counter("splitserve_worker_prefix_fetch_refused",
-                                "Imports refused: a cache unlike this worker's, or no host tier")
+        fetches = {stat: counter(f"splitserve_worker_{stat}", text) for stat, text in PREFIX_FETCH_COUNTERS}
         handoff_latency = SummaryMetricFamily("splitserve_worker_handoff_seconds",
                                               "Hand-off latency (count and sum)", labels=WORKER_LABELS)
         for w in workers:
@@ -214,10 +214,8 @@ class WorkerStatusCollector:
                         tier_entries.add_metric([*labels, tier], w.get(f"tier_{tier}_entries", 0))
                         tier_hits.add_metric([*labels, tier], w.get(f"tier_{tier}_hits", 0))
             if "prefix_fetch_exported" in w:
-                fetch_exported.add_metric(labels, w["prefix_fetch_exported"])
-                fetch_imported.add_metric(labels, w.get("prefix_fetch_imported", 0))
-                fetch_tokens.add_metric(labels, w.get("prefix_fetch_imported_tokens", 0))
-                fetch_refused.add_metric(labels, w.get("prefix_fetch_refused", 0))
+                for stat, family in fetches.items():
+                    family.add_metric(labels, w.get(stat, 0))
             if "spec_drafts" in w:
                 spec_drafts.add_metric(labels, w["spec_drafts"])
                 spec_draft_tokens.add_metric(labels, w.get("spec_draft_tokens", 0))
@@ -233,8 +231,7 @@ class WorkerStatusCollector:
                     preemptions, handoff_bytes, handoff_failures, handoff_latency, cache_queried, cache_hits,
                     cache_blocks, checkpoints_used, checkpoints_total, checkpoint_bytes,
                     spec_drafts, spec_draft_tokens, spec_accepted, spec_per_position,
-                    tier_bytes, tier_entries, tier_hits, tier_loaded, tier_spills,
-                    fetch_exported, fetch_imported, fetch_tokens, fetch_refused)
+                    tier_bytes, tier_entries, tier_hits, tier_loaded, tier_spills, *fetches.values())
 
 
 class VllmWorkerAliases:

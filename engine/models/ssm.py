@@ -284,7 +284,7 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
     channels, d_conv = weight.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     kernel = x.dtype == torch.float32 and x.stride(-1) == 1 and uses_cpu_kernel(conv_state)
-    for segment in batch.state_spans.segments(conv_state):
+    for segment in batch.state_spans.segments(conv_state) if batch.prefill_rows else ():
         start, end, slot, fresh = segment.start, segment.end, segment.dst, segment.fresh
         if kernel:
             cpu.causal_conv_prefill_cpu(x[start:end], conv_state[slot], weight, bias, fresh, silu, out[start:end])
