@@ -9,11 +9,13 @@ hit saves.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.host_arena import HostArena, footprint
 from engine.prefix_cache import CHECKPOINT_COMPUTE_WEIGHT
 
 
@@ -42,8 +44,14 @@ class TierConfig:
 class Entry:
     keys: list[bytes]  # the chain's block hashes, root first
     end: int  # tokens the prefix covers
-    tensors: dict[str, torch.Tensor]  # "kv:<name>": [blocks, ...]; "state:<name>": one row (CPU)
+    tensors: dict[str, torch.Tensor]  # "kv:<name>": [blocks, ...]; "state:<name>": one row
     last_used: float = field(default_factory=time.monotonic)
+
+    def on_host(self) -> Entry:
+        """This entry with its tensors in host memory: itself where they are."""
+        if not any(t.is_cuda for t in self.tensors.values()):
+            return self
+        return Entry(list(self.keys), self.end, {n: t.cpu() for n, t in self.tensors.items()}, self.last_used)
 
     @property
     def nbytes(self) -> int:
@@ -77,30 +85,96 @@ def least_useful(candidates: list[tuple[object, float, int]]) -> object:
 
 
 class HostTier:
-    def __init__(self, budget: int):
+    """Entries in host memory, in an arena of the tier's budget (engine.host_arena), page-locked
+    when the cache is on a GPU. Copies between the arena and a GPU are queued on the engine's
+    stream: the stream keeps them in order among themselves and with the steps, and `wait()`
+    holds any host-side access to the arena until they are done."""
+
+    def __init__(self, budget: int, device: torch.device | str = "cpu", below: bool = False):
         self.budget = budget
-        self.entries: dict[bytes, Entry] = {}  # by the chain's last key
-        self.nbytes = 0
+        self.on_gpu = torch.device(device).type == "cuda"
+        self.arena = HostArena(budget, pin=self.on_gpu)
+        self.below = below  # a tier below takes what this one pushes out
+        self.entries: dict[bytes, Entry] = {}  # by the chain's last key; tensors are views of the arena
+        self._offsets: dict[bytes, int] = {}
+        self.nbytes = 0  # arena bytes the entries hold
         self.events = None  # engine.cache_events.CacheEvents
+        self._copies = None  # a CUDA event after the last queued copy to or from the arena
+        self._loading: set[bytes] = set()  # keys of entries being loaded into the pool: not evicted
+
+    @contextlib.contextmanager
+    def loading(self, key: bytes):
+        """While the entry for `key` is copied into the pool: a spill the load causes (the pool
+        evicting for its blocks or checkpoint row) must not push it out and reuse its range."""
+        self._loading.add(key)
+        try:
+            yield
+        finally:
+            self._loading.discard(key)
 
     def put(self, entry: Entry) -> list[Entry]:
-        """Keep `entry`; what no longer fits, least useful first (to go down a tier)."""
-        out = []
-        if entry.nbytes > self.budget:
+        """Keep a copy of `entry` (its tensors on any device); what no longer fits, least useful
+        first, `entry` itself among the candidates, to go down a tier (owning its tensors; only
+        where a tier is below, and `entry` itself always)."""
+        size = footprint(entry.tensors)
+        if size > self.budget:
             return [entry]
-        self.entries[entry.keys[-1]] = entry
-        self.nbytes += entry.nbytes
+        out = []
+        while (offset := self.arena.allocate(size)) is None:  # no run long enough: evict until one is
+            held = [e for key, e in self.entries.items() if key not in self._loading]
+            victim = least_useful([(e, e.last_used, e.end) for e in (*held, entry)])
+            if victim is entry:
+                return [*out, entry]
+            pushed = self._push_out(victim.keys[-1])
+            if pushed is not None:
+                out.append(pushed)
+        views = self.arena.views(offset, entry.tensors)
+        to_gpu = any(t.is_cuda for t in entry.tensors.values())
+        if not to_gpu:
+            self.wait()
+        for name, view in views.items():
+            view.copy_(entry.tensors[name], non_blocking=to_gpu)
+        if to_gpu:
+            self.fence()
+        key = entry.keys[-1]
+        self.entries[key] = Entry(list(entry.keys), entry.end, views, entry.last_used)
+        self._offsets[key] = offset
+        self.nbytes += size
         if self.events is not None:
-            self.events.stored("host", entry.keys[-1], entry.end)
-        while self.nbytes > self.budget:
-            victim = least_useful([(e, e.last_used, e.end) for e in self.entries.values()])
-            out.append(self.take(victim.keys[-1]))
+            self.events.stored("host", key, entry.end)
         return out
 
     def take(self, key: bytes) -> Entry | None:
+        """Drop the entry for `key`: its arena range is free for the next put, so the entry
+        returned must not be read after that (use `copy` to keep it)."""
         entry = self.entries.pop(key, None)
         if entry is not None:
-            self.nbytes -= entry.nbytes
+            size = footprint(entry.tensors)
+            self.arena.release(self._offsets.pop(key), size)
+            self.nbytes -= size
             if self.events is not None:
                 self.events.dropped("host", key, entry.end)
         return entry
+
+    def copy(self, entry: Entry) -> Entry:
+        """A held entry with tensors of its own, for readers outside the engine's stream."""
+        self.wait()
+        return Entry(list(entry.keys), entry.end, {n: t.clone() for n, t in entry.tensors.items()}, entry.last_used)
+
+    def fence(self) -> None:
+        """Mark the copies to or from the arena queued so far (on a GPU; nothing on the CPU)."""
+        if self.on_gpu:
+            self._copies = torch.cuda.Event()
+            self._copies.record()
+
+    def wait(self) -> None:
+        """Until the marked copies are done (before the host reads or writes the arena)."""
+        if self._copies is not None:
+            self._copies.synchronize()
+            self._copies = None
+
+    def _push_out(self, key: bytes) -> Entry | None:
+        entry = self.entries[key]
+        kept = self.copy(entry) if self.below else None
+        self.take(key)
+        return kept

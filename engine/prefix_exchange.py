@@ -60,6 +60,8 @@ class PrefixExchange:
             entry = tiers.find(hashes[: i + 1], end) if tiers is not None else None
             if entry is not None:
                 tier = "host" if tiers.host is not None and hashes[i] in tiers.host.entries else "disk"
+                if tier == "host":  # its tensors are views of the tier's arena, which Ray would ship whole
+                    entry = tiers.host.copy(entry)
                 self.exported += 1
                 return ExportedPrefix(self.fingerprint, entry, tier)
         if not hit.num_tokens:

@@ -12,6 +12,7 @@ the disk tier's reader thread meanwhile, so its load at admission copies from me
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -32,7 +33,8 @@ class TieredCache:
     def __init__(self, config: TierConfig, cache, blocks, prefix_cache: PrefixCache, fingerprint: str):
         self.config = config
         self.cache, self.blocks, self.prefix_cache = cache, blocks, prefix_cache
-        self.host = HostTier(config.host_bytes) if config.host_bytes else None
+        self.host = HostTier(config.host_bytes, cache.device, below=config.disk_dir is not None) \
+            if config.host_bytes else None
         self.disk = DiskTier(config.disk_dir, config.disk_bytes, fingerprint) if config.disk_dir else None
         self.block_size = blocks.block_size
         self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(cache, prefix_cache.needs_state)
@@ -58,14 +60,16 @@ class TieredCache:
             self.host.entries[keys[-1]].last_used = time.monotonic()
             return
         self.spills += 1
-        self.keep(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end))
+        # gathered on the cache's device: the host tier copies it into its arena
+        self.keep(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end,
+                           to_host=self.host is None))
 
     def keep(self, entry: Entry) -> None:
         """`entry` into the highest tier with room (what host memory pushes out goes to disk)."""
         below = self.host.put(entry) if self.host is not None else [entry]
         if self.disk is not None:
             for pushed in below:
-                self.disk.put(pushed)
+                self.disk.put(pushed.on_host())
 
     # ------------------------------------------------------------------ up
 
@@ -83,10 +87,13 @@ class TieredCache:
             entry = self.find(keys, end)
             if entry is None:
                 continue
-            if not self._load(entry):
-                return 0  # no room in the pool now: looked up again in a later step
-            if self.host is not None and self.host.take(entry.keys[-1]) is not None:
-                self.host_hits += 1  # in the pool now; evicted again, it is spilled again
+            in_host = self.host is not None and entry.keys[-1] in self.host.entries
+            with self.host.loading(entry.keys[-1]) if in_host else contextlib.nullcontext():
+                if not self._load(entry):
+                    return 0  # no room in the pool now: looked up again in a later step
+            if in_host:
+                self.host.take(entry.keys[-1])  # in the pool now; evicted again, it is spilled again
+                self.host_hits += 1
             else:
                 self.disk_hits += 1
             self.loaded_tokens += end
@@ -145,10 +152,10 @@ class TieredCache:
             missing = [i for i, key in enumerate(entry.keys) if key not in nodes]
             table = [nodes[key].block if key in nodes else next(new) for key in entry.keys]
             if missing and self.kv_tensors:  # a model without attention layers has no KV to fill
-                rows = torch.tensor(missing)
+                rows = torch.tensor(missing) if len(missing) < len(entry.keys) else slice(None)
                 at = torch.tensor([table[i] for i in missing], device=self.kv_tensors[0][1].device)
                 for name, tensor in self.kv_tensors:
-                    index_copy(tensor, 0, at, entry.tensors[f"kv:{name}"][rows].to(tensor.device))
+                    index_copy(tensor, 0, at, entry.tensors[f"kv:{name}"][rows].to(tensor.device, non_blocking=True))
             self.prefix_cache.insert(entry.keys, table)
             if self.state_tensors:
                 checkpoint = self.prefix_cache.take_checkpoint_row(entry.keys[-1])
@@ -156,7 +163,9 @@ class TieredCache:
                     return False
                 row = self.cache.checkpoint_row(checkpoint)
                 for name, tensor in self.state_tensors:
-                    tensor[row].copy_(entry.tensors[f"state:{name}"])
+                    tensor[row].copy_(entry.tensors[f"state:{name}"], non_blocking=True)
+            if self.host is not None:
+                self.host.fence()  # the entry's range is given back next: later writes wait for these reads
             return True
         finally:
             self.blocks.free(LOAD_OWNER)
@@ -190,12 +199,13 @@ def entry_tensors(cache, needs_state: bool):
 
 
 def copy_out(cache, kv_tensors, state_tensors, keys: list[bytes], blocks: list[int], checkpoint: int | None,
-             end: int) -> Entry:
-    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole."""
+             end: int, to_host: bool = True) -> Entry:
+    """A usable prefix of the pool (its blocks and checkpoint row) copied whole, to host memory
+    or (`to_host` False) within the cache's device."""
     index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
-    tensors = {f"kv:{n}": t.index_select(0, index).cpu() for n, t in kv_tensors}
+    tensors = {f"kv:{n}": t.index_select(0, index) for n, t in kv_tensors}
     if checkpoint is not None:
         row = cache.checkpoint_row(checkpoint)
-        # a copy: on the CPU, t[row].cpu() would be a view of a row the pool reuses
-        tensors.update({f"state:{n}": t[row].to("cpu", copy=True) for n, t in state_tensors})
-    return Entry(list(keys), end, tensors)
+        tensors.update({f"state:{n}": t[row].clone() for n, t in state_tensors})  # not a view of a row the pool reuses
+    entry = Entry(list(keys), end, tensors)
+    return entry.on_host() if to_host else entry

@@ -64,6 +64,8 @@ def test_a_prefix_is_exported_from_the_source_tiers_too(model_factory, tmp_path)
     source.generate([second], GREEDY)
     exported = source.engine.export_prefix(block_hashes(first, BLOCK, []))
     assert exported is not None and exported.tier == "host" and exported.entry.end == 28
+    # its own tensors, not views of the host tier's arena (which Ray would ship whole)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in exported.entry.tensors.values())
     target = importer(path)
     assert target.engine.import_prefix(exported) == 28
     prompt = first[:28] + tokens(rng, 3, vocab)

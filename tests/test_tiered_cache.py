@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.host_arena import ALIGNMENT, HostArena
 from engine.host_tier import Entry, HostTier, TierConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -181,19 +182,60 @@ def test_a_full_disk_and_a_crashed_write_lose_entries_not_requests(model_factory
 
 
 def test_the_host_tier_keeps_its_budget_and_evicts_the_least_useful():
-    def entry(key: int, end: int, used: float) -> Entry:
-        return Entry([bytes([key])], end, {"kv:x": torch.zeros(end, dtype=torch.uint8)}, last_used=used)
+    unit = 64  # the arena's alignment: an entry of `end` tokens below takes `end` units
 
-    tier = HostTier(budget=100)
+    def entry(key: int, end: int, used: float) -> Entry:
+        return Entry([bytes([key])], end, {"kv:x": torch.full((end, unit), key, dtype=torch.uint8)}, last_used=used)
+
+    tier = HostTier(budget=100 * unit, below=True)
     assert tier.put(entry(1, 40, 1.0)) == [] and tier.put(entry(2, 40, 2.0)) == []
-    pushed = tier.put(entry(3, 40, 3.0))  # 120 bytes: the oldest of equal length goes down
-    assert [e.keys for e in pushed] == [[bytes([1])]] and tier.nbytes == 80
-    assert tier.put(entry(4, 20, 4.0)) == [] and tier.nbytes == 100
+    pushed = tier.put(entry(3, 40, 3.0))  # 120 units: the oldest of equal length goes down
+    assert [e.keys for e in pushed] == [[bytes([1])]] and tier.nbytes == 80 * unit
+    assert torch.equal(pushed[0].tensors["kv:x"], entry(1, 40, 0).tensors["kv:x"])  # its own copy
+    assert tier.put(entry(4, 20, 4.0)) == [] and tier.nbytes == 100 * unit
     assert [e.keys for e in tier.put(entry(5, 200, 5.0))] == [[bytes([5])]]  # larger than the tier
     # Over budget again: the short prefix goes before older long ones (it saves less compute),
     # then the oldest.
     assert [e.keys for e in tier.put(entry(6, 40, 6.0))] == [[bytes([4])], [bytes([2])]]
-    assert tier.nbytes == 80 and tier.take(bytes([3])) is not None and tier.nbytes == 40
+    assert tier.nbytes == 80 * unit and tier.take(bytes([3])) is not None and tier.nbytes == 40 * unit
+    # what is held was copied in, byte for byte, and the arena's free bytes are its budget's rest
+    assert torch.equal(tier.entries[bytes([6])].tensors["kv:x"], entry(6, 40, 0).tensors["kv:x"])
+    assert tier.arena.free_bytes == 60 * unit
+    # 60 units free, but as two runs (40 and 20): 6 goes to make one run long enough
+    assert [e.keys for e in tier.put(entry(7, 60, 7.0))] == [[bytes([6])]]
+    # the incoming entry is a candidate too: shorter and older than all held, it goes straight down
+    assert [e.keys for e in tier.put(entry(8, 50, 0.5))] == [[bytes([8])]] and list(tier.entries) == [bytes([7])]
+
+
+def test_the_host_tier_evicts_until_a_free_run_is_long_enough():
+    """Free bytes enough but in two runs: the tier evicts until one run takes the entry."""
+    unit = 64
+
+    def entry(key: int, end: int, used: float) -> Entry:
+        return Entry([bytes([key])], end, {"kv:x": torch.full((end, unit), key, dtype=torch.uint8)}, last_used=used)
+
+    tier = HostTier(budget=100 * unit)  # nothing below: what it pushes out is dropped
+    for key, used in ((1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)):
+        tier.put(entry(key, 25, used))
+    tier.take(bytes([1]))
+    tier.take(bytes([3]))  # 50 units free, as two runs of 25
+    assert tier.put(entry(5, 40, 5.0)) == [] and tier.arena.free_bytes == 35 * unit
+    assert sorted(tier.entries) == [bytes([4]), bytes([5])]  # 2 went: the oldest
+    assert torch.equal(tier.entries[bytes([4])].tensors["kv:x"], entry(4, 25, 0).tensors["kv:x"])
+
+
+def test_the_arena_hands_out_aligned_runs_and_merges_what_comes_back():
+    arena = HostArena(10 * ALIGNMENT)
+    a, b, c = arena.allocate(1), arena.allocate(3 * ALIGNMENT), arena.allocate(2 * ALIGNMENT + 1)
+    assert (a, b, c) == (0, ALIGNMENT, 4 * ALIGNMENT) and arena.allocate(4 * ALIGNMENT) is None
+    arena.release(b, 3 * ALIGNMENT)
+    assert arena.allocate(4 * ALIGNMENT) is None  # 3 + 3 units free, not in one run
+    arena.release(c, 2 * ALIGNMENT + 1)  # merges with the run before and the one after
+    assert arena.allocate(9 * ALIGNMENT) == ALIGNMENT and arena.free_bytes == 0
+    with pytest.raises(ValueError, match="released twice"):
+        arena.release(a, 1) or arena.release(a, 1)
+    views = arena.views(0, {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros(2, 2, dtype=torch.float32)})
+    assert views["b"].data_ptr() - views["a"].data_ptr() == ALIGNMENT and views["b"].shape == (2, 2)
 
 
 @pytest.mark.parametrize("options, names", [
