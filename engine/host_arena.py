@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 
 import torch
 
@@ -27,9 +28,16 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
-def footprint(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes `tensors` take in an arena, packed one after another."""
-    return sum(aligned(t.numel() * t.element_size()) for t in tensors.values())
+Specs = dict[str, tuple[tuple[int, ...], torch.dtype]]  # tensor name -> (shape, dtype)
+
+
+def specs_of(tensors: dict[str, torch.Tensor]) -> Specs:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def footprint(specs: Specs) -> int:
+    """Bytes tensors of `specs` take in an arena, packed one after another."""
+    return sum(aligned(math.prod(shape) * dtype.itemsize) for shape, dtype in specs.values())
 
 
 class HostArena:
@@ -70,12 +78,12 @@ class HostArena:
             self._starts.insert(i, offset)
             self._lengths[offset] = nbytes
 
-    def views(self, offset: int, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Tensors shaped and typed as `like`'s, packed from `offset` in `like`'s order."""
+    def views(self, offset: int, specs: Specs) -> dict[str, torch.Tensor]:
+        """Tensors of `specs`, packed from `offset` in their order."""
         out = {}
-        for name, t in like.items():
-            size = t.numel() * t.element_size()
-            out[name] = self.buffer[offset: offset + size].view(t.dtype).view(t.shape)
+        for name, (shape, dtype) in specs.items():
+            size = math.prod(shape) * dtype.itemsize
+            out[name] = self.buffer[offset: offset + size].view(dtype).view(shape)
             offset += aligned(size)
         return out
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_arena import HostArena, footprint
+from engine.host_arena import HostArena, Specs, footprint, specs_of
 from engine.prefix_cache import CHECKPOINT_COMPUTE_WEIGHT
 
 
@@ -44,14 +44,8 @@ class TierConfig:
 class Entry:
     keys: list[bytes]  # the chain's block hashes, root first
     end: int  # tokens the prefix covers
-    tensors: dict[str, torch.Tensor]  # "kv:<name>": [blocks, ...]; "state:<name>": one row
+    tensors: dict[str, torch.Tensor]  # "kv:<name>": [blocks, ...]; "state:<name>": one row (host memory)
     last_used: float = field(default_factory=time.monotonic)
-
-    def on_host(self) -> Entry:
-        """This entry with its tensors in host memory: itself where they are."""
-        if not any(t.is_cuda for t in self.tensors.values()):
-            return self
-        return Entry(list(self.keys), self.end, {n: t.cpu() for n, t in self.tensors.items()}, self.last_used)
 
     @property
     def nbytes(self) -> int:
@@ -113,43 +107,49 @@ class HostTier:
             self._loading.discard(key)
 
     def put(self, entry: Entry) -> list[Entry]:
-        """Keep a copy of `entry` (its tensors on any device); what no longer fits, least useful
-        first, `entry` itself among the candidates, to go down a tier (owning its tensors; only
-        where a tier is below, and `entry` itself always)."""
-        size = footprint(entry.tensors)
+        """Keep a copy of `entry` (its tensors in host memory); what no longer fits, least
+        useful first, `entry` itself among the candidates, to go down a tier (owning its
+        tensors; only where a tier is below, and `entry` itself always)."""
+        views, out = self.reserve(entry.keys, entry.end, specs_of(entry.tensors), entry.last_used)
+        if views is None:
+            return [*out, entry]
+        self.wait()
+        for name, view in views.items():
+            view.copy_(entry.tensors[name])
+        return out
+
+    def reserve(self, keys: list[bytes], end: int, specs: Specs, last_used: float) -> tuple[dict | None, list[Entry]]:
+        """Room for an entry of tensors shaped `specs`, held from now on: (its tensors, views
+        of the arena for the caller to fill before anything reads them, and what went down to
+        make room); (None, what went down) where the new entry itself is the least useful, or
+        larger than the tier, and goes down as it is."""
+        size = footprint(specs)
         if size > self.budget:
-            return [entry]
-        out = []
+            return None, []
+        out, incoming = [], Entry(keys, end, {}, last_used)
         while (offset := self.arena.allocate(size)) is None:  # no run long enough: evict until one is
             held = [e for key, e in self.entries.items() if key not in self._loading]
-            victim = least_useful([(e, e.last_used, e.end) for e in (*held, entry)])
-            if victim is entry:
-                return [*out, entry]
+            victim = least_useful([(e, e.last_used, e.end) for e in (*held, incoming)])
+            if victim is incoming:
+                return None, out
             pushed = self._push_out(victim.keys[-1])
             if pushed is not None:
                 out.append(pushed)
-        views = self.arena.views(offset, entry.tensors)
-        to_gpu = any(t.is_cuda for t in entry.tensors.values())
-        if not to_gpu:
-            self.wait()
-        for name, view in views.items():
-            view.copy_(entry.tensors[name], non_blocking=to_gpu)
-        if to_gpu:
-            self.fence()
-        key = entry.keys[-1]
-        self.entries[key] = Entry(list(entry.keys), entry.end, views, entry.last_used)
+        views = self.arena.views(offset, specs)
+        key = keys[-1]
+        self.entries[key] = Entry(list(keys), end, views, last_used)
         self._offsets[key] = offset
         self.nbytes += size
         if self.events is not None:
-            self.events.stored("host", key, entry.end)
-        return out
+            self.events.stored("host", key, end)
+        return views, out
 
     def take(self, key: bytes) -> Entry | None:
         """Drop the entry for `key`: its arena range is free for the next put, so the entry
         returned must not be read after that (use `copy` to keep it)."""
         entry = self.entries.pop(key, None)
         if entry is not None:
-            size = footprint(entry.tensors)
+            size = footprint(specs_of(entry.tensors))
             self.arena.release(self._offsets.pop(key), size)
             self.nbytes -= size
             if self.events is not None:

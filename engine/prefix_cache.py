@@ -233,11 +233,19 @@ class PrefixCache:
         def entry(node: CachedBlock):
             return (bool(node.children), node.checkpoint is not None, node.last_used, -node.end, node.key)
 
-        key_of = {node.block: key for key, node in self.nodes.items()}
-        heap = [entry(self.nodes[key_of[block]]) for block in self.blocks.evictable]
+        evictable = self.blocks.evictable
+        # Leaves go first (the entry's order), and a parent is queued as its last child goes,
+        # so the heap starts with the evictable leaves alone; the nodes that still have
+        # children join only if the leaves do not free enough.
+        heap = [entry(node) for node in self.nodes.values() if not node.children and node.block in evictable]
         heapq.heapify(heap)
-        freed = 0
-        while freed < count and heap:
+        freed, inner_queued = 0, False
+        while freed < count and (heap or not inner_queued):
+            if not heap:
+                heap = [entry(node) for node in self.nodes.values() if node.children and node.block in evictable]
+                heapq.heapify(heap)
+                inner_queued = True
+                continue
             item = heapq.heappop(heap)
             node = self.nodes.get(item[-1])
             if node is None or node.block not in self.blocks.evictable:

@@ -56,20 +56,33 @@ class TieredCache:
     @torch.inference_mode()
     def spill(self, keys: list[bytes], blocks: list[int], checkpoint: int | None, end: int) -> None:
         """A prefix the pool evicts: copied out whole, into the highest tier with room."""
-        if self.host is not None and keys[-1] in self.host.entries:
+        if self.host is None:
+            self.spills += 1
+            self._below([copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end)])
+            return
+        if keys[-1] in self.host.entries:
             self.host.entries[keys[-1]].last_used = time.monotonic()
             return
         self.spills += 1
-        # gathered on the cache's device: the host tier copies it into its arena
-        self.keep(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end,
-                           to_host=self.host is None))
+        specs = {name: ((len(blocks), *shape) if name.startswith("kv:") else shape, dtype)
+                 for name, (shape, dtype) in self.row_shapes.items() if checkpoint is not None or name.startswith("kv:")}
+        views, below = self.host.reserve(keys, end, specs, time.monotonic())
+        if views is None:  # the least useful of all: straight down
+            below.append(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end))
+        else:
+            gather_into(views, self.cache, self.kv_tensors, self.state_tensors, blocks, checkpoint)
+            self.host.fence()
+        self._below(below)
 
     def keep(self, entry: Entry) -> None:
         """`entry` into the highest tier with room (what host memory pushes out goes to disk)."""
-        below = self.host.put(entry) if self.host is not None else [entry]
+        self._below(self.host.put(entry) if self.host is not None else [entry])
+
+    def _below(self, entries: list[Entry]) -> None:
+        """What goes below host memory: to disk, where there is one."""
         if self.disk is not None:
-            for pushed in below:
-                self.disk.put(pushed.on_host())
+            for entry in entries:
+                self.disk.put(entry)
 
     # ------------------------------------------------------------------ up
 
@@ -79,12 +92,15 @@ class TieredCache:
         if request.tier_checked:
             return 0
         missing = None  # missing[i]: blocks of the first i + 1 the pool lacks (the longest prefix comes first)
-        for keys, end in self._past_the_pool(request):
+        for i, end in self._past_the_pool(request):
+            hashes = request.block_hashes
+            if self.disk is None and hashes[i] not in self.host.entries:
+                continue  # the host tier alone, looked up by the last key before anything is built
             if missing is None:
-                missing = list(itertools.accumulate(key not in self.prefix_cache.nodes for key in keys))
-            if missing[len(keys) - 1] > self.blocks.num_available_blocks:
+                missing = list(itertools.accumulate(key not in self.prefix_cache.nodes for key in hashes))
+            if missing[i] > self.blocks.num_available_blocks:
                 return 0  # no room in the pool now (nothing read): looked up again in a later step
-            entry = self.find(keys, end)
+            entry = self.find(hashes[: i + 1], end)
             if entry is None:
                 continue
             in_host = self.host is not None and entry.keys[-1] in self.host.entries
@@ -108,26 +124,27 @@ class TieredCache:
         if self.disk is None or request.tier_checked or request.tier_prefetched:
             return
         request.tier_prefetched = True
-        for keys, end in self._past_the_pool(request):
+        for i, end in self._past_the_pool(request):
+            keys = request.block_hashes[: i + 1]
             if self.host is not None and keys[-1] in self.host.entries:
                 return
             if self.disk.prefetch(keys[-1], end, keys, self.row_shapes):
                 return
 
     def _past_the_pool(self, request):
-        """(chain, tokens) of each block-aligned prefix of `request` longer than its pool hit,
-        longest first, leaving at least one token to compute."""
+        """(i, tokens) of each block-aligned prefix of `request` (its first i + 1 blocks of
+        `request.block_hashes`) longer than its pool hit, longest first, leaving at least one
+        token to compute."""
         size = self.block_size
         request.block_hashes = block_hashes(request.all_token_ids, size, request.block_hashes)
-        hashes = request.block_hashes
-        hit = self.prefix_cache.lookup(hashes, request.num_tokens).num_tokens
-        for i in range(len(hashes) - 1, -1, -1):
+        hit = self.prefix_cache.lookup(request.block_hashes, request.num_tokens).num_tokens
+        for i in range(len(request.block_hashes) - 1, -1, -1):
             end = (i + 1) * size
             if end >= request.num_tokens:
                 continue  # one token is always computed
             if end <= hit:
                 return
-            yield hashes[: i + 1], end
+            yield i, end
 
     def find(self, keys: list[bytes], end: int) -> Entry | None:
         """The entry for the prefix `keys` (of `end` tokens) in host memory or on disk; None."""
@@ -199,13 +216,28 @@ def entry_tensors(cache, needs_state: bool):
 
 
 def copy_out(cache, kv_tensors, state_tensors, keys: list[bytes], blocks: list[int], checkpoint: int | None,
-             end: int, to_host: bool = True) -> Entry:
-    """A usable prefix of the pool (its blocks and checkpoint row) copied whole, to host memory
-    or (`to_host` False) within the cache's device."""
+             end: int) -> Entry:
+    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole."""
     index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
-    tensors = {f"kv:{n}": t.index_select(0, index) for n, t in kv_tensors}
+    tensors = {f"kv:{n}": t.index_select(0, index).cpu() for n, t in kv_tensors}
     if checkpoint is not None:
         row = cache.checkpoint_row(checkpoint)
-        tensors.update({f"state:{n}": t[row].clone() for n, t in state_tensors})  # not a view of a row the pool reuses
-    entry = Entry(list(keys), end, tensors)
-    return entry.on_host() if to_host else entry
+        # a copy: on the CPU, t[row].cpu() would be a view of a row the pool reuses
+        tensors.update({f"state:{n}": t[row].to("cpu", copy=True) for n, t in state_tensors})
+    return Entry(list(keys), end, tensors)
+
+
+def gather_into(views: dict[str, torch.Tensor], cache, kv_tensors, state_tensors, blocks: list[int],
+                checkpoint: int | None) -> None:
+    """copy_out's copy, into host tensors already there (`views`, by entry name): from a GPU
+    queued on the current stream (the caller marks it), on the CPU straight into them."""
+    index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
+    for n, t in kv_tensors:
+        if t.is_cuda:
+            views[f"kv:{n}"].copy_(t.index_select(0, index), non_blocking=True)
+        else:
+            torch.index_select(t, 0, index, out=views[f"kv:{n}"])
+    if checkpoint is not None:
+        row = cache.checkpoint_row(checkpoint)
+        for n, t in state_tensors:
+            views[f"state:{n}"].copy_(t[row], non_blocking=True)

@@ -234,7 +234,7 @@ def test_the_arena_hands_out_aligned_runs_and_merges_what_comes_back():
     assert arena.allocate(9 * ALIGNMENT) == ALIGNMENT and arena.free_bytes == 0
     with pytest.raises(ValueError, match="released twice"):
         arena.release(a, 1) or arena.release(a, 1)
-    views = arena.views(0, {"a": torch.zeros(3, dtype=torch.float16), "b": torch.zeros(2, 2, dtype=torch.float32)})
+    views = arena.views(0, {"a": ((3,), torch.float16), "b": ((2, 2), torch.float32)})
     assert views["b"].data_ptr() - views["a"].data_ptr() == ALIGNMENT and views["b"].shape == (2, 2)
 
 
