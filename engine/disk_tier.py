@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,7 @@ from engine.host_tier import Entry, least_useful, unfit_tensors
 
 log = logging.getLogger(__name__)
 PREFETCH_LIMIT = 8  # entries read ahead and not yet asked for (a request that left leaves one)
+LISTING_S = 1.0  # how old the folder's listing may be before a lookup that misses lists it again
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -63,6 +65,8 @@ class DiskTier:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="disk-cache-reader")
         self.prefetched: OrderedDict[Path, Future] = OrderedDict()  # by file: (tensors, why bad)
         self.prefetch_hits = 0
+        self._names: set[str] = set()  # entry files in the folder, as last listed (and kept since)
+        self._listed_at = float("-inf")
 
     def flush(self) -> None:
         """Wait until every queued entry is written (or failed)."""
@@ -82,10 +86,27 @@ class DiskTier:
                 self._queue.task_done()
 
     def path(self, key: bytes, end: int) -> Path:
-        return self.dir / f"{end}-{key.hex()}.safetensors"
+        return self.dir / entry_name(key, end)
+
+    def may_hold(self, key: bytes, end: int) -> bool:
+        """Whether an entry for (key, end) is queued, written here, or was in the folder when it
+        was last listed: no file system call for a prefix never written. The listing is redone
+        on a miss once it is LISTING_S old, for entries other workers sharing the folder wrote."""
+        name = entry_name(key, end)
+        if name in self._names:
+            return True
+        if time.monotonic() - self._listed_at < LISTING_S:
+            return False
+        listed = {item.name for item in os.scandir(self.dir) if item.name.endswith(".safetensors")
+                  and not item.name.startswith(".")}
+        with self._lock:
+            self._names = listed | {path.name for path in self.pending}
+        self._listed_at = time.monotonic()
+        return name in self._names
 
     def _remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
+        self._names.discard(path.name)
         if self.events is not None:
             self.events.dropped("disk", *key_of(path))
 
@@ -108,6 +129,7 @@ class DiskTier:
             if path in self.pending or path.exists():
                 return
             self.pending[path] = entry
+            self._names.add(path.name)
         self._queue.put(path)
 
     def _write(self, entry: Entry, path: Path) -> None:
@@ -125,6 +147,7 @@ class DiskTier:
                 self.events.stored("disk", entry.keys[-1], entry.end)
         except OSError as e:
             tmp.unlink(missing_ok=True)
+            self._names.discard(path.name)
             self.write_errors += 1
             log.warning("disk cache: entry of %d tokens not written (%s)", entry.end,
                         "disk full" if e.errno == errno.ENOSPC else e)
@@ -141,6 +164,8 @@ class DiskTier:
     def prefetch(self, key: bytes, end: int, keys: list[bytes], shapes: dict[str, tuple]) -> bool:
         """Start reading the entry's file on the reader thread, for a request still queued;
         whether there is a file (or a queued write) for it."""
+        if not self.may_hold(key, end):
+            return False
         path = self.path(key, end)
         with self._lock:
             queued = path in self.pending
@@ -167,7 +192,7 @@ class DiskTier:
         if bad is None:
             self.prefetch_hits += 1
         else:  # not read ahead, or the file changed or went while it was read: read it now
-            if not path.exists():
+            if not self.may_hold(key, end) or not path.exists():
                 return None
             tensors, bad = self._read(path, keys, shapes)
         if bad is not None:
@@ -197,6 +222,10 @@ class DiskTier:
         if meta.get("checksum") != checksum(tensors):
             return {}, "checksum"
         return tensors, None
+
+
+def entry_name(key: bytes, end: int) -> str:
+    return f"{end}-{key.hex()}.safetensors"
 
 
 def key_of(path: Path) -> tuple[bytes, int]:

@@ -94,8 +94,8 @@ class TieredCache:
         missing = None  # missing[i]: blocks of the first i + 1 the pool lacks (the longest prefix comes first)
         for i, end in self._past_the_pool(request):
             hashes = request.block_hashes
-            if self.disk is None and hashes[i] not in self.host.entries:
-                continue  # the host tier alone, looked up by the last key before anything is built
+            if not self._may_hold(hashes[i], end):
+                continue  # looked up by the last key before anything is built or read
             if missing is None:
                 missing = list(itertools.accumulate(key not in self.prefix_cache.nodes for key in hashes))
             if missing[i] > self.blocks.num_available_blocks:
@@ -145,6 +145,10 @@ class TieredCache:
             if end <= hit:
                 return
             yield i, end
+
+    def _may_hold(self, key: bytes, end: int) -> bool:
+        return (self.host is not None and key in self.host.entries) or \
+            (self.disk is not None and self.disk.may_hold(key, end))
 
     def find(self, keys: list[bytes], end: int) -> Entry | None:
         """The entry for the prefix `keys` (of `end` tokens) in host memory or on disk; None."""

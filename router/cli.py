@@ -225,7 +225,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="recurrent-state checkpoint rows per worker (default: --max-num-seqs)")
     serve.add_argument("--host-cache-bytes", type=int, default=None,
                        help="with --enable-prefix-caching: host memory per worker for the prefixes its pool "
-                            "evicts (KV and state checkpoint together; docs/prefix-caching.md)")
+                            "evicts (KV and state checkpoint together), taken when the worker starts and "
+                            "page-locked on a GPU (docs/prefix-caching.md)")
     serve.add_argument("--disk-cache-dir", default=None,
                        help="with --enable-prefix-caching: a directory for the prefixes the host tier (or the "
                             "pool) evicts; kept across restarts")

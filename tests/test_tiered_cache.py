@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.disk_tier import DiskTier
 from engine.host_arena import ALIGNMENT, HostArena
 from engine.host_tier import Entry, HostTier, TierConfig
 
@@ -95,6 +96,36 @@ def test_the_disk_tier_is_warm_across_a_restart_and_cold_for_another_layout(mode
     assert one_by_one(other, prompts[6:12]) == expected[6:12]
     assert other.engine.stats()["tier_disk_hits"] == 0
     assert len([d for d in tmp_path.iterdir() if d.is_dir()]) == 2
+
+
+def test_the_disk_tier_finds_what_a_worker_sharing_its_folder_wrote_once_it_lists_again(tmp_path, monkeypatch):
+    """A lookup for a prefix never written makes no file system call (the folder's listing
+    answers); this worker's own writes are known at once, another's once the listing is
+    LISTING_S old."""
+    from engine import disk_tier
+
+    monkeypatch.setattr(disk_tier, "LISTING_S", 60.0)  # no listing again until the test says
+    shapes = {"kv:x": ((4,), torch.float32)}
+    mine, theirs = DiskTier(str(tmp_path), 1 << 20, "layout"), DiskTier(str(tmp_path), 1 << 20, "layout")
+
+    def entry(key: int) -> Entry:
+        return Entry([bytes([key])], 4, {"kv:x": torch.full((1, 4), float(key))})
+
+    assert not mine.may_hold(bytes([1]), 4)  # listed now: empty
+    mine.put(entry(1))
+    mine.flush()
+    theirs.put(entry(2))
+    theirs.flush()
+    assert mine.may_hold(bytes([1]), 4) and not mine.may_hold(bytes([2]), 4)
+    assert mine.get(bytes([2]), 4, [bytes([2])], shapes) is None  # not listed yet: not looked for
+    monkeypatch.setattr(disk_tier, "LISTING_S", 0.0)
+    got = mine.get(bytes([2]), 4, [bytes([2])], shapes)
+    assert got is not None and torch.equal(got.tensors["kv:x"], entry(2).tensors["kv:x"])
+    # a listed file another worker removed since: a miss, not a damaged entry
+    monkeypatch.setattr(disk_tier, "LISTING_S", 60.0)
+    theirs.path(bytes([2]), 4).unlink()
+    assert mine.may_hold(bytes([2]), 4) and mine.get(bytes([2]), 4, [bytes([2])], shapes) is None
+    assert mine.removed_bad == 0
 
 
 def entry_files(tmp_path):
