@@ -3,10 +3,10 @@
 Entries live in byte ranges of it, each tensor a view at an aligned offset. Allocating a
 tensor per entry instead page-faults every spill into fresh memory until the tier is full
 (the heap grows with it), which costs a CPU worker more than the copy itself
-(docs/benchmarks.md, "Tiers below the pool"). Taking the budget up front is what the field's host caches do (vLLM's CPU
-offloading, LMCache's local CPU backend), and on a GPU it is what lets the tier be page-locked
-once: device -> host spills and host -> device loads then run asynchronously on the engine's
-stream instead of blocking the step.
+(docs/benchmarks.md, "Tiers below the pool"). Taking the budget up front is what the field's
+host caches do (vLLM's CPU offloading, LMCache's local CPU backend), and on a GPU it is what
+lets the tier be page-locked once: device -> host spills and host -> device loads then run
+asynchronously on the engine's stream instead of blocking the step.
 
 Ranges are handed out first fit and merged with their free neighbours on release; a request
 that finds no run long enough gets None, and the tier evicts until one is.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
+import weakref
 
 import torch
 
@@ -46,6 +47,8 @@ class HostArena:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8)
         self.buffer.zero_()  # the pages faulted in now, not on the spills that first reach them
         self.pinned = pin and pin_memory(self.buffer)
+        if self.pinned:  # unregistered before the buffer's memory goes back (the callback keeps no self)
+            weakref.finalize(self, torch.cuda.cudart().cudaHostUnregister, self.buffer.data_ptr())
         self._starts: list[int] = [0]  # free runs, sorted by start
         self._lengths: dict[int, int] = {0: nbytes}
 

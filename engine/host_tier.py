@@ -119,10 +119,10 @@ class HostTier:
         return out
 
     def reserve(self, keys: list[bytes], end: int, specs: Specs, last_used: float) -> tuple[dict | None, list[Entry]]:
-        """Room for an entry of tensors shaped `specs`, held from now on: (its tensors, views
-        of the arena for the caller to fill before anything reads them, and what went down to
-        make room); (None, what went down) where the new entry itself is the least useful, or
-        larger than the tier, and goes down as it is."""
+        """Room for an entry of tensors shaped `specs`, held from now on: (its tensors, as
+        views of the arena the caller fills before anything reads them; what went down to make
+        room). (None, what went down) where the new entry itself is the least useful, or larger
+        than the tier: it goes down as it is."""
         size = footprint(specs)
         if size > self.budget:
             return None, []
