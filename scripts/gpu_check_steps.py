@@ -144,6 +144,9 @@ def step_kernels(dry_run: bool) -> dict:
 
 ENGINE_OPTIONS = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=96)
 ENGINE_PROMPTS = [[5, 6, 7], [9], list(range(3, 60))]  # 57 tokens: chunked over two steps and more
+# a pool that the fillers of _tokens(through_tiers=True) evict, and a host tier that keeps it
+TIER_OPTIONS = {**ENGINE_OPTIONS, "num_kv_blocks": 40, "max_num_seqs": 2, "enable_prefix_caching": True,
+                "prefix_checkpoints": 2, "host_cache_bytes": 1 << 24}
 
 
 def step_engine(dry_run: bool) -> dict:
@@ -173,6 +176,9 @@ def step_engine(dry_run: bool) -> dict:
                 "bf16": _tokens_or_error(lambda: LLM(path, device=device, dtype="bfloat16", **ENGINE_OPTIONS), params),
                 "prefix": _tokens_or_error(lambda: LLM(path, device=device, dtype="float32", enable_prefix_caching=True,
                                                        **ENGINE_OPTIONS), params, twice=True),
+                # the host tier's page-locked buffer and its queued copies (docs/gpu.md)
+                "tiers": _tokens_or_error(lambda: LLM(path, device=device, dtype="float32", **TIER_OPTIONS), params,
+                                          through_tiers=True),
                 # the cache formats' torch path (docs/cache-formats.md), captured graphs included
                 "formats": _tokens_or_error(lambda: LLM(path, device=device, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
                                                         mamba_state_dtype="bfloat16", **ENGINE_OPTIONS), params),
@@ -185,7 +191,7 @@ def step_engine(dry_run: bool) -> dict:
             path, hf = Path(tmp) / name, models[name]
             cpu = _tokens(LLM(path, device="cpu", dtype="float32", **ENGINE_OPTIONS), params)
             row = [name]
-            for kind in ("f32", "prefix"):
+            for kind in ("f32", "prefix", "tiers"):
                 ours = runs[name][kind]
                 verdict = ours if isinstance(ours, str) else judge(
                     hf, ENGINE_PROMPTS, cpu, ours, trust=trusted or name not in MAMBA2_NORM_FAMILIES)
@@ -204,7 +210,8 @@ def step_engine(dry_run: bool) -> dict:
                 equal = sum(a == b for x, y in zip(ours, against) for a, b in zip(x, y))
                 row.append(f"{equal}/{sum(map(len, against))} tokens as {what} (info)")
             rows.append(row)
-    header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice", f"LLM({device}) bf16",
+    header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice",
+              "host tier, prompts again after eviction", f"LLM({device}) bf16",
               "bf16, FP8 KV e4m3 + bf16 state"]
     note = "" if trusted else "; transformers here normalises Mamba2's gated norm over the full width, so " \
                               "mamba2/bamba/granite are judged by equality to the CPU engine only"
@@ -217,10 +224,15 @@ def step_engine(dry_run: bool) -> dict:
             "tables": [_table("engine on the device against the CPU engine (tie rule: transformers)", header, rows)]}
 
 
-def _tokens(llm, params, twice: bool = False) -> list[list[int]]:
+def _tokens(llm, params, twice: bool = False, through_tiers: bool = False) -> list[list[int]]:
     outs = llm.generate(ENGINE_PROMPTS, params)
     if twice:  # the second run reads the first's prefix blocks and state checkpoints
         outs = llm.generate(ENGINE_PROMPTS, params)
+    if through_tiers:  # fillers evict the prompts' prefixes to the host tier; the prompts load them back
+        llm.generate([list(range(100 + i, 160 + i)) for i in range(4)], params)
+        outs = llm.generate(ENGINE_PROMPTS, params)
+        if llm.engine.stats()["tier_host_hits"] == 0:
+            raise RuntimeError("no prefix came back from the host tier")
     for out in outs:
         if out.error is not None:
             raise RuntimeError(f"engine error: {out.error}")
@@ -228,9 +240,9 @@ def _tokens(llm, params, twice: bool = False) -> list[list[int]]:
     return [out.token_ids for out in outs]
 
 
-def _tokens_or_error(make, params, twice: bool = False):
+def _tokens_or_error(make, params, twice: bool = False, through_tiers: bool = False):
     try:
-        return _tokens(make(), params, twice)
+        return _tokens(make(), params, twice, through_tiers)
     except Exception as error:  # one family's failure must not hide the others'
         return f"ERROR {type(error).__name__}: {error}"[:150]
 
