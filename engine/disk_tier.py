@@ -36,6 +36,8 @@ from engine.host_tier import Entry, least_useful, unfit_tensors
 log = logging.getLogger(__name__)
 PREFETCH_LIMIT = 8  # entries read ahead and not yet asked for (a request that left leaves one)
 LISTING_S = 1.0  # how old the folder's listing may be before a lookup that misses lists it again
+USAGE_S = 2.0  # how old the folder's totals (bytes, entries) may be: stats and the writer's room check
+HEADROOM = 0.1  # a write over budget frees down to this fraction below it, so the next ones list nothing
 
 
 def checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -67,6 +69,8 @@ class DiskTier:
         self.prefetch_hits = 0
         self._names: set[str] = set()  # entry files in the folder, as last listed (and kept since)
         self._listed_at = float("-inf")
+        self._bytes = self._entries = 0  # the folder's totals, as last listed (and kept since)
+        self._usage_at = float("-inf")
 
     def flush(self) -> None:
         """Wait until every queued entry is written (or failed)."""
@@ -104,8 +108,30 @@ class DiskTier:
         self._listed_at = time.monotonic()
         return name in self._names
 
-    def _remove(self, path: Path) -> None:
+    def usage(self) -> tuple[int, int]:
+        """(bytes, entries) of the folder's entry files: a listing (a stat per file) at most
+        every USAGE_S, kept current meanwhile by this worker's own writes and removals."""
+        if time.monotonic() - self._usage_at >= USAGE_S:
+            files = self.files()
+            self._count(sum(f[3] for f in files), len(files), relisted=True)
+        return self._bytes, self._entries
+
+    def _count(self, nbytes: int, entries: int, relisted: bool = False) -> None:
+        with self._lock:
+            if relisted:
+                self._bytes, self._entries, self._usage_at = nbytes, entries, time.monotonic()
+            else:
+                self._bytes, self._entries = max(0, self._bytes + nbytes), max(0, self._entries + entries)
+
+    def _remove(self, path: Path, nbytes: int | None = None) -> None:
+        if nbytes is None:
+            try:
+                nbytes = path.stat().st_size
+            except FileNotFoundError:
+                nbytes = None  # gone already: nothing to count
         path.unlink(missing_ok=True)
+        if nbytes is not None:
+            self._count(-nbytes, -1)
         self._names.discard(path.name)
         if self.events is not None:
             self.events.dropped("disk", *key_of(path))
@@ -143,6 +169,7 @@ class DiskTier:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
+            self._count(path.stat().st_size, 1)
             if self.events is not None:
                 self.events.stored("disk", entry.keys[-1], entry.end)
         except OSError as e:
@@ -153,11 +180,16 @@ class DiskTier:
                         "disk full" if e.errno == errno.ENOSPC else e)
 
     def _make_room(self, nbytes: int) -> None:
+        """Before a write of `nbytes`: where the folder would go over budget, remove the least
+        useful files (each file's time of last use) until it is HEADROOM below it."""
+        if self.usage()[0] + nbytes <= self.budget:
+            return
         files = self.files()
         used = sum(f[3] for f in files)
-        while files and used + nbytes > self.budget:
+        self._count(used, len(files), relisted=True)
+        while files and used + nbytes > self.budget * (1 - HEADROOM):
             victim = least_useful([(f, f[1], f[2]) for f in files])
-            self._remove(victim[0])
+            self._remove(victim[0], victim[3])
             files.remove(victim)
             used -= victim[3]
 

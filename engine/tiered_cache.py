@@ -202,8 +202,8 @@ class TieredCache:
         if self.host is not None:
             out.update(tier_host_bytes=self.host.nbytes, tier_host_entries=len(self.host.entries))
         if self.disk is not None:
-            files = self.disk.files()
-            out.update(tier_disk_bytes=sum(f[3] for f in files), tier_disk_entries=len(files),
+            disk_bytes, disk_entries = self.disk.usage()
+            out.update(tier_disk_bytes=disk_bytes, tier_disk_entries=disk_entries,
                        tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad,
                        tier_disk_read_ahead=self.disk.prefetch_hits)
         return out

@@ -128,6 +128,41 @@ def test_the_disk_tier_finds_what_a_worker_sharing_its_folder_wrote_once_it_list
     assert mine.removed_bad == 0
 
 
+def test_the_disk_tier_counts_its_bytes_without_listing_the_folder_for_each_write_or_report(tmp_path, monkeypatch):
+    """stats() and the writer's room check read totals kept by this worker's own writes and
+    removals (a listing, a stat per file, at most every USAGE_S); a write over budget frees
+    HEADROOM below it, so the next writes list nothing."""
+    from engine import disk_tier
+
+    monkeypatch.setattr(disk_tier, "USAGE_S", 60.0)
+    listings = []
+    real_files = DiskTier.files
+    monkeypatch.setattr(DiskTier, "files", lambda self: listings.append(1) or real_files(self))
+
+    def entry(key: int) -> Entry:
+        return Entry([bytes([key])], 4, {"kv:x": torch.full((1, 256), float(key))})
+
+    probe = DiskTier(str(tmp_path / "probe"), 1 << 20, "layout")
+    probe.put(entry(0))
+    probe.flush()
+    size = probe.usage()[0]  # one entry file's bytes, all alike here
+    tier = DiskTier(str(tmp_path), 10 * size, "layout")
+    listings.clear()
+    for key in range(10):
+        tier.put(entry(key))
+        tier.flush()
+    assert tier.usage() == (10 * size, 10) and len(listings) == 1  # the first write's room check alone
+    on_disk = [f for f in (tmp_path / "layout").iterdir() if not f.name.startswith(".")]
+    assert sum(f.stat().st_size for f in on_disk) == 10 * size
+    tier.put(entry(10))  # over budget: one listing, and room for this write and the next
+    tier.flush()
+    assert tier.usage() == (9 * size, 9) and len(listings) == 2
+    tier.put(entry(11))
+    tier.flush()
+    assert tier.usage() == (10 * size, 10) and len(listings) == 2
+    assert len(list((tmp_path / "layout").glob("*.safetensors"))) == 10
+
+
 def entry_files(tmp_path):
     return sorted(f for d in tmp_path.iterdir() if d.is_dir() for f in d.glob("*.safetensors"))
 
