@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.host_tier import Entry, least_useful, unfit_tensors
+from engine.host_tier import Entry, least_useful_first, unfit_tensors
 
 log = logging.getLogger(__name__)
 PREFETCH_LIMIT = 8  # entries read ahead and not yet asked for (a request that left leaves one)
@@ -187,11 +187,11 @@ class DiskTier:
         files = self.files()
         used = sum(f[3] for f in files)
         self._count(used, len(files), relisted=True)
-        while files and used + nbytes > self.budget * (1 - HEADROOM):
-            victim = least_useful([(f, f[1], f[2]) for f in files])
-            self._remove(victim[0], victim[3])
-            files.remove(victim)
-            used -= victim[3]
+        for path, _, _, size in least_useful_first([(f, f[1], f[2]) for f in files]) if files else ():
+            if used + nbytes <= self.budget * (1 - HEADROOM):
+                break
+            self._remove(path, size)
+            used -= size
 
     def prefetch(self, key: bytes, end: int, keys: list[bytes], shapes: dict[str, tuple]) -> bool:
         """Start reading the entry's file on the reader thread, for a request still queued;

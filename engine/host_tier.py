@@ -10,7 +10,9 @@ hit saves.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -65,8 +67,9 @@ def unfit_tensors(tensors: dict[str, torch.Tensor], num_blocks: int, shapes: dic
     return None
 
 
-def least_useful(candidates: list[tuple[object, float, int]]) -> object:
-    """Of (item, last used, tokens), the one the pool's rule evicts first."""
+def least_useful_first(candidates: list[tuple[object, float, int]]) -> Iterator[object]:
+    """Of (item, last used, tokens), the items in the order the pool's rule evicts them, both
+    terms scaled over these candidates once: a heap, so taking the first k costs O(n + k log n)."""
     oldest, newest = min(c[1] for c in candidates), max(c[1] for c in candidates)
     shortest, longest = min(c[2] for c in candidates), max(c[2] for c in candidates)
 
@@ -75,7 +78,10 @@ def least_useful(candidates: list[tuple[object, float, int]]) -> object:
         saved = (candidate[2] - shortest) / max(1, longest - shortest)
         return recency + CHECKPOINT_COMPUTE_WEIGHT * saved
 
-    return min(candidates, key=utility)[0]
+    ranked = [(utility(c), i, c[0]) for i, c in enumerate(candidates)]
+    heapq.heapify(ranked)
+    while ranked:
+        yield heapq.heappop(ranked)[2]
 
 
 class HostTier:
@@ -126,10 +132,12 @@ class HostTier:
         size = footprint(specs)
         if size > self.budget:
             return None, []
-        out, incoming = [], Entry(keys, end, {}, last_used)
+        out, incoming, victims = [], Entry(keys, end, {}, last_used), None
         while (offset := self.arena.allocate(size)) is None:  # no run long enough: evict until one is
-            held = [e for key, e in self.entries.items() if key not in self._loading]
-            victim = least_useful([(e, e.last_used, e.end) for e in (*held, incoming)])
+            if victims is None:
+                held = [e for key, e in self.entries.items() if key not in self._loading]
+                victims = least_useful_first([(e, e.last_used, e.end) for e in (*held, incoming)])
+            victim = next(victims)
             if victim is incoming:
                 return None, out
             pushed = self._push_out(victim.keys[-1])

@@ -157,6 +157,8 @@ def test_the_disk_tier_counts_its_bytes_without_listing_the_folder_for_each_writ
     tier.put(entry(10))  # over budget: one listing, and room for this write and the next
     tier.flush()
     assert tier.usage() == (9 * size, 9) and len(listings) == 2
+    left = sorted(disk_tier.key_of(f)[0] for f in (tmp_path / "layout").glob("*.safetensors"))
+    assert left == [bytes([k]) for k in range(2, 11)]  # the two oldest went
     tier.put(entry(11))
     tier.flush()
     assert tier.usage() == (10 * size, 10) and len(listings) == 2
