@@ -35,6 +35,7 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 8192
+PREFILL_RATE_DECAY = 0.9  # per step that prefills: the rate stats() reports follows the last few dozen
 DECODING = RequestStatus.DECODING
 
 
@@ -181,6 +182,9 @@ class LLMEngine:
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []
         self.num_steps = 0  # steps that ran something: proof of progress for the router
+        # Prefill tokens and the seconds of the steps that ran them, both decayed per such step:
+        # their ratio is the recent prefill rate (the router weighs prefix fetches by it).
+        self._prefill_tokens = self._prefill_seconds = 0.0
         self.trace_name = "engine"  # what its spans say measured them (a worker puts its name)
         self._handoffs: list[Handoff] = []
         self._ids = itertools.count()
@@ -363,6 +367,7 @@ class LLMEngine:
         self.num_steps += 1
         seqs = plan.seqs
         now = time.monotonic()
+        prefill_tokens = sum(s.num_new_tokens for s in seqs if s.phase in (Phase.FRESH_PREFILL, Phase.CONTINUED_PREFILL))
         for seq in seqs:  # a request handed in decodes first: it was never prefilled here
             if seq.request.scheduled_time is None and seq.phase not in (Phase.DECODE, Phase.VERIFY):
                 seq.request.scheduled_time = now
@@ -386,6 +391,10 @@ class LLMEngine:
                 for _, row in seq.captures:
                     self.prefix_cache.release_checkpoint_row(row)
                 seq.captures.clear()
+        if prefill_tokens:
+            decay = PREFILL_RATE_DECAY
+            self._prefill_tokens = decay * self._prefill_tokens + prefill_tokens
+            self._prefill_seconds = decay * self._prefill_seconds + time.monotonic() - now
         return outputs
 
     def _run_pass(self, seqs: list[ScheduledSeq]) -> list[RequestOutput]:
@@ -602,4 +611,5 @@ class LLMEngine:
             **(self.tiers.stats() if self.tiers is not None else {}),
             **(self.exchange.stats() if self.exchange is not None else {}),
             "prefix_cache_checkpoint_bytes": self.cache.sizes.checkpoint_bytes,
+            "prefill_tokens_per_s": self._prefill_tokens / self._prefill_seconds if self._prefill_seconds else 0.0,
         }

@@ -16,6 +16,7 @@ as long as the tokens it claims. Anything else is refused, and the request recom
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -102,5 +103,9 @@ class PrefixExchange:
         return unfit_tensors(entry.tensors, len(entry.keys), self.row_shapes)
 
     def stats(self) -> dict:
+        # what an entry of n blocks weighs (n * block + state bytes), for the router's fetch cost
+        row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.row_shapes.items()}
         return {"prefix_fetch_exported": self.exported, "prefix_fetch_imported": self.imported,
-                "prefix_fetch_imported_tokens": self.imported_tokens, "prefix_fetch_refused": self.refused}
+                "prefix_fetch_imported_tokens": self.imported_tokens, "prefix_fetch_refused": self.refused,
+                "prefix_entry_block_bytes": sum(b for n, b in row_bytes.items() if n.startswith("kv:")),
+                "prefix_entry_state_bytes": sum(b for n, b in row_bytes.items() if n.startswith("state:"))}

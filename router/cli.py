@@ -118,7 +118,8 @@ def serve_options(args) -> tuple[dict, FrontDoorConfig]:
     launch_options = dict(prefill=args.prefill, decode=args.decode, prefill_tp=args.prefill_tp,
                           decode_tp=args.decode_tp, transport=args.transport,
                           address=args.address, local_prefill_tokens=args.local_prefill_tokens,
-                          prefix_fetch_tokens=args.prefix_fetch_tokens,
+                          prefix_fetch_tokens=args.prefix_fetch_tokens, prefix_fetch_gbps=args.prefix_fetch_gbps,
+                          prefix_fetch_overhead_ms=args.prefix_fetch_overhead_ms,
                           max_queued=args.max_queued, cpus_per_worker=args.cpus_per_worker,
                           gpus_per_worker=args.gpus_per_worker,
                           prefill_resource=None if args.prefill_resource == "none" else args.prefill_resource,
@@ -215,6 +216,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="with prefix caching and a host tier: a prefill worker fetches a cached prefix "
                             "another worker holds when it covers at least this many more prompt tokens "
                             "than its own (0: never; docs/prefix-caching.md)")
+    serve.add_argument("--prefix-fetch-gbps", type=float, default=10.0,
+                       help="the link a fetched prefix crosses, in Gb/s: a fetch goes ahead only where the "
+                            "entry's bytes over it, plus --prefix-fetch-overhead-ms, take less time than the "
+                            "prefill worker recomputing those tokens at its measured rate")
+    serve.add_argument("--prefix-fetch-overhead-ms", type=float, default=3.0,
+                       help="the fixed cost of one prefix fetch (export, serialization, import)")
     serve.add_argument("--enable-prefix-caching", action="store_true",
                        help="reuse the KV blocks and recurrent state of repeated prefixes; the router "
                             "sends each request where its prefix likely is (docs/prefix-caching.md)")

@@ -67,6 +67,10 @@ class ClusterConfig:
     # Fetch a prefix another worker reports holding when it covers at least this many more
     # prompt tokens than the chosen prefill worker holds (router.prefix_fetch); 0: never.
     prefix_fetch_tokens: int = 256
+    # ... and when moving it takes less time than the prefill it saves: its bytes over a link of
+    # this many Gb/s plus a fixed cost per fetch (the bench's export, serialization and import)
+    prefix_fetch_gbps: float = 10.0
+    prefix_fetch_overhead_ms: float = 3.0
     max_queued: int = 1024  # requests in flight before Overloaded
     transfer_timeout_s: float = 30.0
     max_retries: int = 3  # attempts after the first, when a worker dies or a hand-off breaks
@@ -102,6 +106,9 @@ class ClusterConfig:
         if isinstance(self.prefix_fetch_tokens, bool) or not isinstance(self.prefix_fetch_tokens, int) \
                 or self.prefix_fetch_tokens < 0:
             raise ValueError(f"prefix_fetch_tokens must be an integer >= 0, got {self.prefix_fetch_tokens!r}")
+        if not self.prefix_fetch_gbps > 0 or not self.prefix_fetch_overhead_ms >= 0:
+            raise ValueError(f"prefix_fetch_gbps must be > 0 and prefix_fetch_overhead_ms >= 0, got "
+                             f"{self.prefix_fetch_gbps!r} and {self.prefix_fetch_overhead_ms!r}")
         if self.max_retries < 0 or self.retry_wait_s < 0 or self.max_restarts < -1:
             raise ValueError("max_retries and retry_wait_s must be >= 0, max_restarts >= -1")
 
@@ -388,8 +395,10 @@ class Cluster(ElasticPools):
     def _prefix_for(self, prefill: WorkerRef, hashes: list[bytes], cached: int) -> PendingPrefix | None:
         """The export of the request's longest cached prefix from the worker that holds more of it
         than `prefill` does (its `cached` tokens), where fetching pays (router.prefix_fetch)."""
+        config = self.config
         plan = plan_fetch(self.workers.prefill + self.workers.decode, prefill, hashes, cached,
-                          self.workers.model_facts.get("block_size", 1), self.config.prefix_fetch_tokens)
+                          self.workers.model_facts.get("block_size", 1), config.prefix_fetch_tokens,
+                          config.prefix_fetch_gbps * 1e9 / 8, config.prefix_fetch_overhead_ms / 1000)
         if plan is None:
             return None
         self.prefix_fetches += 1

@@ -380,7 +380,8 @@ def test_a_prefill_worker_fetches_the_longer_prefix_another_worker_holds(cluster
     _, path, hf, (nodes, _, _) = cluster
     fetching = launch(path, prefill=2, decode=1, address=nodes.address, prefill_resource=PREFILL_RES,
                       decode_resource=DECODE_RES, block_size=4, num_kv_blocks=200, max_num_seqs=8,
-                      enable_prefix_caching=True, host_cache_bytes=1 << 22, prefix_fetch_tokens=4)
+                      enable_prefix_caching=True, host_cache_bytes=1 << 22, prefix_fetch_tokens=4,
+                      prefix_fetch_overhead_ms=0.0)  # a tiny model recomputes a few dozen tokens in ~1 ms
     local = LLM(path, block_size=4)
 
     def served(prompt):

@@ -231,12 +231,45 @@ def test_the_router_fetches_a_prefix_only_a_report_shows_and_only_where_it_pays(
     assert plan_fetch([target], target, chat, 0, SIZE, 8) is None
 
 
+def test_a_fetch_goes_ahead_only_where_moving_the_entry_beats_recomputing_it():
+    """The entry's bytes over the link plus the fixed cost against the target's measured
+    prefill rate: a heavy checkpoint or a fast prefill makes a short prefix cheaper to recompute."""
+    from router.prefix_fetch import plan_fetch
+    from router.prefix_routing import PrefixIndex
+    from router.workers import WorkerRef
+
+    chat = block_hashes(list(range(40)), SIZE, [])  # 10 blocks
+    target = WorkerRef("prefill-0", "prefill", None, node_id="a", prefixes=PrefixIndex(64),
+                       stats={"tier_host_bytes": 0})
+    source = WorkerRef("decode-0", "decode", None, node_id="b", prefixes=PrefixIndex(64), stats={})
+    source.prefixes.apply({"reset": True, "events": [("+", "pool", chat[7], 32)]})  # 32 tokens: 8 blocks
+    link, overhead = 1e9, 0.002  # bytes/s, s
+
+    def plan(rate: float, block_bytes: int, state_bytes: int, link_bytes_per_s: float = link):
+        target.stats.update(prefill_tokens_per_s=rate, prefix_entry_block_bytes=block_bytes,
+                            prefix_entry_state_bytes=state_bytes)
+        return plan_fetch([target, source], target, chat, 0, SIZE, 8, link_bytes_per_s, overhead)
+
+    # 32 tokens at 1,000 tokens/s: 32 ms to recompute; 8 blocks of 1 MB and a 10 MB checkpoint
+    # take 18 ms + 2 ms to move
+    assert plan(1_000, 1 << 20, 10 << 20) is not None
+    assert plan(2_000, 1 << 20, 10 << 20) is None  # 16 ms to recompute: not worth 20
+    assert plan(1_000, 1 << 20, 40 << 20) is None  # a 40 MB checkpoint: 50 ms to move
+    assert plan(1_000, 1 << 20, 40 << 20, link_bytes_per_s=4e9) is not None  # a faster link: 14.5 ms
+    assert plan(0.0, 1 << 20, 40 << 20) is not None  # no rate measured yet: the token floor alone
+    target.stats.pop("prefix_entry_block_bytes"), target.stats.pop("prefix_entry_state_bytes")
+    target.stats["prefill_tokens_per_s"] = 1e9
+    assert plan_fetch([target, source], target, chat, 0, SIZE, 8, link, overhead) is not None  # sizes unknown
+
+
 def test_serve_flags_reach_the_workers_engine_options():
     from router.cli import build_parser, serve_options
 
     args = build_parser().parse_args(["serve", "--enable-prefix-caching", "--prefix-checkpoints", "16",
-                                      "--local-prefill-tokens", "128", "--prefix-fetch-tokens", "64"])
+                                      "--local-prefill-tokens", "128", "--prefix-fetch-tokens", "64",
+                                      "--prefix-fetch-gbps", "100", "--prefix-fetch-overhead-ms", "1.5"])
     launch_options, _ = serve_options(args)
+    assert (launch_options["prefix_fetch_gbps"], launch_options["prefix_fetch_overhead_ms"]) == (100.0, 1.5)
     assert launch_options["enable_prefix_caching"] is True and launch_options["prefix_checkpoints"] == 16
     assert launch_options["local_prefill_tokens"] == 128 and launch_options["prefix_fetch_tokens"] == 64
     plain, _ = serve_options(build_parser().parse_args(["serve"]))

@@ -37,6 +37,10 @@ def test_an_imported_prefix_serves_as_its_own_would(family, model_factory):
     source.generate([system], GREEDY)  # its last boundary short of the end, 20, is checkpointed
     exported = source.engine.export_prefix(block_hashes(system + [1, 2, 3], BLOCK, []))
     assert exported is not None and exported.tier == "pool" and exported.entry.end == 20
+    # what the router weighs a fetch by: the entry's size, and the importer's prefill rate
+    before = target.engine.stats()
+    assert exported.entry.nbytes == 5 * before["prefix_entry_block_bytes"] + before["prefix_entry_state_bytes"]
+    assert before["prefill_tokens_per_s"] == 0.0 < source.engine.stats()["prefill_tokens_per_s"]
     assert target.engine.import_prefix(exported) == 20
     assert target.engine.import_prefix(exported) == 0  # held already
     prompt = system[:20] + tokens(rng, 5, vocab)
