@@ -35,6 +35,7 @@ from engine.block_manager import BlockManager
 # Marconi's alpha: how much the compute a checkpoint saves counts against its recency. Above 1,
 # a long prefix outlives a short one used more recently (recomputing it costs more).
 CHECKPOINT_COMPUTE_WEIGHT = 2.0
+EVICT_AHEAD = 64  # blocks an eviction frees at least, pools of 4096 blocks and more (evict_blocks)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, known: list[bytes]) -> list[bytes]:
@@ -229,7 +230,10 @@ class PrefixCache:
         self.on_evict(keys[::-1], blocks[::-1], node.checkpoint, node.end)
 
     def evict_blocks(self, count: int) -> None:
-        """Free at least `count` blocks the cache alone holds (fewer if there are not as many)."""
+        """Free at least `count` blocks the cache alone holds (fewer if there are not as many),
+        and up to EVICT_AHEAD (a 64th of a small pool) when fewer are asked for: each call scans
+        the index, and a decode step's one-block allocations would otherwise pay that each."""
+        count = max(count, min(EVICT_AHEAD, self.blocks.num_blocks // 64))
         def entry(node: CachedBlock):
             return (bool(node.children), node.checkpoint is not None, node.last_used, -node.end, node.key)
 

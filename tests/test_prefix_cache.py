@@ -262,6 +262,25 @@ def test_a_fetch_goes_ahead_only_where_moving_the_entry_beats_recomputing_it():
     assert plan_fetch([target, source], target, chat, 0, SIZE, 8, link, overhead) is not None  # sizes unknown
 
 
+@pytest.mark.parametrize("num_blocks, ahead", [(100, 1), (4096, 64)])
+def test_a_large_pool_evicts_ahead_so_one_block_allocations_do_not_each_scan_the_index(num_blocks, ahead):
+    blocks = BlockManager(num_blocks, SIZE)
+    cache = PrefixCache(blocks, 0, needs_state=False)
+    for chain in range(num_blocks // 4):  # the pool full of cached chains of 4 blocks
+        tokens = [chain * 1000 + i for i in range(4 * SIZE)]
+        cache.insert(block_hashes(tokens, SIZE, []), blocks.allocate(f"r{chain}", 4 * SIZE))
+        blocks.free(f"r{chain}")
+    calls = []
+    evict = blocks.evictor
+    blocks.evictor = lambda count: calls.append(count) or evict(count)
+    for i in range(ahead):
+        blocks.allocate(f"d{i}", SIZE)
+    assert len(calls) == 1 and blocks.num_free_blocks == 0 and len(cache.nodes) == num_blocks - ahead
+    blocks.allocate("next", SIZE)
+    assert len(calls) == 2
+    cache.check_integrity()
+
+
 def test_serve_flags_reach_the_workers_engine_options():
     from router.cli import build_parser, serve_options
 
