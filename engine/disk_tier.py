@@ -112,16 +112,19 @@ class DiskTier:
         """(bytes, entries) of the folder's entry files: a listing (a stat per file) at most
         every USAGE_S, kept current meanwhile by this worker's own writes and removals."""
         if time.monotonic() - self._usage_at >= USAGE_S:
-            files = self.files()
-            self._count(sum(f[3] for f in files), len(files), relisted=True)
+            self._relist()
         return self._bytes, self._entries
 
-    def _count(self, nbytes: int, entries: int, relisted: bool = False) -> None:
+    def _relist(self) -> list[tuple[Path, float, int, int]]:
+        """files(), with the totals set from them."""
+        files = self.files()
         with self._lock:
-            if relisted:
-                self._bytes, self._entries, self._usage_at = nbytes, entries, time.monotonic()
-            else:
-                self._bytes, self._entries = max(0, self._bytes + nbytes), max(0, self._entries + entries)
+            self._bytes, self._entries, self._usage_at = sum(f[3] for f in files), len(files), time.monotonic()
+        return files
+
+    def _count(self, nbytes: int, entries: int) -> None:
+        with self._lock:  # other workers sharing the folder may have removed what is counted
+            self._bytes, self._entries = max(0, self._bytes + nbytes), max(0, self._entries + entries)
 
     def _remove(self, path: Path, nbytes: int | None = None) -> None:
         if nbytes is None:
@@ -184,9 +187,8 @@ class DiskTier:
         useful files (each file's time of last use) until it is HEADROOM below it."""
         if self.usage()[0] + nbytes <= self.budget:
             return
-        files = self.files()
+        files = self._relist()
         used = sum(f[3] for f in files)
-        self._count(used, len(files), relisted=True)
         for path, _, _, size in least_useful_first([(f, f[1], f[2]) for f in files]) if files else ():
             if used + nbytes <= self.budget * (1 - HEADROOM):
                 break

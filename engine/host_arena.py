@@ -98,13 +98,18 @@ class HostArena:
         return self._starts[i] + self._lengths[self._starts[i]]
 
 
+def page_lock(ptr: int, nbytes: int) -> int:
+    """cudaHostRegister `nbytes` of host memory at `ptr` in place (not torch's pinned allocator,
+    which rounds a request up to a power of two): its error code, 0 where it worked."""
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
 def pin_memory(buffer: torch.Tensor) -> bool:
-    """Page-lock `buffer` in place (cudaHostRegister, not torch's pinned allocator, which rounds
-    a request up to a power of two); False, logged, where that fails: copies then still run,
-    from pageable memory, synchronously."""
+    """Page-lock `buffer`; False, logged, where that fails: copies then still run, from
+    pageable memory, synchronously."""
     if not torch.cuda.is_available() or not buffer.numel():
         return False
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+    code = page_lock(buffer.data_ptr(), buffer.numel() * buffer.element_size())
     if code != 0:
         log.warning("host cache tier stays pageable (cudaHostRegister: error %d): its copies block the step", code)
     return code == 0

@@ -54,14 +54,20 @@ class Entry:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def entry_specs(shapes: dict[str, tuple], num_blocks: int, with_state: bool = True) -> Specs:
+    """The tensors of an entry of `num_blocks` blocks in a cache whose rows are `shapes` (name ->
+    (one row's shape, dtype)): every block tensor's rows, and (`with_state`) every state row."""
+    return {name: ((num_blocks, *shape) if name.startswith("kv:") else tuple(shape), dtype)
+            for name, (shape, dtype) in shapes.items() if with_state or name.startswith("kv:")}
+
+
 def unfit_tensors(tensors: dict[str, torch.Tensor], num_blocks: int, shapes: dict[str, tuple]) -> str | None:
     """Why an entry's `tensors` (of a chain of `num_blocks` blocks) are not rows of a cache whose
-    rows are `shapes` (name -> (one row's shape, dtype)); None where they are."""
+    rows are `shapes`; None where they are."""
     if set(tensors) != set(shapes):
         return f"tensors {sorted(tensors)} are not the cache's {sorted(shapes)}"
-    for name, tensor in tensors.items():
-        shape, dtype = shapes[name]
-        want = (num_blocks, *shape) if name.startswith("kv:") else tuple(shape)
+    for name, (want, dtype) in entry_specs(shapes, num_blocks).items():
+        tensor = tensors[name]
         if tuple(tensor.shape) != want or tensor.dtype != dtype:
             return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, not {want} {dtype}"
     return None
@@ -96,11 +102,15 @@ class HostTier:
         self.arena = HostArena(budget, pin=self.on_gpu)
         self.below = below  # a tier below takes what this one pushes out
         self.entries: dict[bytes, Entry] = {}  # by the chain's last key; tensors are views of the arena
-        self._offsets: dict[bytes, int] = {}
-        self.nbytes = 0  # arena bytes the entries hold
+        self._ranges: dict[bytes, tuple[int, int]] = {}  # by key: (offset, bytes) in the arena
         self.events = None  # engine.cache_events.CacheEvents
         self._copies = None  # a CUDA event after the last queued copy to or from the arena
         self._loading: set[bytes] = set()  # keys of entries being loaded into the pool: not evicted
+
+    @property
+    def nbytes(self) -> int:
+        """Arena bytes the entries hold."""
+        return self.budget - self.arena.free_bytes
 
     @contextlib.contextmanager
     def loading(self, key: bytes):
@@ -146,8 +156,7 @@ class HostTier:
         views = self.arena.views(offset, specs)
         key = keys[-1]
         self.entries[key] = Entry(list(keys), end, views, last_used)
-        self._offsets[key] = offset
-        self.nbytes += size
+        self._ranges[key] = offset, size
         if self.events is not None:
             self.events.stored("host", key, end)
         return views, out
@@ -157,9 +166,7 @@ class HostTier:
         returned must not be read after that (use `copy` to keep it)."""
         entry = self.entries.pop(key, None)
         if entry is not None:
-            size = footprint(specs_of(entry.tensors))
-            self.arena.release(self._offsets.pop(key), size)
-            self.nbytes -= size
+            self.arena.release(*self._ranges.pop(key))
             if self.events is not None:
                 self.events.dropped("host", key, entry.end)
         return entry

@@ -43,6 +43,10 @@ class PrefixExchange:
         self.block_size = engine.config.block_size
         self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(self.cache, self.prefix_cache.needs_state)
         self.exported = self.imported = self.imported_tokens = self.refused = 0
+        # what an entry of n blocks weighs (n * block + state bytes), for the router's fetch cost
+        row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.row_shapes.items()}
+        self.entry_block_bytes = sum(b for n, b in row_bytes.items() if n.startswith("kv:"))
+        self.entry_state_bytes = sum(b for n, b in row_bytes.items() if n.startswith("state:"))
 
     @property
     def fingerprint(self) -> str:
@@ -68,8 +72,8 @@ class PrefixExchange:
         if not hit.num_tokens:
             return None
         keys = hashes[: hit.num_tokens // self.block_size]
-        entry = copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, hit.blocks, hit.checkpoint,
-                         hit.num_tokens)
+        entry = copy_out(self.cache, self.kv_tensors, self.state_tensors, self.row_shapes, keys, hit.blocks,
+                         hit.checkpoint, hit.num_tokens)
         self.exported += 1
         return ExportedPrefix(self.fingerprint, entry, "pool")
 
@@ -103,9 +107,6 @@ class PrefixExchange:
         return unfit_tensors(entry.tensors, len(entry.keys), self.row_shapes)
 
     def stats(self) -> dict:
-        # what an entry of n blocks weighs (n * block + state bytes), for the router's fetch cost
-        row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.row_shapes.items()}
         return {"prefix_fetch_exported": self.exported, "prefix_fetch_imported": self.imported,
                 "prefix_fetch_imported_tokens": self.imported_tokens, "prefix_fetch_refused": self.refused,
-                "prefix_entry_block_bytes": sum(b for n, b in row_bytes.items() if n.startswith("kv:")),
-                "prefix_entry_state_bytes": sum(b for n, b in row_bytes.items() if n.startswith("state:"))}
+                "prefix_entry_block_bytes": self.entry_block_bytes, "prefix_entry_state_bytes": self.entry_state_bytes}

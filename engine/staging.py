@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache, index_copy
+from engine.host_arena import page_lock
 from engine.tp.staging import gather_rows, local_rows, scatter_rows, shard_indices, write_local
 
 log = logging.getLogger(__name__)
@@ -209,16 +210,14 @@ class HandoffStaging:
         registering fails the copies still run, from pageable memory, and it is logged once."""
         if self._pinned is not None:
             return
-        cudart, storages = torch.cuda.cudart(), {}
+        storages = {}
         for *_, t in self.cache.handoff_tensors():
             storage = t.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         try:
             for ptr, nbytes in storages.items():
-                if nbytes:
-                    code = cudart.cudaHostRegister(ptr, nbytes, 0)
-                    if int(code) != 0:
-                        raise RuntimeError(f"cudaHostRegister: error {int(code)}")
+                if nbytes and (code := page_lock(ptr, nbytes)) != 0:
+                    raise RuntimeError(f"cudaHostRegister: error {code}")
             self._pinned = True
         except Exception as error:  # noqa: BLE001 - correctness does not depend on it
             self._pinned = False

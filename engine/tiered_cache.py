@@ -20,7 +20,7 @@ import torch
 
 from engine.cache import index_copy
 from engine.disk_tier import DiskTier, cache_fingerprint
-from engine.host_tier import Entry, HostTier, TierConfig
+from engine.host_tier import Entry, HostTier, TierConfig, entry_specs
 from engine.prefix_cache import PrefixCache, block_hashes
 
 LOAD_OWNER = "#tier-load"  # holds an entry's blocks while they are filled
@@ -56,19 +56,17 @@ class TieredCache:
     @torch.inference_mode()
     def spill(self, keys: list[bytes], blocks: list[int], checkpoint: int | None, end: int) -> None:
         """A prefix the pool evicts: copied out whole, into the highest tier with room."""
-        if self.host is None:
-            self.spills += 1
-            self._below([copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end)])
-            return
-        if keys[-1] in self.host.entries:
+        if self.host is not None and keys[-1] in self.host.entries:
             self.host.entries[keys[-1]].last_used = time.monotonic()
             return
         self.spills += 1
-        specs = {name: ((len(blocks), *shape) if name.startswith("kv:") else shape, dtype)
-                 for name, (shape, dtype) in self.row_shapes.items() if checkpoint is not None or name.startswith("kv:")}
-        views, below = self.host.reserve(keys, end, specs, time.monotonic())
-        if views is None:  # the least useful of all: straight down
-            below.append(copy_out(self.cache, self.kv_tensors, self.state_tensors, keys, blocks, checkpoint, end))
+        views, below = None, []
+        if self.host is not None:
+            specs = entry_specs(self.row_shapes, len(blocks), checkpoint is not None)
+            views, below = self.host.reserve(keys, end, specs, time.monotonic())
+        if views is None:  # no host tier, or the least useful of all: straight down
+            below.append(copy_out(self.cache, self.kv_tensors, self.state_tensors, self.row_shapes, keys, blocks,
+                                  checkpoint, end))
         else:
             gather_into(views, self.cache, self.kv_tensors, self.state_tensors, blocks, checkpoint)
             self.host.fence()
@@ -125,10 +123,11 @@ class TieredCache:
             return
         request.tier_prefetched = True
         for i, end in self._past_the_pool(request):
-            keys = request.block_hashes[: i + 1]
-            if self.host is not None and keys[-1] in self.host.entries:
+            key = request.block_hashes[i]
+            if self.host is not None and key in self.host.entries:
                 return
-            if self.disk.prefetch(keys[-1], end, keys, self.row_shapes):
+            if self.disk.may_hold(key, end) and \
+                    self.disk.prefetch(key, end, request.block_hashes[: i + 1], self.row_shapes):
                 return
 
     def _past_the_pool(self, request):
@@ -219,22 +218,23 @@ def entry_tensors(cache, needs_state: bool):
     return kv, state, shapes
 
 
-def copy_out(cache, kv_tensors, state_tensors, keys: list[bytes], blocks: list[int], checkpoint: int | None,
-             end: int) -> Entry:
-    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole."""
-    index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
-    tensors = {f"kv:{n}": t.index_select(0, index).cpu() for n, t in kv_tensors}
-    if checkpoint is not None:
-        row = cache.checkpoint_row(checkpoint)
-        # a copy: on the CPU, t[row].cpu() would be a view of a row the pool reuses
-        tensors.update({f"state:{n}": t[row].to("cpu", copy=True) for n, t in state_tensors})
+def copy_out(cache, kv_tensors, state_tensors, row_shapes: dict, keys: list[bytes], blocks: list[int],
+             checkpoint: int | None, end: int) -> Entry:
+    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole,
+    into tensors of its own."""
+    specs = entry_specs(row_shapes, len(blocks), checkpoint is not None)
+    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
+    gather_into(tensors, cache, kv_tensors, state_tensors, blocks, checkpoint)
+    if cache.device.type == "cuda":
+        torch.cuda.current_stream(cache.device).synchronize()  # the entry leaves the engine's stream
     return Entry(list(keys), end, tensors)
 
 
 def gather_into(views: dict[str, torch.Tensor], cache, kv_tensors, state_tensors, blocks: list[int],
                 checkpoint: int | None) -> None:
-    """copy_out's copy, into host tensors already there (`views`, by entry name): from a GPU
-    queued on the current stream (the caller marks it), on the CPU straight into them."""
+    """A prefix's blocks and checkpoint row into host tensors already there (`views`, by entry
+    name): from a GPU queued on the current stream (the caller waits or marks it), on the CPU
+    straight into them."""
     index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
     for n, t in kv_tensors:
         if t.is_cuda:
