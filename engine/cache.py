@@ -146,8 +146,7 @@ class ModelCache:
     def whole_state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Every state tensor with all its rows (checkpoint rows included), named as in the
         hand-off: what a prefix-cache tier copies a checkpoint row from and into."""
-        return [(f"layer{i}.{spec.name}", tensor) for i, layer in enumerate(self.spec.layers)
-                for spec, tensor in zip(layer.state, self.layers.state[i] or ())]
+        return [(name, t) for name, _, _, role, t in self.handoff_tensors(checkpoint_rows=True) if role == SLOT_ROLE]
 
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole state rows (every recurrent layer's tensors), source -> destination."""
@@ -167,11 +166,14 @@ class ModelCache:
         """Tensors whose dim 0 is a state slot, in layer order (what a state hand-off moves)."""
         return [(name, t) for name, _, _, role, t in self.handoff_tensors() if role == SLOT_ROLE]
 
-    def handoff_tensors(self) -> list[tuple[str, int, str, str, torch.Tensor]]:
+    def handoff_tensors(self, checkpoint_rows: bool = False) -> list[tuple[str, int, str, str, torch.Tensor]]:
         """(name, layer, kind, role, tensor) for every cache tensor, in layer order: the hand-off
-        and its layout handshake are built from this alone. Views without the scratch rows."""
+        and its layout handshake are built from this alone. Views without the scratch rows;
+        `checkpoint_rows`: state tensors whole, checkpoint rows included (what a prefix-cache
+        entry copies its checkpoint from and into)."""
         out = []
-        blocks, slots = self.sizes.num_blocks, self.sizes.num_slots
+        blocks = self.sizes.num_blocks
+        slots = None if checkpoint_rows else self.sizes.num_slots
         for i, layer in enumerate(self.spec.layers):
             if layer.kv is not None:
                 out += [(f"layer{i}.{name}", i, layer.kv.kind, BLOCK_ROLE, rows[:blocks])

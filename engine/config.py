@@ -122,9 +122,6 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
                              "pass device='cuda'")
         tiers = self.tier_config  # validates the three fields
-        if tiers.enabled and self.tensor_parallel_size > 1:
-            raise ValueError(f"host_cache_bytes / disk_cache_dir with tensor_parallel_size {self.tensor_parallel_size}: "
-                             "not supported yet (a tier would copy rank 0's shard alone)")
         if tiers.enabled and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes / disk_cache_dir: the tiers hold what the prefix cache evicts; "
                              "they need enable_prefix_caching")

@@ -29,6 +29,7 @@ from engine.verify import Speculation, split_verify_rows
 from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.disk_tier import PREFETCH_LIMIT
+from engine.entry_rows import entry_rows
 from engine.prefix_exchange import ExportedPrefix, PrefixExchange
 from engine.tiered_cache import TieredCache, cache_fingerprint
 from engine.tokenizer import Tokenizer
@@ -145,13 +146,15 @@ class LLMEngine:
         self.slots = StateSlotAllocator(sizes.num_slots)
         self.prefix_cache = PrefixCache(self.blocks, sizes.num_checkpoints, bool(self.spec.state_layers)) \
             if config.enable_prefix_caching else None
+        # Where prefix-cache entries leaving or entering the pool are copied from and to: this
+        # cache, or every rank's shard of it (engine.entry_rows)
+        self.entry_rows = entry_rows(self) if self.prefix_cache is not None else None
         self.tiers = None  # engine.tiered_cache: what the prefix cache's pool evicts, kept lower
         if self.prefix_cache is not None and config.tier_config.enabled:
-            self.tiers = TieredCache(config.tier_config, self.cache, self.blocks, self.prefix_cache,
+            self.tiers = TieredCache(config.tier_config, self.entry_rows, self.blocks, self.prefix_cache,
                                      self.cache_fingerprint)
-        # Entries exported to and imported from other workers (a tensor-parallel engine's cache
-        # is sharded over ranks: it takes no part)
-        self.exchange = PrefixExchange(self) if self.prefix_cache is not None and self.tp is None else None
+        # Entries exported to and imported from other workers
+        self.exchange = PrefixExchange(self) if self.prefix_cache is not None else None
         # What the prefix cache and its tiers store and drop, for the router's index (a worker's
         # stats report drains it: drain_cache_events).
         self.cache_events = None
@@ -212,7 +215,7 @@ class LLMEngine:
         """What another cache must match to take this one's entries (engine.disk_tier.
         cache_fingerprint: it reads the weight files' ends, so once)."""
         config = self.config
-        return cache_fingerprint(config.model, config.dtype, config.block_size, self.cache)
+        return cache_fingerprint(config.model, config.dtype, config.block_size, self.entry_rows.layout)
 
     def export_prefix(self, hashes: list[bytes]) -> ExportedPrefix | None:
         """The longest usable prefix of the block chain `hashes` this engine holds, copied out

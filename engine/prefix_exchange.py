@@ -16,13 +16,11 @@ as long as the tokens it claims. Anything else is refused, and the request recom
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.host_tier import Entry, unfit_tensors
-from engine.tiered_cache import copy_out, entry_tensors
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +37,10 @@ class PrefixExchange:
 
     def __init__(self, engine):
         self.engine = engine
-        self.cache, self.prefix_cache = engine.cache, engine.prefix_cache
+        self.prefix_cache, self.rows = engine.prefix_cache, engine.entry_rows
         self.block_size = engine.config.block_size
-        self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(self.cache, self.prefix_cache.needs_state)
+        self.row_shapes = self.rows.row_shapes
         self.exported = self.imported = self.imported_tokens = self.refused = 0
-        # what an entry of n blocks weighs (n * block + state bytes), for the router's fetch cost
-        row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.row_shapes.items()}
-        self.entry_block_bytes = sum(b for n, b in row_bytes.items() if n.startswith("kv:"))
-        self.entry_state_bytes = sum(b for n, b in row_bytes.items() if n.startswith("state:"))
 
     @property
     def fingerprint(self) -> str:
@@ -72,8 +66,7 @@ class PrefixExchange:
         if not hit.num_tokens:
             return None
         keys = hashes[: hit.num_tokens // self.block_size]
-        entry = copy_out(self.cache, self.kv_tensors, self.state_tensors, self.row_shapes, keys, hit.blocks,
-                         hit.checkpoint, hit.num_tokens)
+        entry = self.rows.copy_out(keys, hit.blocks, hit.checkpoint, hit.num_tokens)
         self.exported += 1
         return ExportedPrefix(self.fingerprint, entry, "pool")
 
@@ -109,4 +102,5 @@ class PrefixExchange:
     def stats(self) -> dict:
         return {"prefix_fetch_exported": self.exported, "prefix_fetch_imported": self.imported,
                 "prefix_fetch_imported_tokens": self.imported_tokens, "prefix_fetch_refused": self.refused,
-                "prefix_entry_block_bytes": self.entry_block_bytes, "prefix_entry_state_bytes": self.entry_state_bytes}
+                # what an entry of n blocks weighs (n * block + state bytes), for the router's fetch cost
+                "prefix_entry_block_bytes": self.rows.block_bytes, "prefix_entry_state_bytes": self.rows.state_bytes}

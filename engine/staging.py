@@ -38,7 +38,7 @@ import torch
 
 from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache, index_copy
 from engine.host_arena import page_lock
-from engine.tp.staging import gather_rows, local_rows, scatter_rows, shard_indices, write_local
+from engine.tp.staging import assemble, gather_rows, local_rows, scatter_rows, shard_indices, write_local
 
 log = logging.getLogger(__name__)
 TP_STAGING_REQUESTS = 4  # un-sharded hand-offs in flight per tensor-parallel worker
@@ -149,9 +149,7 @@ class HandoffStaging:
         self.engine.tp.send("gather", blocks, slot)
         parts = gather_rows(self.group, self.engine.cache, blocks, slot)
         full = local_rows(self.cache, staged.blocks, staged.slot)  # shaped like the request's rows
-        for (name, *_), by_rank, rows in zip(self.cache.handoff_tensors(), parts, full):
-            for rank, (axis, idx) in enumerate(self.index[name]):
-                index_copy(rows, axis, idx.to(rows.device), by_rank[rank].to(rows.device))
+        assemble(self.index, [name for name, *_ in self.cache.handoff_tensors()], parts, full)
         write_local(self.cache, full, staged.blocks, staged.slot)
 
     def scatter(self, staged: Staged, num_blocks: int, blocks: list[int], slot: int | None) -> None:

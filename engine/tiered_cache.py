@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from engine.cache import index_copy
 from engine.disk_tier import DiskTier, cache_fingerprint
+from engine.entry_rows import CacheRows
 from engine.host_tier import Entry, HostTier, TierConfig, entry_specs
 from engine.prefix_cache import PrefixCache, block_hashes
 
@@ -30,14 +30,14 @@ __all__ = ["TierConfig", "TieredCache", "cache_fingerprint"]
 class TieredCache:
     """The engine's tiers: spill from the pool, promote back into it."""
 
-    def __init__(self, config: TierConfig, cache, blocks, prefix_cache: PrefixCache, fingerprint: str):
+    def __init__(self, config: TierConfig, rows: CacheRows, blocks, prefix_cache: PrefixCache, fingerprint: str):
         self.config = config
-        self.cache, self.blocks, self.prefix_cache = cache, blocks, prefix_cache
-        self.host = HostTier(config.host_bytes, cache.device, below=config.disk_dir is not None) \
+        self.rows, self.blocks, self.prefix_cache = rows, blocks, prefix_cache
+        self.host = HostTier(config.host_bytes, rows.cache.device, below=config.disk_dir is not None) \
             if config.host_bytes else None
         self.disk = DiskTier(config.disk_dir, config.disk_bytes, fingerprint) if config.disk_dir else None
         self.block_size = blocks.block_size
-        self.kv_tensors, self.state_tensors, self.row_shapes = entry_tensors(cache, prefix_cache.needs_state)
+        self.row_shapes = rows.row_shapes
         self.spills = self.host_hits = self.disk_hits = self.loaded_tokens = 0
         prefix_cache.on_evict = self.spill
 
@@ -65,10 +65,9 @@ class TieredCache:
             specs = entry_specs(self.row_shapes, len(blocks), checkpoint is not None)
             views, below = self.host.reserve(keys, end, specs, time.monotonic())
         if views is None:  # no host tier, or the least useful of all: straight down
-            below.append(copy_out(self.cache, self.kv_tensors, self.state_tensors, self.row_shapes, keys, blocks,
-                                  checkpoint, end))
+            below.append(self.rows.copy_out(keys, blocks, checkpoint, end))
         else:
-            gather_into(views, self.cache, self.kv_tensors, self.state_tensors, blocks, checkpoint)
+            self.rows.gather_into(views, blocks, checkpoint)
             self.host.fence()
         self._below(below)
 
@@ -171,22 +170,14 @@ class TieredCache:
             new = iter(self.blocks.allocate(LOAD_OWNER, len(entry.keys) * size)[len(present):])
             missing = [i for i, key in enumerate(entry.keys) if key not in nodes]
             table = [nodes[key].block if key in nodes else next(new) for key in entry.keys]
-            if missing and self.kv_tensors:  # a model without attention layers has no KV to fill
-                rows = torch.tensor(missing) if len(missing) < len(entry.keys) else slice(None)
-                at = torch.tensor([table[i] for i in missing], device=self.kv_tensors[0][1].device)
-                for name, tensor in self.kv_tensors:
-                    index_copy(tensor, 0, at, entry.tensors[f"kv:{name}"][rows].to(tensor.device, non_blocking=True))
             self.prefix_cache.insert(entry.keys, table)
-            if self.state_tensors:
-                checkpoint = self.prefix_cache.take_checkpoint_row(entry.keys[-1])
-                if checkpoint is None:
-                    return False
-                row = self.cache.checkpoint_row(checkpoint)
-                for name, tensor in self.state_tensors:
-                    tensor[row].copy_(entry.tensors[f"state:{name}"], non_blocking=True)
+            checkpoint = self.prefix_cache.take_checkpoint_row(entry.keys[-1]) if self.rows.state_tensors else None
+            rows = torch.tensor(missing) if len(missing) < len(entry.keys) else slice(None)
+            # The blocks are filled even where no checkpoint row is free: the index holds them now.
+            self.rows.fill(entry, rows, [table[i] for i in missing], checkpoint)
             if self.host is not None:
-                self.host.fence()  # the entry's range is given back next: later writes wait for these reads
-            return True
+                self.host.fence()  # the entry's range may be given back next: later writes wait for these reads
+            return checkpoint is not None or not self.rows.state_tensors
         finally:
             self.blocks.free(LOAD_OWNER)
 
@@ -206,42 +197,3 @@ class TieredCache:
                        tier_disk_write_errors=self.disk.write_errors, tier_disk_removed_bad=self.disk.removed_bad,
                        tier_disk_read_ahead=self.disk.prefetch_hits)
         return out
-
-
-def entry_tensors(cache, needs_state: bool):
-    """What an entry copies (the cache's block tensors; its whole state tensors where the model
-    has recurrent layers) and each copy's row shape and dtype by entry name."""
-    kv = cache.block_tensors()
-    state = cache.whole_state_tensors() if needs_state else []
-    shapes = {f"kv:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in kv}
-    shapes.update({f"state:{n}": (tuple(t.shape[1:]), t.dtype) for n, t in state})
-    return kv, state, shapes
-
-
-def copy_out(cache, kv_tensors, state_tensors, row_shapes: dict, keys: list[bytes], blocks: list[int],
-             checkpoint: int | None, end: int) -> Entry:
-    """A usable prefix of the pool (its blocks and checkpoint row) copied to host memory whole,
-    into tensors of its own."""
-    specs = entry_specs(row_shapes, len(blocks), checkpoint is not None)
-    tensors = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in specs.items()}
-    gather_into(tensors, cache, kv_tensors, state_tensors, blocks, checkpoint)
-    if cache.device.type == "cuda":
-        torch.cuda.current_stream(cache.device).synchronize()  # the entry leaves the engine's stream
-    return Entry(list(keys), end, tensors)
-
-
-def gather_into(views: dict[str, torch.Tensor], cache, kv_tensors, state_tensors, blocks: list[int],
-                checkpoint: int | None) -> None:
-    """A prefix's blocks and checkpoint row into host tensors already there (`views`, by entry
-    name): from a GPU queued on the current stream (the caller waits or marks it), on the CPU
-    straight into them."""
-    index = torch.tensor(blocks, device=kv_tensors[0][1].device) if kv_tensors else None
-    for n, t in kv_tensors:
-        if t.is_cuda:
-            views[f"kv:{n}"].copy_(t.index_select(0, index), non_blocking=True)
-        else:
-            torch.index_select(t, 0, index, out=views[f"kv:{n}"])
-    if checkpoint is not None:
-        row = cache.checkpoint_row(checkpoint)
-        for n, t in state_tensors:
-            views[f"state:{n}"].copy_(t[row], non_blocking=True)

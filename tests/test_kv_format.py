@@ -289,10 +289,10 @@ def test_tier_entries_carry_the_narrow_formats_exactly(model_factory, tmp_path):
         return t.contiguous().view(torch.uint8)
 
     def spill(keys, blocks, checkpoint, end):  # what the pool holds as it lets the prefix go
-        rows = {f"kv:{n}": as_bytes(t[torch.tensor(blocks)]).clone() for n, t in tiers.kv_tensors}
+        rows = {f"kv:{n}": as_bytes(t[torch.tensor(blocks)]).clone() for n, t in tiers.rows.kv_tensors}
         if checkpoint is not None:
-            row = tiers.cache.checkpoint_row(checkpoint)
-            rows.update({f"state:{n}": as_bytes(t[row]).clone() for n, t in tiers.state_tensors})
+            row = tiers.rows.cache.checkpoint_row(checkpoint)
+            rows.update({f"state:{n}": as_bytes(t[row]).clone() for n, t in tiers.rows.state_tensors})
         spilled[keys[-1]] = rows
         TieredCache.spill(tiers, keys, blocks, checkpoint, end)
 
@@ -303,7 +303,7 @@ def test_tier_entries_carry_the_narrow_formats_exactly(model_factory, tmp_path):
             assert all(torch.equal(as_bytes(t), spilled[entry.keys[-1]][n]) for n, t in entry.tensors.items())
             for i, key in enumerate(entry.keys):
                 block = tiers.prefix_cache.nodes[key].block
-                for name, t in tiers.kv_tensors:
+                for name, t in tiers.rows.kv_tensors:
                     assert torch.equal(as_bytes(t[block]), as_bytes(entry.tensors[f"kv:{name}"][i]))
             loaded.append(entry.keys[-1])
         return done

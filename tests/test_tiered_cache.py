@@ -311,7 +311,6 @@ def test_the_arena_hands_out_aligned_runs_and_merges_what_comes_back():
     (dict(enable_prefix_caching=True, disk_cache_dir="/tmp/x"), "disk_cache_dir and disk_cache_bytes"),
     (dict(enable_prefix_caching=True, disk_cache_bytes=10), "disk_cache_dir and disk_cache_bytes"),
     (dict(enable_prefix_caching=True, host_cache_bytes=-1), "host_cache_bytes"),
-    (dict(enable_prefix_caching=True, host_cache_bytes=1 << 20, tensor_parallel_size=2), "tensor_parallel_size 2"),
 ])
 def test_bad_tier_settings_are_refused_naming_them(options, names):
     with pytest.raises(ValueError, match=names):

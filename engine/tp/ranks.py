@@ -5,7 +5,8 @@ hold their shard of the model and of the cache and do exactly what rank 0 tells 
 order it tells them: ("forward", HostBatch), ("static_step", HostBatch) (a decode step on their
 static buffers or CUDA graph of its size, engine.cuda_graphs), ("copy_state", pairs), ("poison",
 slot), a hand-off's ("gather", blocks, slot) and ("scatter", shapes, blocks, slot)
-(engine.tp.staging), ("stop",); and the kinds they answer: ("xfer", op, ...), their own transport
+(engine.tp.staging; with a last argument True, a prefix-cache entry's, whose slot is a
+checkpoint row: engine.entry_rows), ("stop",); and the kinds they answer: ("xfer", op, ...), their own transport
 endpoint's calls for rank-to-rank hand-offs (engine.tp.rank_handoffs), ("profile", tokens), the
 profile step of gpu_memory_utilization (engine.memory_profile), and ("static_decode", capture),
 their static decode buffers and CUDA graphs, both run with rank 0's.

@@ -39,38 +39,50 @@ def shard_indices(full_spec, size: int, device="cpu") -> dict[str, list[tuple[in
     return out
 
 
-def local_rows(cache: ModelCache, blocks: list[int], slot: int | None) -> list[torch.Tensor]:
-    """This rank's rows of one request, in hand-off tensor order."""
+def local_rows(cache: ModelCache, blocks: list[int], slot: int | None,
+               checkpoint_rows: bool = False) -> list[torch.Tensor]:
+    """This rank's rows of one request, in hand-off tensor order (`slot` None: no state row).
+    `checkpoint_rows`: `slot` may be a checkpoint row (a prefix-cache entry's)."""
     block_index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-    return [t.index_select(0, block_index) if role == BLOCK_ROLE else t[slot:slot + 1]
-            for _, _, _, role, t in cache.handoff_tensors()]
+    return [t.index_select(0, block_index) if role == BLOCK_ROLE else t[slot:slot + 1] if slot is not None else t[:0]
+            for _, _, _, role, t in cache.handoff_tensors(checkpoint_rows)]
 
 
-def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], slot: int | None) -> None:
+def write_local(cache: ModelCache, rows: list[torch.Tensor], blocks: list[int], slot: int | None,
+                checkpoint_rows: bool = False) -> None:
     block_index = torch.tensor(blocks, dtype=torch.long, device=cache.device)
-    for (_, _, _, role, t), r in zip(cache.handoff_tensors(), rows):
+    for (_, _, _, role, t), r in zip(cache.handoff_tensors(checkpoint_rows), rows):
         if role == BLOCK_ROLE:
             index_copy(t, 0, block_index, r.to(t.dtype))
-        else:
+        elif slot is not None:
             t[slot:slot + 1] = r
 
 
-def gather_rows(group, cache: ModelCache, blocks: list[int], slot: int | None) -> list[list[torch.Tensor]] | None:
+def gather_rows(group, cache: ModelCache, blocks: list[int], slot: int | None,
+                checkpoint_rows: bool = False) -> list[list[torch.Tensor]] | None:
     """Every rank: its rows of each tensor, gathered on rank 0 (per tensor, one per rank)."""
-    parts = [group.gather_to_first(r) for r in local_rows(cache, blocks, slot)]
+    parts = [group.gather_to_first(r) for r in local_rows(cache, blocks, slot, checkpoint_rows)]
     return parts if group.rank == 0 else None
 
 
+def assemble(index, names: list[str], parts: list[list[torch.Tensor]], out: list[torch.Tensor]) -> None:
+    """Rank 0: the gathered `parts` (per tensor, one per rank) written into the un-sharded rows
+    `out` (per tensor, on parts' device) at the indices each rank owns."""
+    for name, by_rank, rows in zip(names, parts, out):
+        for rank, (axis, idx) in enumerate(index[name]):
+            index_copy(rows, axis, idx.to(rows.device), by_rank[rank].to(rows.device))
+
+
 def scatter_rows(group, cache: ModelCache, index, full: list[torch.Tensor] | None, shapes,
-                 blocks: list[int], slot: int | None) -> None:
+                 blocks: list[int], slot: int | None, checkpoint_rows: bool = False) -> None:
     """Every rank: receive exactly its indices of rank 0's un-sharded rows (`full` on rank 0,
     else None and their `shapes`) and keep them in its own rows."""
     mine = []
-    for i, (name, _, _, _, t) in enumerate(cache.handoff_tensors()):
+    for i, (name, _, _, _, t) in enumerate(cache.handoff_tensors(checkpoint_rows)):
         axis, idx = index[name][group.rank]
         parts = [full[i].index_select(a, ix) for a, ix in index[name]] if full is not None else None
         shape = list(shapes[i])
         shape[axis] = len(idx)  # every rank owns as many (the plan splits evenly)
         out = torch.empty(shape, dtype=t.dtype, device=t.device)
         mine.append(group.scatter_from_first(parts, out))
-    write_local(cache, mine, blocks, slot)
+    write_local(cache, mine, blocks, slot, checkpoint_rows)
