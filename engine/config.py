@@ -115,9 +115,6 @@ class EngineConfig:
             raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device: {self.device!r}: only 'cpu' and 'cuda' devices are supported")
-        if tp > 1 and self.speculative_config is not None and self.speculative_config.method == "mtp":
-            raise ValueError(f"speculative_config.method 'mtp' with tensor_parallel_size {tp}: not supported yet "
-                             "(the head runs unsharded on one rank)")
         if tp > 1 and device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size {tp} on {self.device}: ranks are placed from cuda:0 on; "
                              "pass device='cuda'")

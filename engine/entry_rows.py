@@ -86,7 +86,7 @@ class RankRows(CacheRows):
         from engine.tp.staging import shard_indices
 
         config = engine.config
-        spec = engine.cache_format.apply(engine.model.full_spec)
+        spec = engine.full_cache_spec
         layout = ModelCache(spec, CacheSizes(1, 1, 0, 0), config.block_size, config.torch_dtype, "cpu",
                             runs_layers=False)
         super().__init__(engine.cache, needs_state, layout)

@@ -16,7 +16,7 @@ from engine.cache_formats import CacheFormat
 from engine.kv_format import KV_DTYPES, read_kv_scales
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner, token_slice
-from engine.mtp import MTPProposer
+from engine.mtp import MTPProposer, load_head
 from engine.models import load_model
 from engine.output import OutputTracker, RequestOutput
 from engine.phase import Phase
@@ -122,6 +122,13 @@ class LLMEngine:
         if self.mtp_head is not None:
             cache_spec = dataclasses.replace(
                 cache_spec, layers=cache_spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
+        # The cache un-sharded, as hand-offs and prefix-cache entries carry it: this one, or under
+        # tensor parallelism the whole model's (and head's) in the same formats.
+        self.full_cache_spec = cache_spec
+        if self.tp is not None:
+            full = self.cache_format.apply(self.model.full_spec)
+            head = (self.mtp_full_spec,) if self.mtp_head is not None else ()
+            self.full_cache_spec = dataclasses.replace(full, layers=full.layers + head)
         limit = self.spec.max_position or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         try:
@@ -172,14 +179,14 @@ class LLMEngine:
                                    prefill_only=config.mode == "prefill", prefix_cache=self.prefix_cache,
                                    verify_needs_scratch=bool(self.spec.state_layers),
                                    split_at_save_points=not captures)
-        self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
-        # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
-        speculative = config.speculative_config if config.mode != "prefill" else None
-        self.speculation = Speculation(speculative, self) if speculative is not None else None
         # (An MTP head reads each step's hidden states: the runner keeps them, graphs too.)
         self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
                                   config.enforce_eager, self.max_model_len, tp=self.tp,
                                   keep_hidden=self.mtp_head is not None)
+        self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
+        # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
+        speculative = config.speculative_config if config.mode != "prefill" else None
+        self.speculation = Speculation(speculative, self) if speculative is not None else None
         self.runner.verifies = self.speculation is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
@@ -193,15 +200,15 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _load_mtp_head(self, config: EngineConfig):
+        """The MTP head (engine.mtp) on every rank; its un-sharded cache layer kept for the
+        hand-offs and prefix-cache entries, which travel un-sharded."""
         speculative = config.speculative_config
         if speculative is None or speculative.method != "mtp":
             return None
-        from engine.models import load_mtp_head
-        from engine.models.packed_linear import pack_linears
-
-        head = load_mtp_head(config.model, config.torch_dtype, config.device)
-        if config.device == "cpu":
-            pack_linears(head)
+        if self.tp is not None:
+            self.tp.send("mtp_head")  # each rank loads and shards its own, as it did the model
+        head, self.mtp_full_spec = load_head(config.model, config.torch_dtype, config.device,
+                                             self.tp.group if self.tp is not None else None)
         return head
 
     def _usable_prefixes(self) -> list:
@@ -405,7 +412,7 @@ class LLMEngine:
         logits = self.runner.execute(seqs)
         outputs = self._after_pass(seqs, logits)
         if begins is not None:  # once the pass's tokens are known: sampled, accepted or rejected
-            self.mtp.observe(seqs, begins, self.runner.last_hidden)
+            self.mtp.observe(seqs, begins)
         return outputs
 
     def _after_pass(self, seqs: list[ScheduledSeq], logits) -> list[RequestOutput]:

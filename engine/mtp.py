@@ -14,6 +14,11 @@ carries the target's layers. Two things happen:
 - `propose_all`, on a speculating worker before a step: the first draft from g in the slot,
   then k - 1 steps of the head, each feeding the draft before and its own g.
 
+Under tensor parallelism the head is sharded like the target's layers, and every rank keeps its
+shard of the head's KV and a whole g per slot: the proposer runs on rank 0 and tells the other
+ranks each step of the head it takes (HeadSteps, the ranks' "mtp" command), so they meet in
+the same collectives in the same order.
+
 The head is attention only, so nothing rolls back: KV the drafts wrote past the kept
 positions is overwritten by the next observation, which rewrites g as well. The positions a
 VERIFY row ran past its accepted drafts are not observed; the accepted ones are, even where
@@ -33,21 +38,88 @@ from engine.scheduler import ScheduledSeq
 from engine.speculative import Proposer, SpeculativeConfig
 
 
+def load_head(model_dir: str, dtype: torch.dtype, device: str, group=None) -> tuple[MTPHead, object]:
+    """The checkpoint's head as this rank runs it (its layer sharded over `group` like the
+    target's, engine.tp.shard), and the un-sharded cache layer it adds (a LayerCacheSpec)."""
+    from engine.models import load_mtp_head
+    from engine.models.packed_linear import pack_linears
+
+    head = load_mtp_head(model_dir, dtype, device)
+    full = head.cache_spec(dtype)
+    if group is not None and group.size > 1:
+        from engine.tp.shard import shard_module
+
+        try:
+            head.layer = shard_module(head.layer, group)
+        except ValueError as e:
+            raise ValueError(f"speculative_config.method 'mtp': the head's layer at tensor_parallel_size "
+                             f"{group.size}: {e}") from None
+    if device == "cpu":
+        pack_linears(head)
+    return head, full
+
+
+class HeadSteps:
+    """What the head computes on one rank, on that rank's cache: rank 0's proposer takes these
+    steps, and a tensor-parallel engine's other ranks take each of them too (engine.tp.ranks)."""
+
+    def __init__(self, head: MTPHead, model, cache, runner, index: int):
+        self.head, self.model, self.cache, self.runner, self.index = head, model, cache, runner, index
+        self.g: torch.Tensor | None = None  # while proposing: g of each row still drafting
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """Each slot's g: the head's state tensor in the target's cache."""
+        return self.cache.layers.state[self.index][0]
+
+    def run(self, host, hidden: torch.Tensor) -> torch.Tensor:
+        """g at every token of the head's rows `host` (a HostBatch), `hidden` the state each
+        token follows."""
+        batch = self.runner.device_batch(host)
+        return self.head(self.model.embed_tokens(batch), hidden, batch, self.cache.layers, self.index)
+
+    def observe(self, host, picked: torch.Tensor, lasts: torch.Tensor, slots: torch.Tensor) -> None:
+        """The head over rows `picked` of the target's last pass (runner.last_hidden); g of
+        rows `lasts` of it kept in `slots`."""
+        hidden = self.runner.last_hidden
+        g = self.run(host, hidden.index_select(0, picked.to(hidden.device)))
+        g = g.index_select(0, lasts.to(g.device))
+        self.kept.index_copy_(0, slots.to(g.device), g.to(self.kept.dtype))
+
+    def start(self, slots: torch.Tensor) -> None:
+        self.g = self.kept.index_select(0, slots.to(self.kept.device))
+
+    def logits(self) -> torch.Tensor:
+        return self.model.lm_logits(self.g)
+
+    def step(self, host, on: torch.Tensor) -> None:
+        """The next g of the rows `on` of the current ones, fed the drafts in `host`."""
+        self.g = self.run(host, self.g.index_select(0, on.to(self.g.device)))
+
+
 class MTPProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, head: MTPHead, engine):
         """`engine`: the LLMEngine whose cache holds the head's layer (engine.cache.spec's last)."""
         super().__init__(config)
-        self.head = head
         self.engine = engine
         self.index = len(engine.model.layers)  # the head's layer in the target's cache
+        self.steps = HeadSteps(head, engine.model, engine.cache, engine.runner, self.index)
         self.mirrors: dict[str, Request] = {}  # the head's view of each request: its tokens shifted by one
+
+    def _take(self, step: str, *args):
+        """One of the head's steps, on every rank (the others told first: they meet in its
+        collectives)."""
+        if self.engine.tp is not None:
+            self.engine.tp.send("mtp", step, *args)
+        return getattr(self.steps, step)(*args)
 
     # ------------------------------------------------------------------ after each target pass
 
     @torch.inference_mode()
-    def observe(self, seqs: list[ScheduledSeq], begins: list[int], hidden: torch.Tensor) -> None:
+    def observe(self, seqs: list[ScheduledSeq], begins: list[int]) -> None:
         """The head over the kept positions of a pass of the target: `begins` each row's first
-        position, `hidden` the pass's final hidden states, a row per token, rows in order."""
+        position; the pass's final hidden states (a row per token, rows in order) are in the
+        runner's last_hidden."""
         rows, picked, at = [], [], 0
         for seq, begin in zip(seqs, begins):
             request = seq.request
@@ -59,9 +131,9 @@ class MTPProposer(Proposer):
         if not rows:
             return
         seqs = [self._seq(request, begin, end - begin) for request, begin, end in rows]
-        g = self._run(seqs, hidden.index_select(0, torch.cat(picked).to(hidden.device)))
         lasts = torch.tensor([len(p) for p in picked]).cumsum(0) - 1
-        self._keep(seqs, g.index_select(0, lasts.to(g.device)))
+        self._take("observe", self.engine.runner.host_batch(seqs), torch.cat(picked), lasts,
+                   torch.tensor([seq.slot for seq in seqs]))
 
     # ------------------------------------------------------------------ the proposer contract
 
@@ -80,10 +152,9 @@ class MTPProposer(Proposer):
                 going.append((request, k))
         if not going:
             return [drafts[r.request_id] for r in requests]
-        slots = torch.tensor([engine.slots.slot_of[r.request_id] for r, _ in going], device=self._kept.device)
-        g = self._kept.index_select(0, slots)
+        self._take("start", torch.tensor([engine.slots.slot_of[r.request_id] for r, _ in going]))
         for step in range(max(k for _, k in going)):
-            for (request, _), token in zip(going, self._greedy(g)):
+            for (request, _), token in zip(going, engine.runner.sampler.greedy(self._take("logits")).token_ids):
                 drafts[request.request_id].append(token)
             on = [i for i, (_, k) in enumerate(going) if k > step + 1]
             if not on:
@@ -93,7 +164,7 @@ class MTPProposer(Proposer):
             for request, _ in going:
                 self._mirror(request).draft_token_ids = drafts[request.request_id]
                 seqs.append(self._seq(request, request.num_tokens - 2 + len(drafts[request.request_id]), 1))
-            g = self._run(seqs, g.index_select(0, torch.tensor(on, device=g.device)))
+            self._take("step", engine.runner.host_batch(seqs), torch.tensor(on))
         for request in requests:
             if request.request_id in self.mirrors:
                 self.mirrors[request.request_id].draft_token_ids = []
@@ -103,15 +174,6 @@ class MTPProposer(Proposer):
         self.mirrors.pop(request_id, None)
 
     # ------------------------------------------------------------------ the head's rows
-
-    @property
-    def _kept(self) -> torch.Tensor:
-        """Each slot's g: the head's state tensor in the target's cache."""
-        return self.engine.cache.layers.state[self.index][0]
-
-    def _keep(self, seqs: list[ScheduledSeq], g: torch.Tensor) -> None:
-        slots = torch.tensor([seq.slot for seq in seqs], device=g.device)
-        self._kept.index_copy_(0, slots, g.to(self._kept.dtype))
 
     def _mirror(self, request: Request) -> Request:
         """The head's request for `request`: token p of it is the request's token p + 1 (the
@@ -131,13 +193,3 @@ class MTPProposer(Proposer):
         engine = self.engine
         return ScheduledSeq(mirror, phase, num_tokens, engine.slots.slot_of[request.request_id],
                             engine.blocks.table(request.request_id))
-
-    def _run(self, seqs: list[ScheduledSeq], hidden: torch.Tensor) -> torch.Tensor:
-        """g at every token of these rows of the head, `hidden` the state each token follows."""
-        runner = self.engine.runner
-        batch = runner.device_batch(runner.host_batch(seqs))
-        embedded = self.engine.model.embed_tokens(batch)
-        return self.head(embedded, hidden, batch, self.engine.cache.layers, self.index)
-
-    def _greedy(self, g: torch.Tensor) -> list[int]:
-        return self.engine.runner.sampler.greedy(self.engine.model.lm_logits(g)).token_ids

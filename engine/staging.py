@@ -71,7 +71,7 @@ class HandoffStaging:
         self.group = engine.tp.group if getattr(engine, "tp", None) is not None else None
         # The engine's own cache layout (an MTP head's layer, narrow state formats included), or
         # under tensor parallelism the un-sharded one in the same formats.
-        spec = engine.cache_format.apply(engine.model.full_spec) if self.group is not None else engine.cache.spec
+        spec = engine.full_cache_spec
         device = torch.device(device) if device is not None else engine.cache.device
         if requests is None:
             requests = TP_STAGING_REQUESTS if self.group is not None else HOST_STAGING_REQUESTS

@@ -144,14 +144,16 @@ def test_a_head_that_skips_the_accepted_positions_drafts_wrong_tokens(mtp_model,
     the head's."""
     original = MTPProposer.observe
 
-    def first_only(self, seqs, begins, hidden):
+    def first_only(self, seqs, begins):
         picked, kept, at = [], [], 0
         for seq in seqs:
             width = 1 if seq.phase is Phase.VERIFY else seq.num_new_tokens
             kept.append(type(seq)(seq.request, seq.phase, width, seq.slot, seq.block_table))
             picked += range(at, at + width)
             at += seq.num_new_tokens
-        return original(self, kept, begins, hidden[picked])
+        runner = self.engine.runner
+        runner.last_hidden = runner.last_hidden[picked]
+        return original(self, kept, begins)
 
     monkeypatch.setattr(MTPProposer, "observe", first_only)
     with pytest.raises(AssertionError, match="the head run by transformers"):
@@ -227,5 +229,70 @@ def test_mtp_is_refused_where_there_is_no_head_naming_why(mtp_model, model_facto
     (two / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 2}))
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         LLM(str(two), speculative_config=MTP)
-    with pytest.raises(ValueError, match="'mtp' with tensor_parallel_size 2"):
-        EngineConfig(str(path), tensor_parallel_size=2, speculative_config=MTP)
+
+
+def test_the_head_drafts_on_two_ranks_as_on_one(mtp_model, monkeypatch):
+    """The head sharded over two ranks like the target: its drafts are still the head's and the
+    outputs the plain decode's of the same ranks."""
+    path, hf, head = mtp_model
+    prompts = prompts_for(5, (6, 19, 40))
+    plain_llm = LLM(str(path), block_size=4, tensor_parallel_size=2)
+    try:
+        plain = [out.token_ids for out in plain_llm.generate(prompts, GREEDY)]
+    finally:
+        plain_llm.engine.close()
+    proposals = record_proposals(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)})
+    llm = LLM(str(path), block_size=4, tensor_parallel_size=2, speculative_config=MTP)
+    try:
+        assert [out.token_ids for out in llm.generate(prompts, GREEDY)] == plain
+        stats = llm.engine.speculation.stats()
+    finally:
+        llm.engine.close()
+    for prompt, output in zip(prompts, plain):
+        judge_greedy(hf, prompt, output)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    for tokens, drafts in proposals[::3]:
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)])
+def test_the_head_cache_crosses_between_tp_sizes(mtp_model, monkeypatch, sizes):
+    """The head's KV and g travel un-sharded between workers of different TP sizes: the
+    decode side's first drafts are the head's."""
+    from tests.test_handoff_engine import judged_and_freed
+    from tests.test_tp_handoff import hand_off
+
+    path, hf, head = mtp_model
+    prompts = prompts_for(6, (2, 9, 21))
+    proposals = record_proposals(monkeypatch)
+    prefill = LLMEngine(EngineConfig(str(path), block_size=4, mode="prefill", max_num_batched_tokens=8,
+                                     tensor_parallel_size=sizes[0], speculative_config=MTP))
+    decode = LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", tensor_parallel_size=sizes[1],
+                                    speculative_config=MTP))
+    try:
+        final = hand_off(prefill, decode, prompts, GREEDY)
+        judged_and_freed(hf, prompts, final, (prefill, decode))
+    finally:
+        prefill.close()
+        decode.close()
+    for prompt in prompts:  # each request's first proposal: right after the hand-off
+        tokens, drafts = next((t, d) for t, d in proposals if t[:len(prompt)] == prompt)
+        assert len(tokens) == len(prompt) + 1 and drafts
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)
+
+
+def test_equal_tp_workers_hand_the_head_cache_off_rank_to_rank(mtp_model, monkeypatch):
+    """2 -> 2 workers over shm: each rank sends its own shard of the head's KV and its g."""
+    from tests.test_tp_rank_handoff import Pair, parity_run
+
+    path, hf, head = mtp_model
+    proposals = record_proposals(monkeypatch)
+    pair = Pair(path, "shm", options={"speculative_config": MTP})
+    try:
+        prompts = parity_run(pair, hf, (2, 9, 21))
+    finally:
+        pair.close()
+    for prompt in prompts:  # each request's first proposal: right after the hand-off
+        tokens, drafts = next((t, d) for t, d in proposals if t[:len(prompt)] == prompt)
+        assert len(tokens) == len(prompt) + 1 and drafts
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)

@@ -30,6 +30,49 @@ def copy_rows(src_cache, dst_cache, src_blocks, src_slot, dst_blocks, dst_slot):
         d[dst_slot] = s[src_slot]
 
 
+def hand_off(prefill, decode, prompts, params=PARAMS) -> dict:
+    """Each prompt prefilled by `prefill` and decoded by `decode` (either tensor-parallel:
+    through its staging rows); the final outputs by request id."""
+    p_stage = HandoffStaging(prefill, requests=2) if prefill.tp is not None else None
+    d_stage = HandoffStaging(decode, requests=8) if decode.tp is not None else None
+    reservations, targets = {}, {}
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        res = reservations[rid] = decode.reserve_for_handoff(prompt, params, rid)
+        staged = d_stage.take(rid, len(res.block_ids)) if d_stage else None
+        targets[rid] = (staged.blocks, staged.slot) if staged else (res.block_ids, res.slot)
+        prefill.add_request(prompt, params, request_id=rid)
+    final, waiting = {}, []
+    while len(final) < len(prompts):
+        prefill.step()
+        waiting += prefill.take_handoffs()
+        for h in list(waiting):
+            blocks, slot = h.block_ids, h.slot
+            if p_stage is not None:  # two staging rows: later hand-offs wait, as on a worker
+                staged = p_stage.take(h.request_id, len(blocks))
+                if staged is None:
+                    continue
+                p_stage.gather(staged, blocks, slot)
+                blocks, slot = staged.blocks, staged.slot
+            waiting.remove(h)
+            copy_rows(wire(prefill, p_stage), wire(decode, d_stage), blocks, slot, *targets[h.request_id])
+            prefill.finish_handoff(h.request_id)
+            if p_stage is not None:
+                p_stage.give_back(h.request_id)
+            if d_stage is not None:
+                res = reservations[h.request_id]
+                d_stage.scatter(d_stage.held[h.request_id], decode.blocks.blocks_needed(h.num_tokens),
+                                res.block_ids, res.slot)
+                d_stage.give_back(h.request_id)
+            decode.accept_handoff(h.request_id, h.first_token, h.first_logprob)
+        for out in decode.step():
+            if out.finished:
+                final[out.request_id] = out
+    for stage, regions in ((p_stage, 2), (d_stage, 8)):
+        assert stage is None or (not stage.held and len(stage.free_regions) == regions)
+    return final
+
+
 # With tests/test_cluster_tp.py (jamba 2->1, granitemoehybrid 1->2, llama 2->2 over real
 # transports) every family meets every size pair once.
 @pytest.mark.parametrize(("family", "sizes"), [
@@ -44,46 +87,10 @@ def test_tp_sizes_hand_off_exactly(model_factory, family, sizes):
                                      tensor_parallel_size=p_tp))
     decode = LLMEngine(EngineConfig(str(path), block_size=4, mode="decode", tensor_parallel_size=d_tp))
     try:
-        p_stage = HandoffStaging(prefill, requests=2) if p_tp > 1 else None
-        d_stage = HandoffStaging(decode, requests=8) if d_tp > 1 else None
         rng = random.Random(sum(sizes))
         prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (3, 9, 17, 30)]
-        reservations, targets = {}, {}
-        for i, prompt in enumerate(prompts):
-            rid = f"r{i}"
-            res = reservations[rid] = decode.reserve_for_handoff(prompt, PARAMS, rid)
-            staged = d_stage.take(rid, len(res.block_ids)) if d_stage else None
-            targets[rid] = (staged.blocks, staged.slot) if staged else (res.block_ids, res.slot)
-            prefill.add_request(prompt, PARAMS, request_id=rid)
-        final, waiting = {}, []
-        while len(final) < len(prompts):
-            prefill.step()
-            waiting += prefill.take_handoffs()
-            for h in list(waiting):
-                blocks, slot = h.block_ids, h.slot
-                if p_stage is not None:  # two staging rows: later hand-offs wait, as on a worker
-                    staged = p_stage.take(h.request_id, len(blocks))
-                    if staged is None:
-                        continue
-                    p_stage.gather(staged, blocks, slot)
-                    blocks, slot = staged.blocks, staged.slot
-                waiting.remove(h)
-                copy_rows(wire(prefill, p_stage), wire(decode, d_stage), blocks, slot, *targets[h.request_id])
-                prefill.finish_handoff(h.request_id)
-                if p_stage is not None:
-                    p_stage.give_back(h.request_id)
-                if d_stage is not None:
-                    res = reservations[h.request_id]
-                    d_stage.scatter(d_stage.held[h.request_id], decode.blocks.blocks_needed(h.num_tokens),
-                                    res.block_ids, res.slot)
-                    d_stage.give_back(h.request_id)
-                decode.accept_handoff(h.request_id, h.first_token, h.first_logprob)
-            for out in decode.step():
-                if out.finished:
-                    final[out.request_id] = out
+        final = hand_off(prefill, decode, prompts)
         judged_and_freed(hf, prompts, final, (prefill, decode))
-        for stage, regions in ((p_stage, 2), (d_stage, 8)):
-            assert stage is None or (not stage.held and len(stage.free_regions) == regions)
     finally:
         prefill.close()
         decode.close()

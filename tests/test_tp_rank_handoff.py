@@ -26,11 +26,12 @@ OPTIONS = {"block_size": 4, "max_num_batched_tokens": 8}
 class Pair:
     """A prefill worker connected to a decode worker, TP=2 each unless told."""
 
-    def __init__(self, path, transport: str, sizes: tuple[int, int] = (2, 2)):
+    def __init__(self, path, transport: str, sizes: tuple[int, int] = (2, 2), options: dict | None = None):
         self.sizes = sizes
-        self.prefill = PrefillWorker("p0", str(path), {**OPTIONS, "tensor_parallel_size": sizes[0]}, transport,
+        options = {**OPTIONS, **(options or {})}
+        self.prefill = PrefillWorker("p0", str(path), {**options, "tensor_parallel_size": sizes[0]}, transport,
                                      transfer_timeout_s=20)
-        self.decode = DecodeWorker("d0", str(path), {**OPTIONS, "tensor_parallel_size": sizes[1]}, transport,
+        self.decode = DecodeWorker("d0", str(path), {**options, "tensor_parallel_size": sizes[1]}, transport,
                                    transfer_timeout_s=20)
 
     @property
@@ -90,7 +91,8 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def parity_run(pair: Pair, hf, lengths) -> None:
+def parity_run(pair: Pair, hf, lengths) -> list[list[int]]:
+    """The prompts (of these lengths) handed off and judged; returns them."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in lengths]
 
@@ -103,6 +105,7 @@ def parity_run(pair: Pair, hf, lengths) -> None:
     judged_and_freed(hf, prompts, final, ())
     pair.settled()
     assert pair.prefill.handoffs["by_rank"] == (len(prompts) if pair.by_rank else 0)
+    return prompts
 
 
 def one_rank_fails(pair: Pair, hf, transport: str) -> None:

@@ -14,6 +14,7 @@ Rules (Megatron-style; `size` ranks):
 - Gated DeltaNet: value heads split evenly; key heads as KV heads above; conv channels are
   [its q heads, its k heads, its v heads].
 - short conv (LFM2): hidden channels split evenly.
+- an MTP head's hidden row (engine.mtp): whole on every rank (its layer's KV as attention).
 Anything else, or sizes that do not divide, raises ValueError naming the problem.
 
 A cache layer's shard map (`layer_shards`) is derived from its un-sharded LayerCacheSpec alone,
@@ -164,6 +165,8 @@ def _state_shards(layer, size: int, rank: int) -> tuple[TensorShard, ...]:
         spans = {"conv": (lay.conv, lay.k_replicated), "recurrent": ((lay.v_heads,), False)}
     elif kind == "short_conv" and set(shapes) == {"conv"}:
         spans = {"conv": ((even_split(shapes["conv"][0], size, rank, "short conv channels"),), False)}
+    elif kind == "mtp_hidden" and set(shapes) == {"hidden"}:  # an MTP head's g: whole on every rank
+        spans = {"hidden": (((0, shapes["hidden"][0]),), size > 1)}
     else:
         raise ValueError(f"tensor parallelism: layer kind {layer.kind!r} with state kind {kind!r} "
                          f"({', '.join(shapes)}) is not supported at TP size {size}")

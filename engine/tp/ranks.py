@@ -6,7 +6,8 @@ order it tells them: ("forward", HostBatch), ("static_step", HostBatch) (a decod
 static buffers or CUDA graph of its size, engine.cuda_graphs), ("copy_state", pairs), ("poison",
 slot), a hand-off's ("gather", blocks, slot) and ("scatter", shapes, blocks, slot)
 (engine.tp.staging; with a last argument True, a prefix-cache entry's, whose slot is a
-checkpoint row: engine.entry_rows), ("stop",); and the kinds they answer: ("xfer", op, ...), their own transport
+checkpoint row: engine.entry_rows), an MTP head's ("mtp_head",) and ("mtp", step, ...)
+(engine.mtp.HeadSteps), ("stop",); and the kinds they answer: ("xfer", op, ...), their own transport
 endpoint's calls for rank-to-rank hand-offs (engine.tp.rank_handoffs), ("profile", tokens), the
 profile step of gpu_memory_utilization (engine.memory_profile), and ("static_decode", capture),
 their static decode buffers and CUDA graphs, both run with rank 0's.
@@ -23,6 +24,7 @@ into new shared-memory files).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -293,7 +295,7 @@ def follower_main(model_path: str, dtype: str, device: str, block_size: int, ran
     conn = Client(address, authkey=authkey)
     conn.send(rank)
     follower = Follower(group, shard_model(load_model(model_path, torch_dtype, device), group),
-                        block_size, torch_dtype, device)
+                        block_size, torch_dtype, device, model_path)
     try:
         while True:
             try:
@@ -313,12 +315,14 @@ class Follower:
     """What a follower rank holds: its shard of the model and of the cache, and its hand-off
     endpoint (engine.tp.rank_handoffs)."""
 
-    def __init__(self, group, model, block_size: int, torch_dtype, device: str):
+    def __init__(self, group, model, block_size: int, torch_dtype, device: str, model_path: str = ""):
         from engine.tp.rank_handoffs import RankEndpoint
 
         self.group, self.model, self.block_size = group, model, block_size
-        self.torch_dtype, self.device = torch_dtype, device
+        self.torch_dtype, self.device, self.model_path = torch_dtype, device, model_path
         self.cache = self.runner = self.index = None
+        self.full_spec = model.full_spec  # un-sharded, with an MTP head's layer once there is one
+        self.head = self.head_steps = None  # an MTP head (engine.mtp), where rank 0 has one
         self.endpoint = RankEndpoint(group.rank, group.size, block_size)
 
     def obey(self, command: tuple):
@@ -347,12 +351,25 @@ class Follower:
                 return True, self.runner.static.eager_reason
             except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
                 return False, f"{type(error).__name__}: {error}"
+        if kind == "mtp_head":  # before "cache": the head's layer is one more of the cache's
+            from engine.mtp import load_head
+
+            self.head, full = load_head(self.model_path, self.torch_dtype, self.device, self.group)
+            self.full_spec = dataclasses.replace(self.full_spec, layers=self.full_spec.layers + (full,))
+            return None
         if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows, same formats
+            from engine.mtp import HeadSteps
+
             sizes, max_model_len, cache_format = command[1:]  # engine.cache_formats.CacheFormat
-            self.cache = ModelCache(cache_format.apply(self.model.spec), sizes, self.block_size,
-                                    self.torch_dtype, self.device)
+            spec = cache_format.apply(self.model.spec)
+            if self.head is not None:
+                spec = dataclasses.replace(spec, layers=spec.layers + (self.head.cache_spec(self.torch_dtype),))
+            self.cache = ModelCache(spec, sizes, self.block_size, self.torch_dtype, self.device)
             self.runner = ModelRunner(self.model, self.cache, StateSlotAllocator(sizes.num_slots), self.device,
-                                      debug=False, enforce_eager=True, max_model_len=max_model_len)
+                                      debug=False, enforce_eager=True, max_model_len=max_model_len,
+                                      keep_hidden=self.head is not None)
+            if self.head is not None:
+                self.head_steps = HeadSteps(self.head, self.model, self.cache, self.runner, len(self.model.layers))
             return None
         with torch.inference_mode():
             return self._compute(kind, command[1:])
@@ -362,9 +379,15 @@ class Follower:
 
         cache = self.cache
         if kind == "forward":
-            self.model(self.runner.device_batch(args[0]), cache.layers)
+            batch = self.runner.device_batch(args[0])
+            batch.keep_hidden = self.runner.keep_hidden
+            self.model(batch, cache.layers)
+            self.runner.last_hidden = batch.hidden  # what an MTP head's next observation reads
         elif kind == "static_step":
             self.runner.static.run(args[0])
+            self.runner.last_hidden = self.runner.static.last_hidden
+        elif kind == "mtp":  # one of the head's steps, as rank 0 takes it (engine.mtp.HeadSteps)
+            getattr(self.head_steps, args[0])(*args[1:])
         elif kind == "copy_state":
             cache.copy_state(args[0])
         elif kind == "poison":
@@ -372,7 +395,7 @@ class Follower:
         elif kind == "gather":
             gather_rows(self.group, cache, *args)
         elif kind == "scatter":
-            self.index = self.index or shard_indices(self.model.full_spec, self.group.size, cache.device)
+            self.index = self.index or shard_indices(self.full_spec, self.group.size, cache.device)
             scatter_rows(self.group, cache, self.index, None, *args)
         else:
             raise RuntimeError(f"tensor-parallel rank {self.group.rank}: unknown command {kind!r}")
