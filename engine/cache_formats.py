@@ -11,7 +11,7 @@ per kind of format.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +32,20 @@ class CacheFormat:
             raise ValueError(f"mamba_state_dtype: {self.state_dtype!r} not in {list(STATE_DTYPES)}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_dtype!r} not in {list(KV_DTYPES)}")
+
+    def for_rank(self, full_spec: ModelSpec, size: int, rank: int) -> CacheFormat:
+        """This format as tensor-parallel rank `rank` of `size` stores its shard of a model whose
+        un-sharded spec is `full_spec`: a scale per KV head becomes those of the heads the rank
+        keeps (engine.tp.plan); per-tensor scales stay."""
+        if size == 1 or not any(isinstance(s, tuple) for pair in self.kv_scales.values() for s in pair.values()):
+            return self
+        from engine.tp.plan import model_shards
+
+        shards = model_shards(full_spec, size)[rank]
+        return replace(self, kv_scales={
+            layer: {name: tuple(s[i] for i in shards[layer].kv.indices()) if isinstance(s, tuple) else s
+                    for name, s in pair.items()}
+            for layer, pair in self.kv_scales.items()})
 
     def apply(self, spec: ModelSpec) -> ModelSpec:
         return narrow_kv_spec(narrow_state_spec(spec, self.state_dtype), self.kv_dtype, self.kv_scales)

@@ -88,10 +88,6 @@ class LLMEngine:
         self.model = load_model(config.model, config.torch_dtype, config.device)
         # FP8 KV's scales, checked against the un-sharded model's KV heads (engine.kv_format)
         scales = read_kv_scales(config.model, self.model.spec) if KV_DTYPES[config.kv_cache_dtype] is not None else {}
-        if config.tensor_parallel_size > 1 and any(isinstance(s, tuple) for d in scales.values() for s in d.values()):
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} with scales per KV head and "
-                             f"tensor_parallel_size {config.tensor_parallel_size}: not supported yet (a rank "
-                             "holds its heads' share); serve it with tensor_parallel_size 1 or per-tensor scales")
         self.tp = None  # engine.tp.ranks.TPLeader when the model is sharded over several ranks
         if config.tensor_parallel_size > 1:
             import torch
@@ -115,8 +111,10 @@ class LLMEngine:
         # one more layer of the target's, which a hand-off carries with the rest.
         self.mtp_head = self._load_mtp_head(config)
         # The cache's formats (engine.cache_formats): half-width state, FP8 KV with its scales.
+        # (Un-sharded: each rank stores its shard in its share of it, CacheFormat.for_rank.)
         self.cache_format = CacheFormat(config.mamba_state_dtype, config.kv_cache_dtype, scales)
-        cache_spec = self.cache_format.apply(self.spec)
+        cache_spec = self.cache_format.for_rank(self.model.full_spec, self.tp.group.size, 0).apply(self.spec) \
+            if self.tp is not None else self.cache_format.apply(self.spec)
         for reason in wasted_formats(self.spec, cache_spec, config.torch_dtype, config.block_size):
             log.warning("%s (docs/cache-formats.md)", reason)
         if self.mtp_head is not None:

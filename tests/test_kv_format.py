@@ -137,7 +137,8 @@ def test_checkpoint_scales_are_used_named_in_the_layout_and_refused_when_they_di
 
 def test_scales_per_kv_head_scale_each_heads_rows(model_factory, tmp_path):
     """The attn_head strategy: k_scale with one value per KV head divides each head's rows by
-    its own; named in the layout; refused with tensor parallelism, where a rank holds a share."""
+    its own; named in the layout. With tensor parallelism each rank stores its heads with their
+    own scales, and its rows put together are the one-rank engine's."""
     path, _ = model_factory("llama")  # 2 KV heads, 2 attention layers
     plain = LLMEngine(EngineConfig(str(path), block_size=4))
     per_head = with_kv_scales(path, tmp_path / "per_head", {0: ([0.5, 4.0], 2.0), 1: ([1.0, 0.25], [3.0, 1.0])})
@@ -159,8 +160,23 @@ def test_scales_per_kv_head_scale_each_heads_rows(model_factory, tmp_path):
         if isinstance(scale, list):  # a head's rows over its own scale, not the other head's
             head0 = quantize(written[name][b][:, 0], scale[0], stored[name].dtype)
             assert torch.equal(stored[name].view(torch.uint8)[b8][:, 0], head0.view(torch.uint8))
-    with pytest.raises(ValueError, match=r"scales per KV head and tensor_parallel_size 2: not supported yet"):
-        LLM(str(per_head), kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2)
+    two = LLMEngine(EngineConfig(str(per_head), block_size=4, kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2))
+    try:  # 2 KV heads: each rank keeps one, scaled by its own
+        kinds = {i: kind for _, i, kind, role, _ in two.cache.handoff_tensors()}
+        assert kinds[0] == "attention in float8_e4m3fn scaled k=[0.5],v=2", kinds
+        two.add_request([5, 6, 7, 8, 9, 10], GREEDY, request_id="r")
+        two.step()
+        from engine.staging import HandoffStaging
+
+        staging = HandoffStaging(two, requests=1)  # every rank's rows, in the un-sharded layout
+        staged = staging.take("r", 2)
+        staging.gather(staged, blocks_of(two, "r"), None)
+        gathered = dict(staging.cache.block_tensors())
+        for name in expected:  # the same bytes, up to a rounding the float sums may move
+            same = gathered[name][staged.blocks[0]].view(torch.uint8) == stored[name][b8].view(torch.uint8)
+            assert float(same.float().mean()) > 0.95, name
+    finally:
+        two.close()
 
 
 def test_bad_scales_and_flags_are_refused_naming_them(model_factory, tmp_path):

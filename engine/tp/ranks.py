@@ -361,7 +361,7 @@ class Follower:
             from engine.mtp import HeadSteps
 
             sizes, max_model_len, cache_format = command[1:]  # engine.cache_formats.CacheFormat
-            spec = cache_format.apply(self.model.spec)
+            spec = cache_format.for_rank(self.model.full_spec, self.group.size, self.group.rank).apply(self.model.spec)
             if self.head is not None:
                 spec = dataclasses.replace(spec, layers=spec.layers + (self.head.cache_spec(self.torch_dtype),))
             self.cache = ModelCache(spec, sizes, self.block_size, self.torch_dtype, self.device)
