@@ -276,6 +276,11 @@ def test_tensor_parallel_ranks_verify_and_roll_back_together(model_factory):
     speculated, plain, stats = scripted(path, prompts, tensor_parallel_size=2)
     assert speculated == plain
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    # A draft model runs whole on rank 0 beside the sharded target.
+    draft, _ = model_factory("mamba")
+    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    drafted, stats = generate(path, prompts[2:4], short, tensor_parallel_size=2, speculative_config=draft_config(draft))
+    assert drafted == [out[:12] for out in plain[2:4]] and stats["spec_draft_tokens"] > 0, stats
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_keeps_its_tokens(model_factory):
