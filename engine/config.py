@@ -38,8 +38,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides the count derived from cache_memory_bytes
     cache_memory_bytes: int = 1 << 30  # KV blocks + state slots are carved from this at start
     # CUDA: size the cache from this share of the device's memory instead, after the weights
-    # and the largest step (engine.memory_profile); ignored on CPU, where cache_memory_bytes is,
-    # and (with a warning) by tensor-parallel engines, whose profile step would need every rank.
+    # and the largest step (engine.memory_profile; on every rank, the smallest budget sizing
+    # all); ignored on CPU, where cache_memory_bytes is.
     gpu_memory_utilization: float | None = None
     mode: str = "colocated"  # "prefill" / "decode": one half of a disaggregated pair
     seed: int = 0

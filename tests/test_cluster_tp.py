@@ -27,7 +27,8 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
     cluster = launch(path, prefill=1, decode=1, transport=transport, address=ray_nodes[0].address,
                      prefill_tp=prefill_tp, decode_tp=decode_tp, block_size=4, num_kv_blocks=120,
                      prefill_block_size=prefill_block_size, max_num_seqs=8, max_num_batched_tokens=13,
-                     transfer_timeout_s=30.0, enable_prefix_caching=True, **PLACEMENTS[transport])
+                     transfer_timeout_s=30.0, enable_prefix_caching=True, host_cache_bytes=1 << 20,
+                     **PLACEMENTS[transport])
     try:
         assert cluster.workers.transport == transport
         layouts = ray.get([w.handle.layout.remote() for w in cluster.workers.prefill + cluster.workers.decode])
@@ -45,6 +46,7 @@ def test_workers_of_different_tp_sizes_hand_off_exactly(ray_nodes, model_factory
         stats = ray.get(cluster.workers.prefill[0].handle.stats.remote())
         assert stats["handoffs_by_rank"] == (stats["handoff_count"] if prefill_tp == decode_tp else 0)
         assert stats["handoff_count"] >= len(prompts) and stats["handoff_failures"] == 0
+        assert "tier_host_bytes" in stats  # a TP worker's host tier (its entries un-sharded on rank 0)
         again = prompts[4][:28] + [7, 8, 9]  # the prefill worker checkpointed 28 (24) of prompt 4's 30 tokens
         (out,) = cluster.generate([again], GREEDY)
         assert out.error is None and out.num_cached_tokens == 28 // prefill_block_size * prefill_block_size
