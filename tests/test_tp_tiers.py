@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from engine import LLM
@@ -39,12 +40,21 @@ def test_the_tiers_of_two_ranks_keep_both_shards_and_their_disk_serves_one_rank(
     assert one.engine.stats()["tier_disk_hits"] >= 5
 
 
-def test_prefixes_move_between_engines_of_one_and_two_ranks(model_factory):
-    path, hf = model_factory("jamba")
+@pytest.mark.parametrize("family", ["jamba", "llama", "mamba"])  # KV and state; KV only; state only
+def test_prefixes_move_between_engines_of_one_and_two_ranks(family, model_factory):
+    path, hf = model_factory(family)
     rng = random.Random(43)
     one = LLM(str(path), block_size=4, enable_prefix_caching=True, host_cache_bytes=1 << 22)
     two = LLM(str(path), block_size=4, enable_prefix_caching=True, host_cache_bytes=1 << 22, tensor_parallel_size=2)
     try:
+        # One prefix computed by each: what two ranks' shards put together give is one rank's
+        # entry, up to the order of the float sums.
+        system = [rng.randrange(3, 300) for _ in range(22)]
+        hashes = block_hashes(system + [1, 2, 3], 4, [])
+        mine, theirs = [llm.generate([system], GREEDY) and llm.engine.export_prefix(hashes) for llm in (one, two)]
+        assert mine.entry.end == theirs.entry.end == 20 and set(mine.entry.tensors) == set(theirs.entry.tensors)
+        for name, tensor in mine.entry.tensors.items():
+            assert torch.allclose(theirs.entry.tensors[name], tensor, rtol=1e-4, atol=1e-5), name
         for source, target in ((two, one), (one, two)):
             system = [rng.randrange(3, 300) for _ in range(22)]  # a prefix neither holds
             source.generate([system], GREEDY)  # its last boundary short of the end, 20, is checkpointed
