@@ -319,8 +319,6 @@ class LLMEngine:
                                      f"generate (max_tokens {params.max_tokens}, context {self.max_model_len})")
             request.output_token_ids = list(done)
         elif params.prompt_logprobs is not None:
-            if self.tp is not None:
-                raise InvalidRequest("prompt_logprobs", "not supported on a tensor-parallel engine yet")
             request.prompt_logprobs = [None]  # the first prompt token follows nothing
         tracker = OutputTracker(request, self.tokenizer, self.eos_token_ids,
                                 self.max_model_len, resume.sent_chars if resume else 0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from array import array
 from dataclasses import dataclass
@@ -47,6 +49,13 @@ class HostBatch:
     logits_indices: torch.Tensor | None = None
     # ForwardBatch.state_captures: (row, tokens into the row, state row)
     state_captures: tuple[tuple[int, int, int], ...] = ()
+
+    def for_followers(self) -> HostBatch:
+        """What the other tensor-parallel ranks run: the same batch, its prompt-logprob rows
+        without their owners (the ranks meet in the LM head's gathers; rank 0 keeps the entries)."""
+        if self.prompt_logprobs is None:
+            return self
+        return dataclasses.replace(self, prompt_logprobs=dataclasses.replace(self.prompt_logprobs, owners=[]))
 
 
 class SlotBlockTables:
@@ -315,7 +324,7 @@ class ModelRunner:
                 batch = self.build_batch(seqs)
             else:  # the other ranks build the same batch from the same host tensors
                 host = self.host_batch(seqs) if host is None else host
-                self.tp.send("forward", host)
+                self.tp.send("forward", host.for_followers())
                 batch = self.device_batch(host)
             batch.keep_hidden = self.keep_hidden
             plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)

@@ -42,6 +42,20 @@ def test_prompt_logprobs_equal_transformers_through_chunked_prefill(model_factor
         assert_matches(out.prompt_logprobs, prompt, reference(hf, prompt), 3)
 
 
+def test_tensor_parallel_ranks_score_the_prompt_too(model_factory):
+    """Every rank runs the LM head's gathers over the scored rows; rank 0 keeps the entries."""
+    path, hf = model_factory("jamba")
+    llm = LLM(path, block_size=4, max_num_batched_tokens=8, num_kv_blocks=96, tensor_parallel_size=2)
+    try:
+        prompts = [list(range(5, 28)), [7, 3]]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))
+        for prompt, out in zip(prompts, outs):
+            assert out.error is None
+            assert_matches(out.prompt_logprobs, prompt, reference(hf, prompt), 3)
+    finally:
+        llm.engine.close()
+
+
 def test_a_prefix_cache_hit_still_scores_every_prompt_token(model_factory):
     path, hf = model_factory("jamba")
     llm = LLM(path, block_size=4, num_kv_blocks=96, enable_prefix_caching=True)
