@@ -25,7 +25,6 @@ class CacheRows:
     def __init__(self, cache: ModelCache, needs_state: bool, layout: ModelCache | None = None):
         self.cache = cache
         self.layout = layout or cache  # whose tensors an entry's are shaped like (and fingerprinted by)
-        self.needs_state = needs_state
         # One row's (shape, dtype) of each tensor of the layout, by its hand-off name; and by entry
         # name, those an entry holds: "kv:<name>" per block, "state:<name>" for the checkpoint
         # (where the prefix cache keeps recurrent state).
