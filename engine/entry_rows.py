@@ -19,20 +19,24 @@ from engine.cache import BLOCK_ROLE, CacheSizes, ModelCache, index_copy
 from engine.host_tier import Entry, entry_specs
 
 
+def entry_key(name: str, role: str) -> str:
+    """A cache tensor's name in an entry: "kv:<name>" (rows per block), "state:<name>" (the
+    checkpoint's row)."""
+    return f"{'kv' if role == BLOCK_ROLE else 'state'}:{name}"
+
+
 class CacheRows:
     """The rows of a one-rank engine's cache."""
 
     def __init__(self, cache: ModelCache, needs_state: bool, layout: ModelCache | None = None):
         self.cache = cache
         self.layout = layout or cache  # whose tensors an entry's are shaped like (and fingerprinted by)
-        # One row's (shape, dtype) of each tensor of the layout, by its hand-off name; and by entry
-        # name, those an entry holds: "kv:<name>" per block, "state:<name>" for the checkpoint
-        # (where the prefix cache keeps recurrent state).
-        named = [(name, role, (tuple(t.shape[1:]), t.dtype))
-                 for name, _, _, role, t in self.layout.handoff_tensors(checkpoint_rows=True)]
-        self.layout_rows = {name: row for name, _, row in named}
-        self.row_shapes = {f"{'kv' if role == BLOCK_ROLE else 'state'}:{name}": row
-                           for name, role, row in named if role == BLOCK_ROLE or needs_state}
+        # (hand-off name, role, one row's (shape, dtype)) of each tensor of the layout, in order;
+        # and by entry key the rows an entry holds (state only where the prefix cache keeps it).
+        self.named = [(name, role, (tuple(t.shape[1:]), t.dtype))
+                      for name, _, _, role, t in self.layout.handoff_tensors(checkpoint_rows=True)]
+        self.row_shapes = {entry_key(name, role): row for name, role, row in self.named
+                           if role == BLOCK_ROLE or needs_state}
         self.kv_tensors = self.cache.block_tensors()
         self.state_tensors = self.cache.whole_state_tensors() if needs_state else []
         row_bytes = {name: math.prod(shape) * dtype.itemsize for name, (shape, dtype) in self.row_shapes.items()}
@@ -91,7 +95,6 @@ class RankRows(CacheRows):
         super().__init__(engine.cache, needs_state, layout)
         self.tp = engine.tp
         self.index = shard_indices(spec, self.tp.group.size, engine.cache.device)
-        self.names = [(name, role) for name, _, _, role, _ in layout.handoff_tensors(checkpoint_rows=True)]
 
     def gather_into(self, views: dict[str, torch.Tensor], blocks: list[int], checkpoint: int | None) -> None:
         from engine.tp.staging import assemble, gather_rows
@@ -99,33 +102,38 @@ class RankRows(CacheRows):
         row = self.cache.checkpoint_row(checkpoint) if checkpoint is not None else None
         self.tp.send("gather", blocks, row, True)
         parts = gather_rows(self.tp.group, self.cache, blocks, row, checkpoint_rows=True)
-        # Put together on rank 0's device, then copied into the host views.
-        full = []
-        for name, role in self.names:
-            shape, dtype = self.layout_rows[name]
+        # Put together in the views where they are on rank 0's device (a CPU engine's), else on
+        # the device and then copied into them.
+        full, copies = [], []
+        for name, role, (shape, dtype) in self.named:
+            view = views.get(entry_key(name, role))
+            if view is not None and role != BLOCK_ROLE:
+                view = view.unsqueeze(0)
+            if view is not None and view.device == self.cache.device:
+                full.append(view)
+                continue
             count = len(blocks) if role == BLOCK_ROLE else int(row is not None)
             full.append(torch.empty((count, *shape), dtype=dtype, device=self.cache.device))
-        assemble(self.index, [name for name, _ in self.names], parts, full)
-        for (name, role), rows in zip(self.names, full):
-            key = f"{'kv' if role == BLOCK_ROLE else 'state'}:{name}"
-            if key in views and rows.numel():
-                views[key].copy_(rows if role == BLOCK_ROLE else rows[0], non_blocking=True)
+            if view is not None:
+                copies.append((view, full[-1]))
+        assemble(self.index, [name for name, _, _ in self.named], parts, full)
+        for view, rows in copies:
+            view.copy_(rows, non_blocking=True)
 
     def fill(self, entry: Entry, rows, blocks: list[int], checkpoint: int | None) -> None:
         from engine.tp.staging import scatter_rows
 
         if not blocks and checkpoint is None:
             return
-        device, full = self.cache.device, []
-        for name, role in self.names:
-            if role == BLOCK_ROLE:
-                t = entry.tensors[f"kv:{name}"][rows] if blocks else entry.tensors[f"kv:{name}"][:0]
-            elif checkpoint is not None:
-                t = entry.tensors[f"state:{name}"].unsqueeze(0)
-            else:
-                shape, dtype = self.layout_rows[name]
+        full = []
+        for name, role, (shape, dtype) in self.named:
+            if role == BLOCK_ROLE and blocks:
+                t = entry.tensors[entry_key(name, role)][rows]
+            elif role != BLOCK_ROLE and checkpoint is not None:
+                t = entry.tensors[entry_key(name, role)].unsqueeze(0)
+            else:  # nothing of this tensor to fill: the ranks still meet in its scatter
                 t = torch.empty((0, *shape), dtype=dtype)
-            full.append(t.to(device, non_blocking=True))
+            full.append(t.to(self.cache.device, non_blocking=True))
         shapes = [t.shape for t in full]
         row = self.cache.checkpoint_row(checkpoint) if checkpoint is not None else None
         self.tp.send("scatter", shapes, blocks, row, True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -118,15 +117,11 @@ class LLMEngine:
         for reason in wasted_formats(self.spec, cache_spec, config.torch_dtype, config.block_size):
             log.warning("%s (docs/cache-formats.md)", reason)
         if self.mtp_head is not None:
-            cache_spec = dataclasses.replace(
-                cache_spec, layers=cache_spec.layers + (self.mtp_head.cache_spec(config.torch_dtype),))
+            cache_spec = cache_spec.with_layer(self.mtp_head.cache_spec(config.torch_dtype))
         # The cache un-sharded, as hand-offs and prefix-cache entries carry it: this one, or under
         # tensor parallelism the whole model's (and head's) in the same formats.
-        self.full_cache_spec = cache_spec
-        if self.tp is not None:
-            full = self.cache_format.apply(self.model.full_spec)
-            head = (self.mtp_full_spec,) if self.mtp_head is not None else ()
-            self.full_cache_spec = dataclasses.replace(full, layers=full.layers + head)
+        self.full_cache_spec = cache_spec if self.tp is None else \
+            self.cache_format.apply(self.model.full_spec).with_layer(self.mtp_full_spec)
         limit = self.spec.max_position or DEFAULT_MAX_MODEL_LEN
         self.max_model_len = min(config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN), limit)
         try:
@@ -201,6 +196,7 @@ class LLMEngine:
         """The MTP head (engine.mtp) on every rank; its un-sharded cache layer kept for the
         hand-offs and prefix-cache entries, which travel un-sharded."""
         speculative = config.speculative_config
+        self.mtp_full_spec = None
         if speculative is None or speculative.method != "mtp":
             return None
         if self.tp is not None:

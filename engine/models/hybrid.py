@@ -111,6 +111,11 @@ class ModelSpec:
     def state_layers(self) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.state]
 
+    def with_layer(self, layer: LayerCacheSpec | None) -> ModelSpec:
+        """This spec with one more cache layer after the model's own (an MTP head's); itself
+        where `layer` is None."""
+        return self if layer is None else dataclasses.replace(self, layers=self.layers + (layer,))
+
 
 class FFNMixer(nn.Module):
     """An FFN in a mixer's place (Nemotron-H's MLP and MoE layers): no cache, no state."""

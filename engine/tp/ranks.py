@@ -24,7 +24,6 @@ into new shared-memory files).
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
@@ -355,15 +354,14 @@ class Follower:
             from engine.mtp import load_head
 
             self.head, full = load_head(self.model_path, self.torch_dtype, self.device, self.group)
-            self.full_spec = dataclasses.replace(self.full_spec, layers=self.full_spec.layers + (full,))
+            self.full_spec = self.full_spec.with_layer(full)
             return None
         if kind == "cache":  # the sizes rank 0 planned: same shard shapes, same rows, same formats
             from engine.mtp import HeadSteps
 
             sizes, max_model_len, cache_format = command[1:]  # engine.cache_formats.CacheFormat
             spec = cache_format.for_rank(self.model.full_spec, self.group.size, self.group.rank).apply(self.model.spec)
-            if self.head is not None:
-                spec = dataclasses.replace(spec, layers=spec.layers + (self.head.cache_spec(self.torch_dtype),))
+            spec = spec.with_layer(self.head.cache_spec(self.torch_dtype) if self.head is not None else None)
             self.cache = ModelCache(spec, sizes, self.block_size, self.torch_dtype, self.device)
             self.runner = ModelRunner(self.model, self.cache, StateSlotAllocator(sizes.num_slots), self.device,
                                       debug=False, enforce_eager=True, max_model_len=max_model_len,
