@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import engine.models.fp8_linear as fp8_linear
 from engine import LLM, SamplingParams
-from engine.models import FAMILIES
+from engine.models import FAMILIES, fp8_blocks
 from engine.models.fp8_linear import FP8, FP8_MAX, Fp8Linear
 from tests import oracle
 from tests.test_fp8 import fp8_checkpoint
@@ -34,8 +34,11 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 TEACHER_FORCED = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
 
 
-def fake_quantized(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
-    """x rounded to float8_e4m3fn and scaled back, per row (or by the static scale)."""
+def fake_quantized(x: torch.Tensor, static_scale: torch.Tensor | None, group: int | None = None) -> torch.Tensor:
+    """x rounded to float8_e4m3fn and scaled back, per row (or by the static scale, or per row
+    and `group` columns, the last group shorter where the columns do not divide)."""
+    if group is not None:
+        return torch.cat([fake_quantized(part, None) for part in x.split(group, -1)], -1)
     scale = static_scale if static_scale is not None else x.abs().amax(-1, keepdim=True) / FP8_MAX
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
 
@@ -70,6 +73,38 @@ def test_the_scaled_matmul_is_the_fp8_rounded_product(weight_scale, static):
         assert ((y - F.linear(x, weight, linear.bias)).abs() <= bound).all()
 
 
+def random_block_linear(inputs: int, outputs: int, block=(16, 16), seed: int = 0) -> Fp8Linear:
+    torch.manual_seed(seed)
+    linear = Fp8Linear(inputs, outputs, True, torch.float32)
+    scale = torch.rand(-(-outputs // block[0]), -(-inputs // block[1])) * 0.01 + 0.001  # differs per block
+    linear.load_float8((torch.randn(outputs, inputs) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale, None, block)
+    with torch.no_grad():
+        linear.bias.copy_(torch.randn(outputs))
+    return linear
+
+
+def block_weight(linear: Fp8Linear) -> torch.Tensor:
+    rows, cols = linear.block
+    return linear.qweight.float() * linear.weight_scale.repeat_interleave(rows, 0)[: linear.out_features] \
+        .repeat_interleave(cols, 1)[:, : linear.in_features]
+
+
+def test_a_block_wise_product_rounds_the_input_per_token_and_block_of_columns():
+    """80 input columns: four whole 16-column groups of the input and a fifth of 16; 40
+    outputs: the last block of weight rows is 8 rows. Each group has a scale of its own."""
+    linear = random_block_linear(80, 40)
+    x = torch.randn(3, 5, 80)
+    x[0, 0, 3] = 50.0  # one group's scale grows; the other groups of that token keep theirs
+    with torch.inference_mode():
+        y = linear(x)
+    assert y.shape == (3, 5, 40)
+    assert torch.equal(linear.weight, block_weight(linear).to(torch.float32))
+    expected = F.linear(fake_quantized(x.reshape(-1, 80), None, 16), block_weight(linear), linear.bias)
+    torch.testing.assert_close(y.reshape(-1, 40), expected, rtol=1e-5, atol=1e-5)
+    per_token = F.linear(fake_quantized(x.reshape(-1, 80), None), block_weight(linear), linear.bias)
+    assert not torch.allclose(y.reshape(-1, 40)[0], per_token[0], rtol=1e-3, atol=1e-3)
+
+
 def test_the_policy_keeps_fp8_only_on_gpus_with_fp8_units():
     assert not fp8_linear.keeps_float8(torch.device("cpu"))
     assert fp8_linear.runs_scaled(torch.device("cpu"), torch.float32, rowwise=True)
@@ -85,17 +120,18 @@ def oracle_with_fp8_inputs(hf, model_type: str, kept: dict[str, Fp8Linear]):
     name_map = FAMILIES[model_type][1]
     for name, ours in kept.items():
         theirs = hf.get_submodule(name_map(f"{name}.weight").removesuffix(".weight"))
-        static = ours.input_scale
+        static, group = ours.input_scale, None if ours.block is None else ours.block[1]
 
-        def forward(x, m=theirs, static=static):
-            return F.linear(fake_quantized(x, static), m.weight, m.bias)
+        def forward(x, m=theirs, static=static, group=group):
+            return F.linear(fake_quantized(x, static, group), m.weight, m.bias)
         theirs.forward = forward
     return hf
 
 
 @pytest.mark.parametrize("name, scheme", [("llama", "per_tensor"), ("jamba", "per_channel"),
                                           ("bamba", "per_channel"), ("kimi_linear", "per_tensor"),
-                                          ("qwen3_next", "per_channel")])
+                                          ("qwen3_next", "per_channel"), ("llama", "block"),
+                                          ("qwen3_next", "block")])
 def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, keeps_float8, model_factory,
                                                                   tmp_path):
     path, _ = model_factory(name)
@@ -111,6 +147,7 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
         assert linear.qweight.dtype == FP8 and torch.equal(linear.qweight.view(torch.uint8),
                                                            stored[source].view(torch.uint8))
         assert (linear.input_scale is not None) == (scheme == "per_tensor")
+        assert (linear.block is not None) == (scheme == "block")
     judge = oracle_with_fp8_inputs(hf, model_type, kept)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (4, 19)]
@@ -160,6 +197,25 @@ def test_misshapen_scales_of_kept_linears_are_refused_naming_them(keeps_float8, 
         save_file(damaged, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=message):
             LLM(str(tmp_path / "fp8"), block_size=4)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_misshapen_block_scale_is_refused_naming_it_kept_or_dequantized(kept, model_factory, tmp_path,
+                                                                         monkeypatch):
+    from safetensors.torch import save_file
+
+    from engine.models import CheckpointError
+
+    monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: kept)
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    weights = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    weights[name] = torch.ones(1, 1)
+    save_file(weights, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight_scale_inv' has shape \[1, 1\]; expected one per "
+                                              r"16x16 block of \[\d+, \d+\]"):
+        LLM(str(tmp_path / "fp8"), block_size=4)
 
 
 def random_fp8_linear(inputs: int, outputs: int, per_channel: bool, static: bool, seed: int = 0) -> Fp8Linear:
@@ -216,19 +272,104 @@ def test_tensor_parallel_shards_of_an_fp8_linear_keep_its_products(per_channel, 
                                                             full.weight[:, :24], full.bias), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "jamba", "qwen3_next", "bamba"])
-def test_tensor_parallel_ranks_keep_fp8_weights_and_match_the_unsharded_model(name, keeps_float8, model_factory,
-                                                                               tmp_path):
+def test_tensor_parallel_shards_of_a_block_wise_linear_keep_whole_blocks():
+    """Shards of whole blocks keep FP8 and their blocks' scales: rows give the linear's rows
+    exactly; columns round the input in the un-sharded linear's groups, so the partial sums
+    add up to its output. A shard that cuts a block is dequantized, its input rounded in groups
+    of its own columns."""
+    from engine.tp.group import SingleRank
+    from engine.tp.parallel import RowParallelLinear, keep_rows
+
+    full = random_block_linear(64, 48)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = full(x)
+        parts = []
+        for rows in (range(0, 16), range(16, 48)):
+            part = random_block_linear(64, 48)
+            keep_rows(part, rows)
+            assert part.dense is None and part.weight_scale.shape == (len(rows) // 16, 4)
+            parts.append(part(x))
+        torch.testing.assert_close(torch.cat(parts, 1), want, rtol=0, atol=0)
+
+        partial = torch.zeros_like(want)
+        for rank, cols in enumerate((range(0, 32), range(32, 64))):
+            group = SingleRank()
+            group.rank = rank
+            part = RowParallelLinear.of(full, cols, group, False, "the linear")
+            assert part.dense is None and part.qweight.dtype == FP8 and part.weight_scale.shape == (3, 2)
+            partial += part(x[:, cols.start:cols.stop])
+        torch.testing.assert_close(partial, want, rtol=1e-5, atol=1e-4)
+
+        cut = random_block_linear(64, 48)
+        keep_rows(cut, range(8, 40))  # halves of two blocks
+        assert cut.dense is not None
+        torch.testing.assert_close(cut(x), want[:, 8:40], rtol=0, atol=0)
+        odd = RowParallelLinear.of(full, range(8, 40), SingleRank(), False, "the linear")
+        assert odd.dense is not None
+        torch.testing.assert_close(odd(x[:, 8:40]), F.linear(fake_quantized(x[:, 8:40], None, 16),
+                                                             block_weight(full)[:, 8:40], full.bias),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_whole_blocks_names_the_blocks_only_of_whole_ones_in_order():
+    from engine.models.fp8_blocks import whole_blocks
+
+    assert whole_blocks(list(range(16, 48)), 48, 16) == [1, 2]
+    assert whole_blocks(list(range(32, 40)) + list(range(0, 16)), 40, 16) == [2, 0]  # the short last block
+    assert whole_blocks(list(range(8, 24)), 48, 16) is None
+    assert whole_blocks(list(range(0, 15)), 48, 16) is None
+    assert whole_blocks(list(range(16, 32))[::-1], 48, 16) is None
+
+
+def emulated_scaled_mm(read_scale_b):
+    """A stand-in for torch's block-wise scaled matmul on the CPU: the product as torch defines
+    it, the weight scale read through `read_scale_b` (which may read it wrong, or refuse)."""
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        weight_scale = read_scale_b(scale_b)  # [blocks of rows, groups]
+        assert scale_a.stride() == (1, a.shape[0]), "the input scale must be column-major"
+        return fp8_blocks.reference_product(a, scale_a, b.t(), weight_scale, (128, 128)).to(out_dtype)
+    return scaled_mm
+
+
+def refuse_unpadded(scale_b):
+    if scale_b.t().stride(0) % 4:
+        raise RuntimeError("scale_b rows must be padded to 4")
+    return scale_b.t()
+
+
+@pytest.mark.parametrize("read, layout", [(lambda s: s.t(), "contiguous"), (refuse_unpadded, "padded"),
+                                          (lambda s: s.t().flip(0), None), (lambda s: s.t().flip(1), None)])
+def test_the_block_wise_gemm_is_checked_on_the_device_before_it_is_used(read, layout, monkeypatch):
+    """The probe keeps the first weight-scale layout whose product matches the dequantized one,
+    and none where the kernel refuses or reads a scale from another block: those linears are
+    dequantized. Here a CPU stand-in plays the device's kernel."""
+    monkeypatch.setattr(fp8_blocks, "_layouts", {})
+    monkeypatch.setattr(torch, "_scaled_mm", emulated_scaled_mm(read))
+    assert fp8_blocks.gemm_layout(torch.device("cpu"), torch.float32, 256, 384) == layout
+
+
+def test_this_cpu_torch_has_no_block_wise_scaled_matmul_and_the_probe_says_so(monkeypatch):
+    monkeypatch.setattr(fp8_blocks, "_layouts", {})
+    assert fp8_blocks.gemm_layout(torch.device("cpu"), torch.float32, 128, 256) is None
+
+
+@pytest.mark.parametrize("name, scheme", [("llama", "per_tensor"), ("jamba", "per_tensor"),
+                                          ("qwen3_next", "per_tensor"), ("bamba", "per_tensor"),
+                                          ("llama", "block"), ("qwen3_next", "block")])
+def test_tensor_parallel_ranks_keep_fp8_weights_and_match_the_unsharded_model(name, scheme, keeps_float8,
+                                                                               model_factory, tmp_path):
     """Two ranks (threads of this process) shard an FP8 model whose linears stay FP8: every
-    rank's logits equal the un-sharded FP8 model's (static input scales: the same rounding,
-    summed in another order) through a prefill and decodes."""
+    rank's logits equal the un-sharded FP8 model's (static input scales, or block-wise shards
+    that round the input in the un-sharded linear's groups: the same rounding, summed in
+    another order) through a prefill and decodes."""
     from engine.models import load_model
     from engine.tp import run_in_threads
     from engine.tp.shard import shard_model
     from tests.test_tp_layers import check_model
 
     path, _ = model_factory(name)
-    fp8_checkpoint(path, tmp_path / "fp8", "per_tensor")
+    fp8_checkpoint(path, tmp_path / "fp8", scheme)
     full = load_model(tmp_path / "fp8")
     assert any(isinstance(m, Fp8Linear) for m in full.modules())
     check_model(full, 2)  # every rank's logits and tokens against the un-sharded model's
@@ -275,3 +416,27 @@ def test_an_fp8_checkpoint_keeps_fp8_weights_on_the_gpu(model_factory, tmp_path)
     assert kept_linears(llm)
     first, second = llm.generate([[5, 6, 7], [9, 10, 11]], GREEDY)
     assert len(first.token_ids) == len(second.token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA device of compute capability 8.9 or above")
+def test_the_gpu_block_wise_product_is_the_fp8_rounded_product():
+    """On Hopper, torch's scaled matmul computes the fine-grained format's products (the probe
+    finds a layout for the weight scale), and they are the FP8-rounded product."""
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        pytest.skip("the 128x128 block-wise scaled matmul this asserts is Hopper's")
+    torch.manual_seed(0)
+    out_features, in_features = 384, 640
+    qweight = (torch.randn(out_features, in_features, device=device) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = torch.rand(3, 5, device=device) * 0.01 + 0.001
+    linear = Fp8Linear(in_features, out_features, bias=False, dtype=torch.bfloat16, device=device)
+    linear.load_float8(qweight, scale, None, (128, 128))
+    assert linear.dense is None and linear.gemm_scale is not None, \
+        "torch's scaled matmul computed no block-wise product here (the warning logged says which shape)"
+    x = torch.randn(37, in_features, device=device, dtype=torch.bfloat16)
+    y = linear(x)
+    assert y.dtype == torch.bfloat16
+    weight = qweight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    expected = F.linear(fake_quantized(x.float(), None, 128), weight)
+    torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2)  # a bf16 output's rounding

@@ -158,13 +158,15 @@ class WeightFiles:
         self.used.add(name)
         return tensor
 
-    def get_float8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A float8 weight as stored, with its scale and its static input scale (None where
-        the checkpoint has none), for a linear that keeps FP8 (engine.models.fp8_linear)."""
+    def get_float8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, tuple | None]:
+        """A float8 weight as stored, with its scale, its static input scale (None where the
+        checkpoint has none) and the scale's block (None: per tensor or per channel), for a
+        linear that keeps FP8 (engine.models.fp8_linear)."""
         names = (name, self.fp8.scale_name(name), self.fp8.input_scale_name(name))
         weight, scale, input_scale = (self._read(self._file_of[n], n) if n in self._file_of else None for n in names)
         self.used.update(n for n in names if n in self._file_of)
-        return weight, self.fp8.checked_scale(name, weight, scale), self.fp8.checked_input_scale(name, input_scale)
+        return (weight, self.fp8.checked_scale(name, weight, scale), self.fp8.checked_input_scale(name, input_scale),
+                self.fp8.block)
 
     def stored_dtype(self, name: str) -> str | None:
         """A tensor's dtype as the file's header names it ("F8_E4M3", "BF16"); None if missing."""

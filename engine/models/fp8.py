@@ -12,9 +12,9 @@ A weight without a float8 dtype is loaded as it is (the formats' `ignore` lists:
 embeddings, LM heads, routers). Each float8 weight is dequantized in float32 as the name
 source reads it (engine.models.checkpoint.WeightFiles), so every family's loader, fused MoE
 experts included, sees plain weights. Activation scales have no use once the weights are
-dequantized: the forward runs in the serving dtype. On a GPU with FP8 units the
-compressed-tensors weights stay FP8 instead (engine.models.fp8_linear, through
-WeightFiles.get_float8).
+dequantized: the forward runs in the serving dtype. On a GPU with FP8 units the linears'
+weights of both formats stay FP8 instead (engine.models.fp8_linear, through
+WeightFiles.get_float8); stacked MoE experts are dequantized everywhere.
 """
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ from engine.errors import CheckpointError
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
+    """One scale per `block` of a weight of `shape` ([ceil(out / rows), ceil(in / cols)]) as
+    one per element: W = weight * expand_blocks(scale, ...)."""
+    rows, cols = block
+    return scale.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+
+
 class FP8Weights:
     """The checkpoint's FP8 scheme: which scale goes with a weight, and the dequantization."""
 
@@ -36,6 +43,7 @@ class FP8Weights:
         method = quant.get("quant_method")
         if method == "compressed-tensors":
             self.scale_suffix, self.block = "weight_scale", None
+            self.dynamic_activations = None  # per weight: an `input_scale` beside it is static
             self._check_compressed_tensors(quant)
         elif method == "fp8":
             self.scale_suffix = "weight_scale_inv"
@@ -46,6 +54,8 @@ class FP8Weights:
             scheme = quant.get("activation_scheme", "dynamic")
             if scheme not in ("dynamic", "static"):
                 raise CheckpointError(f"{self.where}.activation_scheme = {scheme!r}: expected 'dynamic' or 'static'")
+            # dynamic: a scale per token and block of input columns (what the kept FP8 GEMM computes)
+            self.dynamic_activations = scheme == "dynamic"
         else:
             raise CheckpointError(f"{self.where}.quant_method = {method!r}: not supported (supported: "
                                   "'compressed-tensors' FP8, 'fp8')")
@@ -98,20 +108,21 @@ class FP8Weights:
 
     def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """`weight` (float8) times its scale, in float32; errors name the tensor."""
-        w = weight.float()
+        scale = self.checked_scale(name, weight, scale).float()
         if self.block is None:
-            return w * self.checked_scale(name, weight, scale).float()
-        scale = self._present(name, weight, scale).float()
-        rows, cols = self.block
-        if w.dim() != 2 or scale.shape != (-(-w.shape[0] // rows), -(-w.shape[1] // cols)):
-            raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; expected "
-                                  f"one per {rows}x{cols} block of {list(w.shape)}")
-        expanded = scale.repeat_interleave(rows, 0)[: w.shape[0]].repeat_interleave(cols, 1)[:, : w.shape[1]]
-        return w * expanded
+            return weight.float() * scale
+        return weight.float() * expand_blocks(scale, self.block, weight.shape)
 
     def checked_scale(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """A compressed-tensors scale shaped to multiply `weight`: [] or [out, 1]."""
+        """`weight`'s scale, checked: compressed-tensors' shaped to multiply it ([] or [out, 1]);
+        a fine-grained one as stored, one per block ([ceil(out / rows), ceil(in / cols)])."""
         scale = self._present(name, weight, scale)
+        if self.block is not None:
+            rows, cols = self.block
+            if weight.dim() != 2 or tuple(scale.shape) != (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols)):
+                raise CheckpointError(f"{self.where}: {self.scale_name(name)!r} has shape {list(scale.shape)}; "
+                                      f"expected one per {rows}x{cols} block of {list(weight.shape)}")
+            return scale
         out = weight.shape[0]
         if scale.numel() == 1:
             return scale.reshape(())

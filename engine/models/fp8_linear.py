@@ -1,25 +1,30 @@
 """Linears that keep a checkpoint's FP8 weights and run through torch's scaled matmul.
 
-A compressed-tensors FP8 weight (per tensor or per output channel, float8_e4m3fn) stays in
-float8 on a GPU with FP8 units: half a bfloat16 weight's memory and the FP8 tensor cores'
-rate. Each call quantizes its input to float8_e4m3fn, with the checkpoint's static
-`input_scale` where it has one and a scale per token (row) otherwise, and `torch._scaled_mm`
-multiplies, accumulating in float32 and writing the serving dtype:
+An FP8 weight stays float8_e4m3fn on a GPU with FP8 units: half a bfloat16 weight's memory
+and the FP8 tensor cores' rate. Each call quantizes its input to float8_e4m3fn and
+`torch._scaled_mm` multiplies, accumulating in float32 and writing the serving dtype. Two
+scalings:
+- compressed-tensors' (a weight scale per tensor or per output channel): the input with the
+  checkpoint's static `input_scale` where it has one, else a scale per token (row):
 
-    y[m, n] = (sum_k xq[m, k] * wq[n, k]) * scale_x[m] * scale_w[n] + bias[n]
+      y[m, n] = (sum_k xq[m, k] * wq[n, k]) * scale_x[m] * scale_w[n] + bias[n]
+
+- the fine-grained format's (a weight scale per 128x128 block, dynamic activations): the
+  input with a scale per token and 128 columns (engine.models.fp8_blocks, which also checks
+  on the device that torch's scaled matmul computes it, once per weight shape).
 
 Which linears keep FP8 is decided on the meta model, before any storage exists (an FP8 model
 that fits a GPU only as FP8 must never be materialized dense): a plain nn.Linear whose weight
 is one float8_e4m3fn checkpoint tensor, both dimensions multiples of 16 (the GPU kernels'
 rule), that no module folds constants into after load (fold_scales) and that no module reads
 as a weight instead of calling it (`reads_weights`: MLA's absorbed kv_b_proj). Every other FP8
-weight, the fine-grained block-wise format's among them (torch's scaled matmul takes
-block-wise scales on few GPUs), is dequantized at load as before (engine.models.fp8).
+weight (stacked MoE experts among them) is dequantized at load (engine.models.fp8).
 
 `keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (scales per
-row and per channel need 9.0 and a bfloat16 output). On a CPU the weights are dequantized: the
+row or per block need 9.0 and a bfloat16 output). On a CPU the weights are dequantized: the
 engine's own float32 kernels beat a float8 matmul there. Tests run this same module on a CPU
-(torch's CPU scaled matmul takes both scalings) by setting the policy.
+by setting the policy: torch's CPU scaled matmul takes the per-tensor and per-row scalings,
+and block-wise products run as engine.models.fp8_blocks.reference_product.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.models import fp8_blocks
+from engine.models.fp8 import expand_blocks
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -38,15 +46,19 @@ def keeps_float8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def runs_scaled(device: torch.device, dtype: torch.dtype, rowwise: bool) -> bool:
-    """Whether torch's scaled matmul takes this scaling on `device` with `dtype` output."""
+def runs_scaled(device: torch.device, dtype: torch.dtype, rowwise: bool, block: tuple | None = None) -> bool:
+    """Whether torch's scaled matmul takes this scaling (per tensor, per row, or `block`-wise
+    weights with inputs scaled per token and block of columns) on `device` with `dtype` output."""
     if device.type != "cuda":
         return True
-    return not rowwise or (torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16)
+    if block is not None and tuple(block) != fp8_blocks.GEMM_BLOCK:
+        return False
+    return not (rowwise or block) or (torch.cuda.get_device_capability(device) >= (9, 0) and dtype == torch.bfloat16)
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ W^T + b with W kept as float8_e4m3fn and its scale (one, or one per output row).
+    """y = x @ W^T + b with W kept as float8_e4m3fn and its scale (one, one per output row, or
+    one per block).
 
     `qweight` is the checkpoint's float8 tensor, loaded as it is (engine.models.checkpoint.
     load_into calls load_float8). `weight` gives the dequantized weight in the serving dtype
@@ -61,8 +73,10 @@ class Fp8Linear(nn.Module):
         self.qweight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8, device=device),
                                     requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
-        self.weight_scale: torch.Tensor | None = None  # float32: [] (per tensor) or [1, out]
+        self.weight_scale: torch.Tensor | None = None  # float32: [] (per tensor), [1, out] or [out blocks, in blocks]
         self.input_scale: torch.Tensor | None = None  # float32 [] where the checkpoint's is static
+        self.block: tuple[int, int] | None = None  # the weight scale's block (rows, cols); None: not block-wise
+        self.gemm_scale: torch.Tensor | None = None  # a block-wise weight scale as the GPU's scaled matmul takes it
         # The dequantized weight, where a tensor-parallel shard's shape breaks the scaled
         # matmul's rule (GEMM_MULTIPLE): the same rounded input times it, in the serving dtype.
         self.dense: torch.Tensor | None = None
@@ -71,15 +85,21 @@ class Fp8Linear(nn.Module):
     def replacing(cls, linear: nn.Linear, dtype: torch.dtype) -> Fp8Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
 
-    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None) -> None:
-        """The checkpoint's float8 weight, its scale (1 or one per output row) and its static
-        input scale (None: a scale per token, computed on each call)."""
+    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None,
+                    block: tuple[int, int] | None = None) -> None:
+        """The checkpoint's float8 weight, its scale (1, one per output row, or one per `block`
+        of it) and its static input scale (None: computed on each call, per token, or per token
+        and block of columns)."""
         device = self.qweight.device
         with torch.no_grad():
             self.qweight.copy_(weight)
         scale = scale.float().to(device)
-        self.weight_scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, self.out_features)
         self.input_scale = None if input_scale is None else input_scale.float().to(device).reshape(())
+        if block is not None:
+            self.block, self.weight_scale = tuple(block), scale.contiguous()
+            self._fit_gemm()
+            return
+        self.weight_scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, self.out_features)
         if self.rowwise and self.weight_scale.dim() == 0:  # both scalings per row, or both per tensor
             self.weight_scale = self.weight_scale.expand(1, self.out_features).contiguous()
 
@@ -89,11 +109,19 @@ class Fp8Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
+        if self.dense is not None:
+            return self.dense
+        if self.block is not None:
+            scale = expand_blocks(self.weight_scale, self.block, self.qweight.shape)
+        else:
+            scale = self.weight_scale if self.weight_scale.dim() == 0 else self.weight_scale.reshape(-1, 1)
         return (self.qweight.float() * scale).to(self.serving_dtype)
 
     def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [M, in] -> (float8 rows, their scale: [] static, or [M, 1] per row)."""
+        """rows [M, in] -> (float8 rows, their scale: [] static, [M, 1] per row, or [M, groups]
+        per row and block of columns)."""
+        if self.block is not None:
+            return fp8_blocks.quantize_groups(rows, self.block[1])
         if self.input_scale is not None:
             scale = self.input_scale
         else:
@@ -106,8 +134,15 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         quantized, scale = self.quantize_input(rows)
-        if self.dense is not None:
-            out = F.linear((quantized.float() * scale).to(self.dense.dtype), self.dense).to(x.dtype)
+        if self.block is not None and self.dense is None and self.gemm_scale is None:  # off the GPU
+            out = fp8_blocks.reference_product(quantized, scale, self.qweight, self.weight_scale, self.block)
+            out = out.to(x.dtype)
+        elif self.block is not None and self.dense is None:
+            out = fp8_blocks.scaled_product(quantized, scale, self.qweight, self.gemm_scale, x.dtype)
+        elif self.dense is not None:
+            unscaled = (fp8_blocks.dequantize_groups(quantized, scale, self.block[1]) if self.block is not None
+                        else quantized.float() * scale)
+            out = F.linear(unscaled.to(self.dense.dtype), self.dense).to(x.dtype)
         else:
             out = torch._scaled_mm(quantized, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
@@ -118,15 +153,21 @@ class Fp8Linear(nn.Module):
     # ------------------------------------------------------------ tensor parallelism (engine.tp.parallel)
 
     def tp_keep_rows(self, rows: list[int]) -> None:
-        """Column parallelism in place: output features `rows`, with their scales and bias."""
+        """Column parallelism in place: output features `rows`, with their scales and bias. A
+        block-wise weight keeps FP8 where `rows` are whole blocks of it; else its rows are
+        dequantized (the GPU's scaled matmul takes no partial block)."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.qweight.device)
+        blocks = None if self.block is None else fp8_blocks.whole_blocks(rows, self.out_features, self.block[0])
+        dense = self.weight.index_select(0, index) if self._splits_blocks(blocks) else None
         with torch.no_grad():
             self.qweight = nn.Parameter(self.qweight.index_select(0, index).clone(), requires_grad=False)
-            if self.weight_scale.dim() > 0:
+            if blocks is not None:
+                self.weight_scale = self.weight_scale[blocks].contiguous()
+            elif self.block is None and self.weight_scale.dim() > 0:
                 self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.index_select(0, index).clone(), requires_grad=False)
-        self.out_features = len(rows)
+        self.out_features, self.dense = len(rows), dense
         self._fit_gemm()
 
     def tp_columns(self, cols: list[int], keep_bias: bool) -> Fp8Linear:
@@ -134,31 +175,57 @@ class Fp8Linear(nn.Module):
         the output a partial sum; the bias where `keep_bias` (one rank adds it). The weight
         scales are per output row, so they stay whole; a static input scale stays the
         checkpoint's, and a scale per token is then the shard's own, as row-parallel FP8
-        linears in the field compute it (no collective to agree on one)."""
+        linears in the field compute it (no collective to agree on one). A block-wise weight
+        keeps its blocks' scales where `cols` are whole blocks (its input groups are then the
+        un-sharded linear's); else the shard is dequantized."""
         index = torch.as_tensor(cols, dtype=torch.long, device=self.qweight.device)
+        blocks = None if self.block is None else fp8_blocks.whole_blocks(cols, self.in_features, self.block[1])
         out = Fp8Linear(len(cols), self.out_features, False, self.serving_dtype, device="meta")
         with torch.no_grad():
             out.qweight = nn.Parameter(self.qweight.index_select(1, index).clone(), requires_grad=False)
             if keep_bias and self.bias is not None:
                 out.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
-        out.weight_scale, out.input_scale = self.weight_scale, self.input_scale
+        out.weight_scale, out.input_scale, out.block = self.weight_scale, self.input_scale, self.block
+        if blocks is not None:
+            out.weight_scale = self.weight_scale[:, blocks].contiguous()
+        if self._splits_blocks(blocks):
+            out.dense = self.weight.index_select(1, index)
         out._fit_gemm()
         return out
 
+    def _splits_blocks(self, blocks: list[int] | None) -> bool:
+        """Whether a shard must be dequantized: this linear is already, or the shard's indices
+        are not whole blocks of a block-wise weight."""
+        return self.dense is not None or (self.block is not None and blocks is None)
+
     def _fit_gemm(self) -> None:
-        if self.in_features % GEMM_MULTIPLE or self.out_features % GEMM_MULTIPLE:
+        """Dequantize where the GPU's scaled matmul would not take this linear: dimensions off
+        its rule, or a block-wise product it does not compute (engine.models.fp8_blocks)."""
+        if self.dense is None and (self.in_features % GEMM_MULTIPLE or self.out_features % GEMM_MULTIPLE):
             self.dense = self.weight
+        self.gemm_scale = None
+        if self.block is not None and self.dense is None and self.qweight.is_cuda:
+            layout = fp8_blocks.gemm_layout(self.qweight.device, self.serving_dtype, self.out_features,
+                                            self.in_features)
+            if layout is None:
+                self.dense = self.weight
+            else:
+                self.gemm_scale = fp8_blocks.gemm_scale(self.weight_scale, layout)
 
     def extra_repr(self) -> str:
-        kind = "per row" if self.rowwise else "per tensor"
+        kind = ("per {}x{} block".format(*self.block) if self.block is not None
+                else "per row" if self.rowwise else "per tensor")
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn, scaled {kind}"
 
 
 def use_float8_linears(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
     """On the meta `model`, before storage: replace each plain nn.Linear that can keep its
     checkpoint's FP8 weight (module docstring) by an Fp8Linear; returns how many."""
-    if weights.fp8 is None or weights.fp8.block is not None or not keeps_float8(device):
+    if weights.fp8 is None or not keeps_float8(device):
         return 0
+    block = weights.fp8.block
+    if block is not None and (not weights.fp8.dynamic_activations or not runs_scaled(device, dtype, True, block)):
+        return 0  # a static input scale beside block-wise weights, or blocks this device's scaled matmul refuses
     folding = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "fold_scales")]
     read = {f"{name}.{attr}" for name, m in model.named_modules() for attr in getattr(m, "reads_weights", ())}
     count = 0

@@ -1,0 +1,128 @@
+"""Block-wise FP8 products: the fine-grained format's weights (one scale per rows x cols block)
+kept as float8, times inputs rounded to float8 with a scale per token and block of columns.
+
+    y[m, n] = sum_g scale_x[m, g] * scale_w[n // rows, g] * sum_{k in g} xq[m, k] * wq[n, k]
+
+where g runs over the `cols`-wide groups of the input columns. This is what the checkpoints'
+authors ran (DeepSeek's and Qwen's FP8 releases: 128x128 weight blocks, 1x128 input groups)
+and what torch's scaled matmul computes on Hopper and newer with CUDA 12.9 or later
+(`torch._scaled_mm` with a [tokens, groups] input scale and a [groups, blocks] weight scale).
+
+That call's rules for the scales' memory layout have changed between torch releases, and a
+scale in the wrong layout gives wrong numbers, not an error. So no layout is assumed:
+`gemm_layout` tries each known one on the device once per weight shape, on random float8
+values with a different scale per block, and keeps the first whose product matches
+`reference_product` (the same product from dequantized operands, in float32); where none
+does, the linear dequantizes its weight once (engine.models.fp8_linear). On a CPU, where torch
+has no block-wise scaled matmul, `reference_product` is the forward (tests run it there).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.fp8 import expand_blocks
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+GEMM_BLOCK = (128, 128)  # the only weight block torch's scaled matmul takes
+LAYOUTS = ("contiguous", "padded")  # the weight scale's rows as stored, or padded to 4 (some torch releases)
+PROBE_TOLERANCE = 1e-2  # relative error of a probe's product: bfloat16 output rounding is 2^-8
+log = logging.getLogger(__name__)
+_layouts: dict[tuple, str | None] = {}  # (device, dtype, out, in) -> the layout that matched
+
+
+def quantize_groups(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, K] -> (float8 rows [M, K], a scale per row and `cols`-wide group [M, ceil(K / cols)])."""
+    m, k = rows.shape
+    groups = F.pad(rows.float(), (0, -k % cols)).reshape(m, -1, cols)
+    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    quantized = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)
+    return (quantized if k % cols == 0 else quantized[:, :k].contiguous()), scale
+
+
+def dequantize_groups(quantized: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:
+    """quantize_groups' output back in float32."""
+    return quantized.float() * scale.repeat_interleave(cols, 1)[:, : quantized.shape[1]]
+
+
+def reference_product(quantized: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor,
+                      weight_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The block-wise product from dequantized operands, in float32."""
+    weight = qweight.float() * expand_blocks(weight_scale, block, qweight.shape)
+    return F.linear(dequantize_groups(quantized, scale, block[1]), weight)
+
+
+def gemm_scale(weight_scale: torch.Tensor, layout: str) -> torch.Tensor:
+    """The weight scale [blocks of rows, groups] as torch's scaled matmul takes it for `layout`:
+    transposed to [groups, blocks of rows], its storage the untransposed rows (padded to 4)."""
+    if layout == "contiguous":
+        return weight_scale.contiguous().t()
+    rows, groups = weight_scale.shape
+    padded = torch.zeros(rows, -(-groups // 4) * 4, dtype=weight_scale.dtype, device=weight_scale.device)
+    padded[:, :groups] = weight_scale
+    return padded[:, :groups].t()
+
+
+def scaled_product(quantized: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """torch's block-wise scaled matmul, the input scale column-major as it requires (strides
+    (1, tokens) even for one token, where .contiguous() of the transpose would keep the rows')."""
+    tokens, groups = scale.shape
+    column_major = torch.empty_strided((tokens, groups), (1, tokens), dtype=scale.dtype, device=scale.device)
+    return torch._scaled_mm(quantized, qweight.t(), scale_a=column_major.copy_(scale), scale_b=scale_b,
+                            out_dtype=out_dtype)
+
+
+def gemm_layout(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str | None:
+    """The weight-scale layout with which torch's scaled matmul computes the block-wise product
+    of an [out, in] weight on `device` with `dtype` output, checked against reference_product
+    once per shape; None where none does (or raises)."""
+    key = (str(device), dtype, out_features, in_features)
+    if key not in _layouts:
+        _layouts[key] = _probe(device, dtype, out_features, in_features)
+        if _layouts[key] is None:
+            log.warning("torch's scaled matmul does not compute 128x128 block-wise FP8 products of [%d, %d] "
+                        "weights on %s; those linears are dequantized", out_features, in_features, device)
+    return _layouts[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    rows, cols = GEMM_BLOCK
+    qweight = (torch.randn(out_features, in_features, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # scales 2^-12 .. 2^-6, different per block: a scale read from the wrong block shows
+    weight_scale = torch.exp2(-12 + 6 * torch.rand(-(-out_features // rows), -(-in_features // cols),
+                                                   generator=generator))
+    qweight, weight_scale = qweight.to(device), weight_scale.to(device)
+    for layout in LAYOUTS:
+        try:
+            for tokens in (1, 33):  # a decode row, and a count no tile size divides
+                x = torch.randn(tokens, in_features, generator=generator).to(device, dtype)
+                quantized, scale = quantize_groups(x, cols)
+                got = scaled_product(quantized, scale, qweight, gemm_scale(weight_scale, layout), dtype).float()
+                want = reference_product(quantized, scale, qweight, weight_scale, GEMM_BLOCK)
+                if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
+                    raise ValueError(f"relative error {float((got - want).norm() / want.norm()):.3g}")
+            return layout
+        except (RuntimeError, TypeError, ValueError) as why:
+            log.info("block-wise scaled matmul, %s weight scale, [%d, %d] on %s: %s", layout, out_features,
+                     in_features, device, why)
+    return None
+
+
+def whole_blocks(indices: list[int], size: int, block: int) -> list[int] | None:
+    """The blocks of `block` positions (of `size` in all; the last may be shorter) that
+    `indices` are, in order, when they are whole blocks; None when they are not."""
+    blocks, i = [], 0
+    while i < len(indices):
+        first = indices[i]
+        span = min(block, size - first)
+        if first % block or indices[i:i + span] != list(range(first, first + span)):
+            return None
+        blocks.append(first // block)
+        i += span
+    return blocks
