@@ -77,8 +77,9 @@ class Fp8Linear(nn.Module):
         self.input_scale: torch.Tensor | None = None  # float32 [] where the checkpoint's is static
         self.block: tuple[int, int] | None = None  # the weight scale's block (rows, cols); None: not block-wise
         self.gemm_scale: torch.Tensor | None = None  # a block-wise weight scale as the GPU's scaled matmul takes it
-        # The dequantized weight, where a tensor-parallel shard's shape breaks the scaled
-        # matmul's rule (GEMM_MULTIPLE): the same rounded input times it, in the serving dtype.
+        # The dequantized weight, where the GPU's scaled matmul would not take this linear (a
+        # tensor-parallel shard off its GEMM_MULTIPLE rule or cutting a block, a block-wise
+        # product it does not compute): the same rounded input times it, in the serving dtype.
         self.dense: torch.Tensor | None = None
 
     @classmethod
@@ -134,18 +135,18 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         quantized, scale = self.quantize_input(rows)
-        if self.block is not None and self.dense is None and self.gemm_scale is None:  # off the GPU
-            out = fp8_blocks.reference_product(quantized, scale, self.qweight, self.weight_scale, self.block)
-            out = out.to(x.dtype)
-        elif self.block is not None and self.dense is None:
-            out = fp8_blocks.scaled_product(quantized, scale, self.qweight, self.gemm_scale, x.dtype)
-        elif self.dense is not None:
+        if self.dense is not None:
             unscaled = (fp8_blocks.dequantize_groups(quantized, scale, self.block[1]) if self.block is not None
                         else quantized.float() * scale)
             out = F.linear(unscaled.to(self.dense.dtype), self.dense).to(x.dtype)
-        else:
+        elif self.block is None:
             out = torch._scaled_mm(quantized, self.qweight.t(), scale_a=scale, scale_b=self.weight_scale,
                                    out_dtype=x.dtype)
+        elif self.gemm_scale is not None:
+            out = fp8_blocks.scaled_product(quantized, scale, self.qweight, self.gemm_scale, x.dtype)
+        else:  # block-wise off the GPU
+            out = fp8_blocks.reference_product(quantized, scale, self.qweight, self.weight_scale,
+                                               self.block).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
