@@ -145,6 +145,8 @@ def step_kernels(dry_run: bool) -> dict:
 ENGINE_OPTIONS = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, num_kv_blocks=96)
 ENGINE_PROMPTS = [[5, 6, 7], [9], list(range(3, 60))]  # 57 tokens: chunked over two steps and more
 # a pool that the fillers of _tokens(through_tiers=True) evict, and a host tier that keeps it
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,  # drafts from any repeat
+         "adaptive": False}  # in every step, whatever they measure
 TIER_OPTIONS = {**ENGINE_OPTIONS, "num_kv_blocks": 40, "max_num_seqs": 2, "enable_prefix_caching": True,
                 "prefix_checkpoints": 2, "host_cache_bytes": 1 << 24}
 
@@ -182,6 +184,9 @@ def step_engine(dry_run: bool) -> dict:
                 # the cache formats' torch path (docs/cache-formats.md), captured graphs included
                 "formats": _tokens_or_error(lambda: LLM(path, device=device, dtype="bfloat16", kv_cache_dtype="fp8_e4m3",
                                                         mamba_state_dtype="bfloat16", **ENGINE_OPTIONS), params),
+                # verify steps of k+1 rows a request and the recurrent state's rollback (engine.verify)
+                "spec": _tokens_or_error(lambda: LLM(path, device=device, dtype="float32", speculative_config=NGRAM,
+                                                     **ENGINE_OPTIONS), params, speculating=True),
             }
         built = native.library.cache_info().currsize > 0 or any(Path(kernel_cache).iterdir())
         if not dry_run and built:
@@ -191,7 +196,7 @@ def step_engine(dry_run: bool) -> dict:
             path, hf = Path(tmp) / name, models[name]
             cpu = _tokens(LLM(path, device="cpu", dtype="float32", **ENGINE_OPTIONS), params)
             row = [name]
-            for kind in ("f32", "prefix", "tiers"):
+            for kind in ("f32", "prefix", "tiers", "spec"):
                 ours = runs[name][kind]
                 verdict = ours if isinstance(ours, str) else judge(
                     hf, ENGINE_PROMPTS, cpu, ours, trust=trusted or name not in MAMBA2_NORM_FAMILIES)
@@ -211,7 +216,7 @@ def step_engine(dry_run: bool) -> dict:
                 row.append(f"{equal}/{sum(map(len, against))} tokens as {what} (info)")
             rows.append(row)
     header = ["family", f"LLM({device}) float32 vs LLM(cpu)", "prefix cache, prompts twice",
-              "host tier, prompts again after eviction", f"LLM({device}) bf16",
+              "host tier, prompts again after eviction", "n-gram speculation", f"LLM({device}) bf16",
               "bf16, FP8 KV e4m3 + bf16 state"]
     note = "" if trusted else "; transformers here normalises Mamba2's gated norm over the full width, so " \
                               "mamba2/bamba/granite are judged by equality to the CPU engine only"
@@ -224,8 +229,11 @@ def step_engine(dry_run: bool) -> dict:
             "tables": [_table("engine on the device against the CPU engine (tie rule: transformers)", header, rows)]}
 
 
-def _tokens(llm, params, twice: bool = False, through_tiers: bool = False) -> list[list[int]]:
+def _tokens(llm, params, twice: bool = False, through_tiers: bool = False,
+            speculating: bool = False) -> list[list[int]]:
     outs = llm.generate(ENGINE_PROMPTS, params)
+    if speculating and llm.engine.stats()["spec_drafts"] == 0:
+        raise RuntimeError("no step verified a draft")
     if twice:  # the second run reads the first's prefix blocks and state checkpoints
         outs = llm.generate(ENGINE_PROMPTS, params)
     if through_tiers:  # fillers evict the prompts' prefixes to the host tier; the prompts load them back
@@ -240,9 +248,9 @@ def _tokens(llm, params, twice: bool = False, through_tiers: bool = False) -> li
     return [out.token_ids for out in outs]
 
 
-def _tokens_or_error(make, params, twice: bool = False, through_tiers: bool = False):
+def _tokens_or_error(make, params, twice: bool = False, through_tiers: bool = False, speculating: bool = False):
     try:
-        return _tokens(make(), params, twice, through_tiers)
+        return _tokens(make(), params, twice, through_tiers, speculating)
     except Exception as error:  # one family's failure must not hide the others'
         return f"ERROR {type(error).__name__}: {error}"[:150]
 
