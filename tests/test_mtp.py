@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -295,4 +296,25 @@ def test_equal_tp_workers_hand_the_head_cache_off_rank_to_rank(mtp_model, monkey
     for prompt in prompts:  # each request's first proposal: right after the hand-off
         tokens, drafts = next((t, d) for t, d in proposals if t[:len(prompt)] == prompt)
         assert len(tokens) == len(prompt) + 1 and drafts
+        assert_drafts_are_the_heads(hf, head, tokens, drafts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mtp_on_cuda_keeps_the_outputs_of_plain_decoding(mtp_model, monkeypatch):
+    """On a GPU: verify steps run eagerly, plain decode steps replay graphs that also capture
+    the final hidden states the head reads. Drafts accepted and rejected both (scripted as in
+    the CPU test); the outputs are plain decoding's on the same device, or ties transformers
+    finds, and the drafts are the head's."""
+    path, hf, head = mtp_model
+    prompts = prompts_for(5)
+    plain = [out.token_ids for out in LLM(str(path), block_size=4, device="cuda").generate(prompts, GREEDY)]
+    proposals = record_proposals(monkeypatch, {tuple(p): o for p, o in zip(prompts, plain)})
+    llm = LLM(str(path), block_size=4, device="cuda", speculative_config=MTP)
+    speculated = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    for prompt, output in zip(prompts, speculated):
+        judge_greedy(hf, prompt, output)
+    stats = llm.engine.speculation.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    for tokens, drafts in proposals[::3]:
         assert_drafts_are_the_heads(hf, head, tokens, drafts)
