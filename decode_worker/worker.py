@@ -156,6 +156,7 @@ class DecodeWorker(WorkerBase):
         self.receiver.close()
         if self.rank_handoffs is not None:
             self.rank_handoffs.close()
+        self._close_prefix_wire()
 
     def _rank_pending(self) -> frozenset[str]:
         return self.rank_handoffs.pending_ids if self.rank_handoffs is not None else frozenset()

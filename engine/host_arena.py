@@ -52,19 +52,21 @@ class HostArena:
         self._starts: list[int] = [0]  # free runs, sorted by start
         self._lengths: dict[int, int] = {0: nbytes}
 
-    def allocate(self, nbytes: int) -> int | None:
-        """The offset of `nbytes` (aligned) free bytes, now taken; None where no run is long enough."""
+    def allocate(self, nbytes: int, align: int = ALIGNMENT) -> int | None:
+        """The offset (a multiple of `align`, itself one of ALIGNMENT) of `nbytes` (aligned)
+        free bytes, now taken; None where no run holds them."""
         nbytes = aligned(nbytes)
         for i, start in enumerate(self._starts):
-            length = self._lengths[start]
-            if length >= nbytes:
-                del self._lengths[start]
-                if length > nbytes:
-                    self._starts[i] = start + nbytes
-                    self._lengths[start + nbytes] = length - nbytes
-                else:
-                    del self._starts[i]
-                return start
+            end = start + self._lengths[start]
+            first = -(-start // align) * align
+            if first + nbytes > end:
+                continue
+            del self._lengths[start]
+            # what is left of the run on either side stays free, in order
+            left = [(s, e - s) for s, e in ((start, first), (first + nbytes, end)) if e > s]
+            self._starts[i:i + 1] = [s for s, _ in left]
+            self._lengths.update(left)
+            return first
         return None
 
     def release(self, offset: int, nbytes: int) -> None:

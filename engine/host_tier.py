@@ -17,8 +17,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.host_arena import HostArena, Specs, footprint, specs_of
+from engine.host_arena import ALIGNMENT, HostArena, Specs, footprint, specs_of
 from engine.prefix_cache import CHECKPOINT_COMPUTE_WEIGHT
+
+# The unit a transport moves host-tier bytes in (engine.prefix_exchange): large enough that an
+# entry is few rows, small enough that rounding an entry up to whole rows wastes little.
+ROW_BYTES = 1 << 16
+
+
+def rows_of(nbytes: int) -> int:
+    return -(-nbytes // ROW_BYTES)
 
 
 @dataclass(frozen=True)
@@ -64,12 +72,18 @@ def entry_specs(shapes: dict[str, tuple], num_blocks: int, with_state: bool = Tr
 def unfit_tensors(tensors: dict[str, torch.Tensor], num_blocks: int, shapes: dict[str, tuple]) -> str | None:
     """Why an entry's `tensors` (of a chain of `num_blocks` blocks) are not rows of a cache whose
     rows are `shapes`; None where they are."""
-    if set(tensors) != set(shapes):
-        return f"tensors {sorted(tensors)} are not the cache's {sorted(shapes)}"
-    for name, (want, dtype) in entry_specs(shapes, num_blocks).items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != want or tensor.dtype != dtype:
-            return f"{name} is {tuple(tensor.shape)} {tensor.dtype}, not {want} {dtype}"
+    return unfit_specs(specs_of(tensors), num_blocks, shapes)
+
+
+def unfit_specs(specs: Specs, num_blocks: int, shapes: dict[str, tuple]) -> str | None:
+    """unfit_tensors for tensors shaped `specs`: an entry of every block tensor and every state
+    row, or of the block tensors alone (no checkpoint)."""
+    want = entry_specs(shapes, num_blocks)
+    if set(specs) not in (set(want), {name for name in want if name.startswith("kv:")}):
+        return f"tensors {sorted(specs)} are not the cache's {sorted(shapes)}"
+    for name, (shape, dtype) in specs.items():
+        if tuple(shape) != want[name][0] or dtype != want[name][1]:
+            return f"{name} is {tuple(shape)} {dtype}, not {want[name][0]} {want[name][1]}"
     return None
 
 
@@ -140,26 +154,56 @@ class HostTier:
         room). (None, what went down) where the new entry itself is the least useful, or larger
         than the tier: it goes down as it is."""
         size = footprint(specs)
+        offset, out = self._allocate(size, ALIGNMENT, Entry(keys, end, {}, last_used))
+        if offset is None:
+            return None, out
+        return self.adopt(keys, end, specs, offset, size, last_used), out
+
+    def reserve_rows(self, nbytes: int) -> tuple[int | None, list[Entry]]:
+        """Whole ROW_BYTES rows of the arena for `nbytes`, held until `release_rows` or `adopt`
+        (what a prefix fetched from another worker lands in, or an entry staged for one: the
+        rows a transport moves, engine.prefix_exchange): (their offset, what went down to make
+        room); None where the tier holds no such run even empty."""
+        return self._allocate(rows_of(nbytes) * ROW_BYTES, ROW_BYTES, None)
+
+    def release_rows(self, offset: int, nbytes: int) -> None:
+        self.arena.release(offset, rows_of(nbytes) * ROW_BYTES)
+
+    def adopt(self, keys: list[bytes], end: int, specs: Specs, offset: int, size: int | None = None,
+              last_used: float | None = None) -> dict[str, torch.Tensor]:
+        """Hold the entry whose tensors, shaped `specs`, are packed in the arena from `offset`
+        (`size` bytes taken there: a `reserve_rows` range, or reserve's); its tensors."""
+        views = self.arena.views(offset, specs)
+        key = keys[-1]
+        self.entries[key] = Entry(list(keys), end, views, time.monotonic() if last_used is None else last_used)
+        self._ranges[key] = offset, rows_of(footprint(specs)) * ROW_BYTES if size is None else size
+        if self.events is not None:
+            self.events.stored("host", key, end)
+        return views
+
+    def rows(self) -> torch.Tensor:
+        """The arena as [rows, 1, ROW_BYTES] bytes: what a transport's cache is made of."""
+        count = self.budget // ROW_BYTES
+        return self.arena.buffer[: count * ROW_BYTES].view(count, 1, ROW_BYTES)
+
+    def _allocate(self, size: int, align: int, incoming: Entry | None) -> tuple[int | None, list[Entry]]:
+        """An offset for `size` bytes, evicting the least useful entries until a run holds them
+        (`incoming`, where given, among the candidates: None once it is the least useful)."""
         if size > self.budget:
             return None, []
-        out, incoming, victims = [], Entry(keys, end, {}, last_used), None
-        while (offset := self.arena.allocate(size)) is None:  # no run long enough: evict until one is
+        out, victims = [], None
+        while (offset := self.arena.allocate(size, align)) is None:  # no run long enough: evict until one is
             if victims is None:
                 held = [e for key, e in self.entries.items() if key not in self._loading]
-                victims = least_useful_first([(e, e.last_used, e.end) for e in (*held, incoming)])
-            victim = next(victims)
-            if victim is incoming:
+                candidates = [(e, e.last_used, e.end) for e in held + [incoming] if e is not None]
+                victims = least_useful_first(candidates) if candidates else iter(())
+            victim = next(victims, None)
+            if victim is None or victim is incoming:
                 return None, out
             pushed = self._push_out(victim.keys[-1])
             if pushed is not None:
                 out.append(pushed)
-        views = self.arena.views(offset, specs)
-        key = keys[-1]
-        self.entries[key] = Entry(list(keys), end, views, last_used)
-        self._ranges[key] = offset, size
-        if self.events is not None:
-            self.events.stored("host", key, end)
-        return views, out
+        return offset, out
 
     def take(self, key: bytes) -> Entry | None:
         """Drop the entry for `key`: its arena range is free for the next put, so the entry

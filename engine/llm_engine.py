@@ -29,7 +29,7 @@ from engine.state_slots import StateOwnershipError, StateSlotAllocator
 from engine.structured import GrammarCompiler
 from engine.disk_tier import PREFETCH_LIMIT
 from engine.entry_rows import entry_rows
-from engine.prefix_exchange import ExportedPrefix, PrefixExchange
+from engine.prefix_exchange import PrefixExchange
 from engine.tiered_cache import TieredCache, cache_fingerprint
 from engine.tokenizer import Tokenizer
 
@@ -217,18 +217,6 @@ class LLMEngine:
         cache_fingerprint: it reads the weight files' ends, so once)."""
         config = self.config
         return cache_fingerprint(config.model, config.dtype, config.block_size, self.entry_rows.layout)
-
-    def export_prefix(self, hashes: list[bytes]) -> ExportedPrefix | None:
-        """The longest usable prefix of the block chain `hashes` this engine holds, copied out
-        for another worker (engine.prefix_exchange); None where it holds none."""
-        return self.exchange.export(hashes) if self.exchange is not None else None
-
-    def import_prefix(self, exported: ExportedPrefix) -> int:
-        """Another worker's exported prefix, into this engine's host tier: the tokens it covers
-        (0: refused, or held already)."""
-        if self.exchange is None:
-            return 0
-        return self.exchange.accept(exported)
 
     def drain_cache_events(self) -> dict | None:
         """What the prefix cache and its tiers stored and dropped since the last call

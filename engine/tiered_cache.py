@@ -69,13 +69,13 @@ class TieredCache:
         else:
             self.rows.gather_into(views, blocks, checkpoint)
             self.host.fence()
-        self._below(below)
+        self.keep_below(below)
 
     def keep(self, entry: Entry) -> None:
         """`entry` into the highest tier with room (what host memory pushes out goes to disk)."""
-        self._below(self.host.put(entry) if self.host is not None else [entry])
+        self.keep_below(self.host.put(entry) if self.host is not None else [entry])
 
-    def _below(self, entries: list[Entry]) -> None:
+    def keep_below(self, entries: list[Entry]) -> None:
         """What goes below host memory: to disk, where there is one."""
         if self.disk is not None:
             for entry in entries:

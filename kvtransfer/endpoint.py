@@ -114,6 +114,14 @@ class Endpoint:
 
     # ---- for subclasses ----
 
+    def _abandon(self) -> None:
+        """Undo what __init__ started, for a subclass whose own setup then failed: it has no
+        channels to close."""
+        self._closed = True
+        self._stop.set()
+        self._watchdog.join(timeout=5)
+        _OPEN_ENDPOINTS.discard(self)
+
     def _deliver(self, results: list[HandoffResult]) -> None:
         """Publish results; call only without holding the lock (on_done may call back in)."""
         if not results:

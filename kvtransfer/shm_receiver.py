@@ -38,7 +38,11 @@ class ShmReceiver(HandoffReceiver):
 
         self._sweeping = threading.Lock()  # one sweep at a time: record locks do not exclude our own threads
         super().__init__(*args, **kwargs)
-        self._shared = share_cache_storage(self.cache)
+        try:
+            self._shared = share_cache_storage(self.cache)
+        except BaseException:  # (a /dev/shm too small for the cache): nothing left running
+            self._abandon()
+            raise
         rows = max(1, min(MAX_ROWS, self.cache.num_blocks + self.cache.num_slots))
         self._table = GrantTable.create(rows)
         self._free_rows = list(range(rows - 1, -1, -1))

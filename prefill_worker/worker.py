@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.tp.rank_handoffs import RankOffers
 from kvtransfer import HandoffResult, HandoffTarget
 from worker_base import WorkerBase
+from worker_base.prefix_wire import PendingPrefix, fetch
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,6 @@ class PendingTarget:
 
     async def resolve(self) -> HandoffTarget:
         return await self.reservation
-
-
-class PendingPrefix:
-    """A prefix another worker exports for this request (the ObjectRef of its export_prefix();
-    inside an object, so the call does not wait for it, and a source that fails or is slow
-    costs a recompute, never the request)."""
-
-    def __init__(self, export, source: str):
-        self.export, self.source = export, source
 
 
 @dataclass(frozen=True)
@@ -148,7 +140,7 @@ class PrefillWorker(WorkerBase):
         """Prefill one request and send it to `target` (a PendingTarget: once the reservation it
         awaits is granted); None: the router reserved nowhere, since the request ends at its first
         token (the outcome then carries its output). `prefix`: a cached prefix another worker
-        exports for it, imported before the request is queued."""
+        holds for it (worker_base.prefix_wire), fetched before the request is queued."""
         return await self._prefill(request_id, prompt_token_ids, params, target, resume, None, prefix)
 
     async def prefill_stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -203,16 +195,17 @@ class PrefillWorker(WorkerBase):
             self._streaming.pop(request_id, None)
 
     async def _import_prefix(self, request_id: str, prefix: PendingPrefix) -> None:
-        """The prefix another worker exported, into this engine's host tier; a failed or slow
-        export, or one refused here, only means the request computes that part itself."""
+        """The prefix another worker holds, into this engine's host tier (worker_base.prefix_wire);
+        a failed or slow fetch, or one refused here, only means the request computes that part
+        itself."""
+        if self.prefix_wire is None:
+            return
         try:
-            # a third of the hand-off's timeout: the decode worker's reservation waits meanwhile
-            exported = await asyncio.wait_for(prefix.export, self.transfer_config.timeout_s / 3)
-            if exported is not None:
-                await asyncio.wrap_future(self.thread.call(lambda engine: engine.import_prefix(exported)))
+            # each wait a third of the hand-off's timeout: the decode worker's reservation waits meanwhile
+            await fetch(self, request_id, prefix, self.transfer_config.timeout_s / 3)
         except Exception as e:
-            log.warning("%s: prefix from %s for %s not imported (%s: %s); computing it", self.name,
-                        prefix.source, request_id, type(e).__name__, e)
+            log.warning("%s: prefix from %s for %s not fetched (%s: %s); computing it", self.name,
+                        prefix.source_name, request_id, type(e).__name__, e)
 
     async def _await_target(self, request_id: str, pending: PendingTarget) -> None:
         try:
@@ -263,6 +256,7 @@ class PrefillWorker(WorkerBase):
         self.sender.close()
         if self.rank_handoffs is not None:
             self.rank_handoffs.close()
+        self._close_prefix_wire()
 
     # ---- engine thread and transport callbacks ----
 

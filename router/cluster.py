@@ -32,7 +32,8 @@ from engine.prefix_cache import block_hashes
 from engine.prompts import as_batch, check_prompt_length, prompt_token_ids
 from engine.sampling_params import InvalidRequest, SamplingParams
 from engine.tokenizer import Tokenizer
-from prefill_worker.worker import PendingPrefix, PendingTarget, PrefillOutcome
+from prefill_worker.worker import PendingTarget, PrefillOutcome
+from worker_base.prefix_wire import PendingPrefix
 from kvtransfer.transport import check_transport
 from router.backend import ModelInfo, Overloaded, Unavailable
 from router.autoscaler import AutoscaleConfig
@@ -68,7 +69,8 @@ class ClusterConfig:
     # prompt tokens than the chosen prefill worker holds (router.prefix_fetch); 0: never.
     prefix_fetch_tokens: int = 256
     # ... and when moving it takes less time than the prefill it saves: its bytes over a link of
-    # this many Gb/s plus a fixed cost per fetch (the bench's export, serialization and import)
+    # this many Gb/s plus a fixed cost per fetch (the calls that order it, and the bench's stage,
+    # move and adopt: docs/benchmarks.md)
     prefix_fetch_gbps: float = 10.0
     prefix_fetch_overhead_ms: float = 3.0
     max_queued: int = 1024  # requests in flight before Overloaded
@@ -393,7 +395,7 @@ class Cluster(ElasticPools):
             await asyncio.wait_for(call, PLACING_WAIT_S)
 
     def _prefix_for(self, prefill: WorkerRef, hashes: list[bytes], cached: int) -> PendingPrefix | None:
-        """The export of the request's longest cached prefix from the worker that holds more of it
+        """The fetch of the request's longest cached prefix from the worker that holds more of it
         than `prefill` does (its `cached` tokens), where fetching pays (router.prefix_fetch)."""
         config = self.config
         plan = plan_fetch(self.workers.prefill + self.workers.decode, prefill, hashes, cached,
@@ -402,7 +404,7 @@ class Cluster(ElasticPools):
         if plan is None:
             return None
         self.prefix_fetches += 1
-        return PendingPrefix(plan.source.handle.export_prefix.remote(plan.hashes), plan.source.name)
+        return PendingPrefix(plan.source.handle, plan.source.name, plan.hashes, plan.source.node_id == prefill.node_id)
 
     def _block_hashes(self, token_ids: list[int]) -> list[bytes]:
         """The engine's block keys of `token_ids` when workers cache prefixes, else none."""

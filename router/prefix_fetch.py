@@ -3,12 +3,13 @@
 The router knows, from the workers' cache events (router.prefix_routing), which usable prefixes
 each worker holds in its pool and tiers. When the prefill worker chosen for a request holds
 less of its prompt than another worker reports holding, by at least `prefix_fetch_tokens`,
-that worker exports the entry (engine.prefix_exchange) and the prefill worker imports it into
-its host tier before queueing the request: copying the prefix's KV and checkpoint beats
-recomputing it once it is long enough (docs/prefix-caching.md has the measured break-even).
-A source may be a prefill worker that saw the same system prompt, or the decode worker that
-answered a chat's last turn. The entry goes from the source's node to the importer's through
-Ray's object store; the router passes a reference and never holds the bytes.
+the prefill worker fetches the entry from that worker's host tier into its own before queueing
+the request (worker_base.prefix_wire: over shared memory on one node, Gloo across nodes):
+copying the prefix's KV and checkpoint beats recomputing it once it is long enough
+(docs/prefix-caching.md has the measured break-even). A source may be a prefill worker that
+saw the same system prompt, or the decode worker that answered a chat's last turn; both ends
+need a host tier (--host-cache-bytes), where entries are staged and land. The router names the
+source and never holds the bytes.
 
 Fetching must also pay: the entry's bytes (its blocks' KV and its checkpoint, as the target
 reports an entry's size) over the link, plus a fixed cost, must take less time than the target
@@ -61,8 +62,8 @@ def plan_fetch(workers: list[WorkerRef], target: WorkerRef, hashes: list[bytes],
         return None
     best, best_key = None, None
     for worker in workers:
-        if worker is target or not worker.alive or worker.draining:
-            continue
+        if worker is target or not worker.alive or worker.draining or "tier_host_bytes" not in worker.stats:
+            continue  # a source stages what it sends in its host tier
         tokens = worker.prefixes.reported_blocks(hashes) * block_size
         if tokens - target_cached < min_tokens or (best_key is not None and tokens < best_key[0]):
             continue

@@ -205,10 +205,10 @@ def test_the_router_fetches_a_prefix_only_a_report_shows_and_only_where_it_pays(
 
     chat = block_hashes(list(range(40)), SIZE, [])  # 10 blocks
 
-    def worker(name, kind, node="a", stats=None):
-        return WorkerRef(name, kind, None, node_id=node, prefixes=PrefixIndex(64), stats=stats or {})
+    def worker(name, kind, node="a"):  # every one with a host tier: where entries are staged and land
+        return WorkerRef(name, kind, None, node_id=node, prefixes=PrefixIndex(64), stats={"tier_host_bytes": 0})
 
-    target = worker("prefill-0", "prefill", stats={"tier_host_bytes": 0})
+    target = worker("prefill-0", "prefill")
     other = worker("prefill-1", "prefill", node="b")
     decode = worker("decode-0", "decode")
     workers = [target, other, decode]
@@ -226,6 +226,8 @@ def test_the_router_fetches_a_prefix_only_a_report_shows_and_only_where_it_pays(
     other.draining, decode.alive = True, False
     assert plan_fetch(workers, target, chat, 0, SIZE, 8) is None
     other.draining, decode.alive = False, True
+    del other.stats["tier_host_bytes"]  # no host tier to stage the entry in: not a source
+    assert plan_fetch(workers, target, chat, 0, SIZE, 8).source is decode
     del target.stats["tier_host_bytes"]  # no host tier to take the entry
     assert plan_fetch(workers, target, chat, 0, SIZE, 8) is None
     assert plan_fetch([target], target, chat, 0, SIZE, 8) is None
@@ -241,7 +243,8 @@ def test_a_fetch_goes_ahead_only_where_moving_the_entry_beats_recomputing_it():
     chat = block_hashes(list(range(40)), SIZE, [])  # 10 blocks
     target = WorkerRef("prefill-0", "prefill", None, node_id="a", prefixes=PrefixIndex(64),
                        stats={"tier_host_bytes": 0})
-    source = WorkerRef("decode-0", "decode", None, node_id="b", prefixes=PrefixIndex(64), stats={})
+    source = WorkerRef("decode-0", "decode", None, node_id="b", prefixes=PrefixIndex(64),
+                       stats={"tier_host_bytes": 0})
     source.prefixes.apply({"reset": True, "events": [("+", "pool", chat[7], 32)]})  # 32 tokens: 8 blocks
     link, overhead = 1e9, 0.002  # bytes/s, s
 

@@ -1,6 +1,8 @@
-"""Prefix-cache entries exported by one engine and imported by another (engine.prefix_exchange):
-the importer's request starts from the entry and its outputs are the uncached ones, judged by
-transformers; an entry from a cache unlike the importer's is refused, naming why."""
+"""Prefix-cache entries moved from one engine's host tier to another's (engine.prefix_exchange,
+worker_base.prefix_wire): staged in whole rows, sent over shared memory or Gloo into rows the
+importer reserved, adopted there; the importer's request starts from the entry and its outputs
+are the uncached ones, judged by transformers. An entry from a cache unlike the importer's is
+refused before a byte moves, naming why, and a move that fails gives both sides' rows back."""
 
 from __future__ import annotations
 
@@ -8,105 +10,218 @@ import dataclasses
 import random
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.host_tier import ROW_BYTES
 from engine.prefix_cache import block_hashes
+from kvtransfer.config import TransferConfig
+from kvtransfer.messages import HandoffTarget
 from tests.oracle import assert_same_tokens, judge_greedy
+from worker_base.prefix_wire import PrefixWire
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+HOST = 1 << 22
 
 
 def tokens(rng, n, vocab):
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def importer(path, block_size=BLOCK):
-    return LLM(path, block_size=block_size, enable_prefix_caching=True, host_cache_bytes=1 << 26)
+def with_host_tier(path, block_size=BLOCK, **options):
+    return LLM(path, block_size=block_size, enable_prefix_caching=True, host_cache_bytes=HOST, **options)
 
 
-@pytest.mark.parametrize("family", ["jamba", "qwen3_next", "mamba", "llama"])
-def test_an_imported_prefix_serves_as_its_own_would(family, model_factory):
+class Move:
+    """One engine's entries moved into another's host tier, over a transport (`kind`) or, for
+    the engine-side tests, by copying the rows here."""
+
+    def __init__(self, source: LLM, target: LLM, kind: str | None = None):
+        self.source, self.target, self.kind = source.engine, target.engine, kind
+        self.count = 0
+        if kind is not None:
+            config = TransferConfig(timeout_s=10)
+            self.sending = PrefixWire("source", self.source.tiers.host.rows(), config)
+            self.receiving = PrefixWire("target", self.target.tiers.host.rows(), config)
+            _, receiver = self.receiving.receiver(kind)
+            self.sending.sender(kind).connect(self.receiving.name, receiver.accept(self.sending.name))
+
+    def __call__(self, hashes: list[bytes]):
+        """(what the source staged, the tokens the target took) for the chain `hashes`."""
+        self.count += 1
+        fetch_id = f"fetch-{self.count}"
+        staged = self.source.exchange.stage(hashes, fetch_id)
+        if staged is None:
+            return None, 0
+        offset = self.target.exchange.make_room(staged)
+        if offset is None:
+            self.source.exchange.unstage(fetch_id)
+            return staged, 0
+        first = offset // ROW_BYTES
+        dst_rows = list(range(first, first + len(staged.rows)))
+        if self.kind is None:
+            rows = self.target.tiers.host.rows()
+            rows[dst_rows] = self.source.tiers.host.rows()[staged.rows]
+        else:
+            _, receiver = self.receiving.receiver(self.kind)
+            receiver.expect(HandoffTarget(fetch_id, self.receiving.name, tuple(dst_rows), None))
+            self.sending.send(fetch_id, self.receiving.name, self.kind, staged.rows, dst_rows)
+            assert receiver.wait_for([fetch_id], 10)[fetch_id].ok
+        self.source.exchange.unstage(fetch_id)
+        return staged, self.target.exchange.adopt(staged, offset)
+
+    def close(self):
+        if self.kind is not None:
+            self.sending.close()
+            self.receiving.close()
+
+
+def free_bytes(llm: LLM) -> int:
+    return llm.engine.tiers.host.arena.free_bytes
+
+
+@pytest.mark.parametrize("family, kind", [("jamba", "shm"), ("qwen3_next", "gloo"), ("mamba", "shm"),
+                                          ("llama", "gloo"), ("jamba", "gloo")])
+def test_a_fetched_prefix_serves_as_its_own_would(family, kind, model_factory):
     path, hf = model_factory(family)
     rng = random.Random(41)
     vocab = hf.config.vocab_size
-    source = LLM(path, block_size=BLOCK, enable_prefix_caching=True)
-    target = importer(path)
-    plain = LLM(path, block_size=BLOCK)
-    system = tokens(rng, 22, vocab)
-    source.generate([system], GREEDY)  # its last boundary short of the end, 20, is checkpointed
-    exported = source.engine.export_prefix(block_hashes(system + [1, 2, 3], BLOCK, []))
-    assert exported is not None and exported.tier == "pool" and exported.entry.end == 20
-    # what the router weighs a fetch by: the entry's size, and the importer's prefill rate
-    before = target.engine.stats()
-    assert exported.entry.nbytes == 5 * before["prefix_entry_block_bytes"] + before["prefix_entry_state_bytes"]
-    assert before["prefill_tokens_per_s"] == 0.0 < source.engine.stats()["prefill_tokens_per_s"]
-    assert target.engine.import_prefix(exported) == 20
-    assert target.engine.import_prefix(exported) == 0  # held already
-    prompt = system[:20] + tokens(rng, 5, vocab)
-    out = target.generate([prompt], GREEDY)[0]
-    assert out.num_cached_tokens == 20
-    assert_same_tokens(hf, prompt, out.token_ids, plain.generate([prompt], GREEDY)[0].token_ids)
-    judge_greedy(hf, prompt, out.token_ids)
-    stats = target.engine.stats()
-    assert stats["prefix_fetch_imported"] == 1 and stats["prefix_fetch_imported_tokens"] == 20
-    assert stats["tier_host_hits"] == 1
-    assert source.engine.stats()["prefix_fetch_exported"] == 1
-    target.engine.check_integrity()
-    source.engine.check_integrity()
+    source, target, plain = with_host_tier(path), with_host_tier(path), LLM(path, block_size=BLOCK)
+    move = Move(source, target, kind)
+    try:
+        system = tokens(rng, 22, vocab)
+        source.generate([system], GREEDY)  # its last boundary short of the end, 20, is checkpointed
+        hashes = block_hashes(system + [1, 2, 3], BLOCK, [])
+        source_free, target_free = free_bytes(source), free_bytes(target)
+        staged, taken = move(hashes)
+        assert staged.tier == "pool" and staged.end == 20 and taken == 20
+        # what the router weighs a fetch by: the entry's size, and the importer's prefill rate
+        before = target.engine.stats()
+        assert staged.nbytes == 5 * before["prefix_entry_block_bytes"] + before["prefix_entry_state_bytes"]
+        assert before["prefill_tokens_per_s"] == 0.0 < source.engine.stats()["prefill_tokens_per_s"]
+        assert free_bytes(source) == source_free  # its staged rows are back
+        assert free_bytes(target) == target_free - len(staged.rows) * ROW_BYTES  # the entry holds them
+        assert move(hashes)[1] == 0  # held already
+        prompt = system[:20] + tokens(rng, 5, vocab)
+        out = target.generate([prompt], GREEDY)[0]
+        assert out.num_cached_tokens == 20
+        assert_same_tokens(hf, prompt, out.token_ids, plain.generate([prompt], GREEDY)[0].token_ids)
+        judge_greedy(hf, prompt, out.token_ids)
+        stats = target.engine.stats()
+        assert stats["prefix_fetch_imported"] == 1 and stats["prefix_fetch_imported_tokens"] == 20
+        assert stats["tier_host_hits"] == 1
+        assert source.engine.stats()["prefix_fetch_exported"] == 2
+        target.engine.check_integrity()
+        source.engine.check_integrity()
+    finally:
+        move.close()
 
 
-def test_a_prefix_is_exported_from_the_source_tiers_too(model_factory, tmp_path):
+def test_a_prefix_is_staged_from_the_source_tiers_too(model_factory):
     path, hf = model_factory("jamba")
     rng = random.Random(43)
     vocab = hf.config.vocab_size
     # a pool of 12 blocks: the second prompt evicts the first, whose entry goes to host memory
-    source = LLM(path, block_size=BLOCK, enable_prefix_caching=True, num_kv_blocks=12, prefix_checkpoints=2,
-                 host_cache_bytes=1 << 26)
+    source = with_host_tier(path, num_kv_blocks=12, prefix_checkpoints=2)
     first, second = tokens(rng, 30, vocab), tokens(rng, 30, vocab)
     source.generate([first], GREEDY)
     source.generate([second], GREEDY)
-    exported = source.engine.export_prefix(block_hashes(first, BLOCK, []))
-    assert exported is not None and exported.tier == "host" and exported.entry.end == 28
-    # its own tensors, not views of the host tier's arena (which Ray would ship whole)
-    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in exported.entry.tensors.values())
-    target = importer(path)
-    assert target.engine.import_prefix(exported) == 28
+    target = with_host_tier(path)
+    staged, taken = Move(source, target)(block_hashes(first, BLOCK, []))
+    assert staged.tier == "host" and taken == 28
     prompt = first[:28] + tokens(rng, 3, vocab)
     out = target.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 28
     judge_greedy(hf, prompt, out.token_ids)
-    assert source.engine.export_prefix(block_hashes(tokens(rng, 30, vocab), BLOCK, [])) is None
+    assert Move(source, target)(block_hashes(tokens(rng, 30, vocab), BLOCK, [])) == (None, 0)
+    # no host tier to stage in: nothing to fetch from this worker
+    bare = LLM(path, block_size=BLOCK, enable_prefix_caching=True)
+    bare.generate([first], GREEDY)
+    assert bare.engine.exchange.stage(block_hashes(first, BLOCK, []), "f") is None
 
 
 def test_entries_from_a_cache_unlike_this_one_are_refused(model_factory, caplog):
     path, hf = model_factory("jamba")
     rng = random.Random(47)
-    source = LLM(path, block_size=BLOCK, enable_prefix_caching=True)
+    source = with_host_tier(path)
     prompt = tokens(rng, 13, hf.config.vocab_size)
     source.generate([prompt], GREEDY)
-    exported = source.engine.export_prefix(block_hashes(prompt, BLOCK, []))
-    assert exported.entry.end == 12
-    target = importer(path)
-    name = next(n for n in exported.entry.tensors if n.startswith("kv:"))
-    damaged = {**exported.entry.tensors, name: exported.entry.tensors[name][:, :1]}
+    staged = source.engine.exchange.stage(block_hashes(prompt, BLOCK, []), "f")
+    assert staged.end == 12
+    target = with_host_tier(path)
+    free = free_bytes(target)
+    name = next(n for n in staged.specs if n.startswith("kv:"))
+    shape, dtype = staged.specs[name]
     bad = [
-        (dataclasses.replace(exported, fingerprint="0" * 24), "unlike this one"),
-        (dataclasses.replace(exported, entry=dataclasses.replace(exported.entry, end=16)), "do not cover 16"),
-        (dataclasses.replace(exported, entry=dataclasses.replace(exported.entry, tensors=damaged)), name),
-        (dataclasses.replace(exported, entry=dataclasses.replace(
-            exported.entry, tensors={k: v for k, v in exported.entry.tensors.items() if k != name})), "tensors"),
+        (dataclasses.replace(staged, fingerprint="0" * 24), "unlike this one"),
+        (dataclasses.replace(staged, end=16), "do not cover 16"),
+        (dataclasses.replace(staged, specs={**staged.specs, name: ((shape[0], 1, *shape[2:]), dtype)}), name),
+        (dataclasses.replace(staged, specs={**staged.specs, name: (shape, torch.float16)}), name),
+        (dataclasses.replace(staged, specs={k: v for k, v in staged.specs.items() if k != name}), "tensors"),
+        (dataclasses.replace(staged, rows=staged.rows + [0]), "rows do not hold"),
     ]
     for broken, why in bad:
         caplog.clear()
-        assert target.engine.import_prefix(broken) == 0
+        assert target.engine.exchange.make_room(broken) is None
         assert why in caplog.text
-    assert LLM(path, block_size=BLOCK, enable_prefix_caching=True).engine.import_prefix(exported) == 0
+    assert free_bytes(target) == free  # nothing reserved for what was refused
+    assert LLM(path, block_size=BLOCK, enable_prefix_caching=True).engine.exchange.make_room(staged) is None
     assert "no host tier" in caplog.text
     # another block size is another cache (its fingerprint differs)
-    assert importer(path, block_size=8).engine.import_prefix(exported) == 0
+    assert with_host_tier(path, block_size=8).engine.exchange.make_room(staged) is None
     assert target.engine.stats()["prefix_fetch_refused"] == len(bad)
-    assert target.engine.import_prefix(exported) == 12  # the intact entry still goes in
+    source.engine.exchange.unstage("f")
+    _, taken = Move(source, target)(block_hashes(prompt, BLOCK, []))
+    assert taken == 12  # the intact entry still goes in
     out = target.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 12
     judge_greedy(hf, prompt, out.token_ids)
+
+
+def test_a_move_that_fails_gives_both_sides_rows_back(model_factory):
+    """The receiver's rows are released only once its failure is reported (the transport no
+    longer writes them), the source's when its send is over; the target then serves the prompt
+    by computing it."""
+    path, hf = model_factory("jamba")
+    rng = random.Random(53)
+    source, target = with_host_tier(path), with_host_tier(path)
+    move = Move(source, target, "gloo")
+    try:
+        prompt = tokens(rng, 17, hf.config.vocab_size)
+        source.generate([prompt], GREEDY)
+        source_free, target_free = free_bytes(source), free_bytes(target)
+        staged = source.engine.exchange.stage(block_hashes(prompt, BLOCK, []), "doomed")
+        offset = target.engine.exchange.make_room(staged)
+        first = offset // ROW_BYTES
+        _, receiver = move.receiving.receiver("gloo")
+        receiver.expect(HandoffTarget("doomed", move.receiving.name, tuple(range(first, first + len(staged.rows))),
+                                      None), timeout_s=0.3)  # the source never sends
+        result = receiver.wait_for(["doomed"], 10)["doomed"]
+        assert not result.ok and "doomed" in result.error
+        target.engine.exchange.drop(offset, staged.nbytes)
+        source.engine.exchange.unstage("doomed")
+        assert (free_bytes(source), free_bytes(target)) == (source_free, target_free)
+        out = target.generate([prompt], GREEDY)[0]
+        assert out.num_cached_tokens == 0
+        judge_greedy(hf, prompt, out.token_ids)
+    finally:
+        move.close()
+
+
+def test_a_worker_whose_arena_cannot_be_shared_takes_fetches_over_gloo(model_factory, monkeypatch, caplog):
+    import kvtransfer.shm
+
+    def no_room(cache):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kvtransfer.shm, "share_cache_storage", no_room)
+    path, _ = model_factory("llama")
+    target = with_host_tier(path)
+    wire = PrefixWire("target", target.engine.tiers.host.rows(), TransferConfig(timeout_s=5))
+    try:
+        kind, receiver = wire.receiver("shm")
+        assert kind == "gloo" and wire.receiver("shm") == ("gloo", receiver)
+        assert "No space left on device" in wire.shm_refused and "Gloo instead" in caplog.text
+    finally:
+        wire.close()

@@ -1,7 +1,7 @@
 """Prefix-cache entries of a tensor-parallel engine (engine.entry_rows.RankRows): an entry holds
 every rank's shard, put together in the un-sharded layout. So the tiers of an engine sharded
 over two ranks turn evictions into hits with the outputs of no caching, and what it spills to
-disk or exports reads the same for an engine of another tensor-parallel size."""
+disk or stages for another worker reads the same for an engine of another tensor-parallel size."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from engine import LLM
 from engine.prefix_cache import block_hashes
 from tests.oracle import assert_same_tokens, judge_greedy
+from tests.test_prefix_exchange import Move
 from tests.test_tiered_cache import GREEDY, SMALL_POOL, chat_trace, one_by_one
 
 
@@ -51,25 +52,34 @@ def test_prefixes_move_between_engines_of_one_and_two_ranks(family, model_factor
         # entry, up to the order of the float sums.
         system = [rng.randrange(3, 300) for _ in range(22)]
         hashes = block_hashes(system + [1, 2, 3], 4, [])
-        mine, theirs = [llm.generate([system], GREEDY) and llm.engine.export_prefix(hashes) for llm in (one, two)]
-        assert mine.entry.end == theirs.entry.end == 20 and set(mine.entry.tensors) == set(theirs.entry.tensors)
-        for name, tensor in mine.entry.tensors.items():
-            assert torch.allclose(theirs.entry.tensors[name], tensor, rtol=1e-4, atol=1e-5), name
+        for llm in (one, two):
+            llm.generate([system], GREEDY)
+        mine, theirs = (llm.engine.exchange.stage(hashes, "compare") for llm in (one, two))
+        assert mine.end == theirs.end == 20 and mine.specs == theirs.specs
+        ours, their = (llm.engine.exchange.staged_tensors(s) for llm, s in ((one, mine), (two, theirs)))
+        for name, tensor in ours.items():
+            assert torch.allclose(their[name], tensor, rtol=1e-4, atol=1e-5), name
+        for llm in (one, two):
+            llm.engine.exchange.unstage("compare")
         for source, target in ((two, one), (one, two)):
             system = [rng.randrange(3, 300) for _ in range(22)]  # a prefix neither holds
             source.generate([system], GREEDY)  # its last boundary short of the end, 20, is checkpointed
             hashes = block_hashes(system + [1, 2, 3], 4, [])
-            exported = source.engine.export_prefix(hashes)
-            assert exported is not None and exported.tier == "pool" and exported.entry.end == 20
-            assert target.engine.import_prefix(exported) == 20
+            staged = source.engine.exchange.stage(hashes, "kept")  # held to compare with below
+            sent = {name: t.clone() for name, t in source.engine.exchange.staged_tensors(staged).items()}
+            source.engine.exchange.unstage("kept")
+            _, taken = Move(source, target)(hashes)
+            assert taken == 20
             prompt = system[:20] + [rng.randrange(3, 300) for _ in range(5)]
             out = target.generate([prompt], GREEDY)[0]
             assert out.num_cached_tokens == 20 and target.engine.stats()["tier_host_hits"] == 1
             judge_greedy(hf, prompt, out.token_ids)
             target.engine.check_integrity()
-            # loaded into the target's pool (on every rank) and copied out again: the same bytes
-            again = target.engine.export_prefix(hashes)
-            assert again.tier == "pool" and again.entry.end == 20
-            assert all(torch.equal(again.entry.tensors[name], t) for name, t in exported.entry.tensors.items())
+            # loaded into the target's pool (on every rank) and staged again: the same bytes
+            again = target.engine.exchange.stage(hashes, "again")
+            assert again.tier == "pool" and again.end == 20
+            back = target.engine.exchange.staged_tensors(again)
+            assert all(torch.equal(back[name], t) for name, t in sent.items())
+            target.engine.exchange.unstage("again")
     finally:
         two.engine.close()

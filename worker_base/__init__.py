@@ -22,6 +22,7 @@ from kvtransfer import make_transport
 from kvtransfer.config import TransferConfig
 from kvtransfer.layout import CacheTensors
 from kvtransfer.nccl import check_launch_order
+from worker_base.prefix_wire import PrefixWire, StagedRows
 
 log = logging.getLogger(__name__)
 WORKER_SWITCH_INTERVAL_S = 0.0005
@@ -67,14 +68,48 @@ class WorkerBase:
         self.rank_handoffs = (RankHandoffs(engine, transport, role, name, self.transfer_config)
                               if self.ranks > 1 else None)
         self._rank_peers: set[str] = set()  # peers of this TP size: hand-offs go rank to rank
+        self._open_prefix_wire()
 
     def layout(self) -> dict:
         return self.cache_tensors.layout.to_dict()
 
-    async def export_prefix(self, hashes: list[bytes]):
-        """The longest usable prefix of the block chain `hashes` this worker holds, copied out
-        between engine steps for another worker to import (engine.prefix_exchange); None."""
-        return await asyncio.wrap_future(self.thread.call(lambda engine: engine.export_prefix(hashes)))
+    async def on_engine(self, fn):
+        """fn(engine) on the engine's thread, between steps; its result."""
+        return await asyncio.wrap_future(self.thread.call(fn))
+
+    # ---- a source of prefix fetches (worker_base.prefix_wire) ----
+
+    async def stage_prefix(self, hashes: list[bytes], fetch_id: str):
+        """The longest usable prefix of the block chain `hashes` this worker holds, staged in
+        rows of its host tier for another worker to fetch (engine.prefix_exchange.StagedPrefix);
+        None where it holds none or has no host tier."""
+        return await self.staged_rows.stage(hashes, fetch_id)
+
+    async def unstage_prefix(self, fetch_id: str) -> None:
+        await self.staged_rows.release(fetch_id)
+
+    async def connect_prefix_wire(self, peer: str, kind: str, offer) -> None:
+        await asyncio.to_thread(self.prefix_wire.sender(kind).connect, peer, offer)
+
+    async def send_prefix(self, fetch_id: str, peer: str, kind: str, dst_rows: list[int]) -> str:
+        """Send what `stage_prefix` staged for `fetch_id` to `peer`'s `dst_rows`: "sent", "not
+        connected", or why not."""
+        return await self.staged_rows.send(fetch_id, peer, kind, dst_rows)
+
+    def _open_prefix_wire(self) -> None:
+        tiers = self.engine.tiers
+        host = tiers.host if tiers is not None else None
+        self.prefix_wire = None if host is None or self.engine.exchange is None else PrefixWire(
+            self.name, host.rows(), self.transfer_config, on_sent=self._prefix_sent)
+        self.staged_rows = StagedRows(self, self.transfer_config.timeout_s)
+
+    def _prefix_sent(self, fetch_id: str) -> None:  # on a transport thread
+        self.staged_rows.sent(fetch_id)
+        self.thread.call(lambda engine: engine.exchange.unstage(fetch_id))
+
+    def _close_prefix_wire(self) -> None:
+        if self.prefix_wire is not None:
+            self.prefix_wire.close()
 
     def _rank_lost(self, rank: int | None, why) -> None:
         """A tensor-parallel rank died (None: a collective failed, which one is unknown): the
