@@ -80,10 +80,11 @@ class WorkerBase:
     # ---- a source of prefix fetches (worker_base.prefix_wire) ----
 
     async def stage_prefix(self, hashes: list[bytes], fetch_id: str):
-        """The longest usable prefix of the block chain `hashes` this worker holds, staged in
-        rows of its host tier for another worker to fetch (engine.prefix_exchange.StagedPrefix);
-        None where it holds none or has no host tier."""
-        return await self.staged_rows.stage(hashes, fetch_id)
+        """(this worker's fetch endpoints' name, the longest usable prefix of the block chain
+        `hashes` it holds, staged in rows of its host tier for another worker to fetch:
+        engine.prefix_exchange.StagedPrefix, or None where it holds none or has no host tier)."""
+        staged = await self.staged_rows.stage(hashes, fetch_id)
+        return (self.prefix_wire.name if self.prefix_wire is not None else None), staged
 
     async def unstage_prefix(self, fetch_id: str) -> None:
         await self.staged_rows.release(fetch_id)
@@ -100,7 +101,7 @@ class WorkerBase:
         tiers = self.engine.tiers
         host = tiers.host if tiers is not None else None
         self.prefix_wire = None if host is None or self.engine.exchange is None else PrefixWire(
-            self.name, host.rows(), self.transfer_config, on_sent=self._prefix_sent)
+            f"{self.name}/prefix-{self.incarnation}", host.rows(), self.transfer_config, on_sent=self._prefix_sent)
         self.staged_rows = StagedRows(self, self.transfer_config.timeout_s)
 
     def _prefix_sent(self, fetch_id: str) -> None:  # on a transport thread

@@ -10,8 +10,8 @@ opens, as a decode worker's cache does), Gloo across nodes and for an arena page
 GPU (moving it would undo the page-locking).
 
 Pairs connect when first needed: the importer asks the source to send, and where the source
-has no channel to it (the first fetch, or either side restarted since), the importer opens
-one with an offer and asks again. Every failure on the way, and every refusal, costs the
+has no channel to it (the first fetch, or either side restarted since: endpoints are named
+after the worker's incarnation), the importer opens one with an offer and asks again. Every failure on the way, and every refusal, costs the
 importer the recompute it hoped to save, never the request; each side's rows go back when the
 move is over either way, and a source releases what no importer came to fetch.
 """
@@ -28,7 +28,6 @@ from kvtransfer.config import TransferConfig
 from kvtransfer.messages import HandoffResult, HandoffTarget
 
 log = logging.getLogger(__name__)
-SUFFIX = "/prefix"  # a worker's fetch endpoints are named after it
 
 
 def fetch_transport(same_node: bool, pinned: bool) -> str:
@@ -41,8 +40,8 @@ class PrefixWire:
     transport kind, each opened when first used. `on_sent(fetch id)` runs (on a transport
     thread) when a send is over, either way."""
 
-    def __init__(self, worker_name: str, rows, config: TransferConfig, on_sent=None):
-        self.name = worker_name + SUFFIX
+    def __init__(self, name: str, rows, config: TransferConfig, on_sent=None):
+        self.name = name  # a worker's: its name and incarnation, so a restarted peer is a new one
         self.cache = CacheTensors.from_named(1, [("layer0.rows", 0, "attention", BLOCK, rows)])
         self.config, self.on_sent = config, on_sent
         self._senders: dict[str, HandoffSender] = {}
@@ -91,7 +90,7 @@ class PrefixWire:
 
 class PendingPrefix:
     """What the router tells a prefill worker to fetch for one request: the source (an actor
-    handle and its name), the block chain, and whether the two share a node."""
+    handle, and its name for the logs), the block chain, and whether the two share a node."""
 
     def __init__(self, source, source_name: str, hashes: list[bytes], same_node: bool):
         self.source, self.source_name, self.hashes, self.same_node = source, source_name, hashes, same_node
@@ -107,7 +106,7 @@ async def fetch(worker, request_id: str, pending: PendingPrefix, timeout_s: floa
     def ask(method, *args):
         return asyncio.wait_for(getattr(pending.source, method).remote(*args), timeout_s)
 
-    staged = await ask("stage_prefix", pending.hashes, fetch_id)
+    source_wire, staged = await ask("stage_prefix", pending.hashes, fetch_id)
     if staged is None:
         return 0
     offset = await worker.on_engine(lambda engine: exchange.make_room(staged))
@@ -123,7 +122,7 @@ async def fetch(worker, request_id: str, pending: PendingPrefix, timeout_s: floa
         receiver.expect(HandoffTarget(fetch_id, wire.name, tuple(dst_rows), None), timeout_s)
         sent = await ask("send_prefix", fetch_id, wire.name, kind, dst_rows)
         if sent == "not connected":  # the pair's first fetch, or a side restarted: pair, then again
-            await ask("connect_prefix_wire", wire.name, kind, receiver.accept(pending.source_name + SUFFIX))
+            await ask("connect_prefix_wire", wire.name, kind, receiver.accept(source_wire))
             sent = await ask("send_prefix", fetch_id, wire.name, kind, dst_rows)
         if sent != "sent":
             raise RuntimeError(f"the source did not send: {sent}")
