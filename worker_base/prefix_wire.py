@@ -11,15 +11,17 @@ GPU (moving it would undo the page-locking).
 
 Pairs connect when first needed: the importer asks the source to send, and where the source
 has no channel to it (the first fetch, or either side restarted since: endpoints are named
-after the worker's incarnation), the importer opens one with an offer and asks again. Every failure on the way, and every refusal, costs the
-importer the recompute it hoped to save, never the request; each side's rows go back when the
-move is over either way, and a source releases what no importer came to fetch.
+after the worker's incarnation), the importer opens one with an offer and asks again. Every
+failure on the way, and every refusal, costs the importer the recompute it hoped to save,
+never the request; each side's rows go back when the move is over either way, and a source
+releases what no importer came to fetch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from engine.host_tier import ROW_BYTES
@@ -47,11 +49,13 @@ class PrefixWire:
         self._senders: dict[str, HandoffSender] = {}
         self._receivers: dict = {}
         self.shm_refused: str | None = None  # why this worker's arena could not go into shared memory
+        self._opening = threading.Lock()
 
     def sender(self, kind: str) -> HandoffSender:
-        if kind not in self._senders:
-            self._senders[kind] = make_transport(kind).sender(self.name, self.cache, self.config, self._sent)
-        return self._senders[kind]
+        with self._opening:  # connect and send run on worker threads
+            if kind not in self._senders:
+                self._senders[kind] = make_transport(kind).sender(self.name, self.cache, self.config, self._sent)
+            return self._senders[kind]
 
     def receiver(self, kind: str):
         """(the kind opened, its receiver); on the engine's thread, where shm moves the arena
@@ -77,7 +81,9 @@ class PrefixWire:
 
     def sending(self) -> set[str]:
         """Fetch ids whose rows a sender still reads."""
-        return {fetch_id for sender in self._senders.values() for fetch_id in sender.pending()}
+        with self._opening:
+            senders = list(self._senders.values())
+        return {fetch_id for sender in senders for fetch_id in sender.pending()}
 
     def _sent(self, result: HandoffResult) -> None:
         if self.on_sent is not None:
