@@ -225,3 +225,42 @@ def test_a_worker_whose_arena_cannot_be_shared_takes_fetches_over_gloo(model_fac
         assert "No space left on device" in wire.shm_refused and "Gloo instead" in caplog.text
     finally:
         wire.close()
+
+
+def test_a_source_releases_what_no_importer_came_for_and_says_when_it_has_no_channel(model_factory):
+    import asyncio
+
+    from worker_base.prefix_wire import StagedRows
+
+    path, hf = model_factory("jamba")
+    source = with_host_tier(path)
+    prompt = tokens(random.Random(59), 17, hf.config.vocab_size)
+    source.generate([prompt], GREEDY)
+    hashes = block_hashes(prompt, BLOCK, [])
+
+    class Worker:  # what StagedRows uses of a worker actor
+        name, engine = "source", source.engine
+        prefix_wire = PrefixWire("source", source.engine.tiers.host.rows(), TransferConfig(timeout_s=5))
+
+        async def on_engine(self, fn):
+            return fn(self.engine)
+
+    worker = Worker()
+    staged_rows = StagedRows(worker, timeout_s=0.0)
+    free = free_bytes(source)
+
+    async def scenario():
+        staged = await staged_rows.stage(hashes, "never-fetched")
+        assert staged is not None and free_bytes(source) == free - len(staged.rows) * ROW_BYTES
+        assert await staged_rows.send("never-fetched", "nobody", "gloo", staged.rows) == "not connected"
+        assert await staged_rows.send("unknown", "nobody", "gloo", staged.rows) == "nothing staged for it"
+        again = await staged_rows.stage(hashes, "next")  # past the timeout: the first is released
+        assert source.engine.exchange.staged_rows("never-fetched") is None
+        assert free_bytes(source) == free - len(again.rows) * ROW_BYTES
+        await staged_rows.release("next")
+
+    try:
+        asyncio.run(scenario())
+        assert free_bytes(source) == free
+    finally:
+        worker.prefix_wire.close()
