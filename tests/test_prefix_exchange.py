@@ -264,3 +264,27 @@ def test_a_source_releases_what_no_importer_came_for_and_says_when_it_has_no_cha
         assert free_bytes(source) == free
     finally:
         worker.prefix_wire.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prefix_moves_between_gpu_engines_host_tiers(model_factory):
+    """On a GPU: the source's stage gathers its pool's rows into its page-locked host tier (a
+    copy queued on its stream, waited for before the rows go out), Gloo moves the rows (shared
+    memory would move a page-locked buffer), and the importer loads the entry into its pool."""
+    path, hf = model_factory("jamba")
+    rng = random.Random(61)
+    source, target = (with_host_tier(path, device="cuda") for _ in range(2))
+    assert source.engine.tiers.host.arena.pinned
+    move = Move(source, target, "gloo")
+    try:
+        system = tokens(rng, 22, hf.config.vocab_size)
+        source.generate([system], GREEDY)
+        staged, taken = move(block_hashes(system + [1, 2, 3], BLOCK, []))
+        assert staged.tier == "pool" and taken == 20
+        prompt = system[:20] + tokens(rng, 5, hf.config.vocab_size)
+        out = target.generate([prompt], GREEDY)[0]
+        assert out.num_cached_tokens == 20 and target.engine.stats()["tier_host_hits"] == 1
+        judge_greedy(hf, prompt, out.token_ids)
+    finally:
+        move.close()
