@@ -20,6 +20,7 @@ from engine.models.families_qwen3_next import FAMILIES as _QWEN3_NEXT_FAMILIES
 from engine.models.families_qwen3_next import MTP_HEADS
 from engine.models.families_zamba2 import FAMILIES as _ZAMBA2_FAMILIES
 from engine.models.fp8 import FLOAT8
+from engine.models.fp8_experts import use_float8_experts
 from engine.models.fp8_linear import use_float8_linears
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
 from engine.models.mtp_head import MTPHead
@@ -94,8 +95,10 @@ def _build_and_load(build, model_dir: Path, names, dtype: torch.dtype, device, i
             module = build()
             # chosen before any storage exists: an FP8 model is never materialized dense
             kept = use_float8_linears(module, names, weights, torch.device(device), dtype)
-            if kept:
-                logger.info("%s: %d linears keep the checkpoint's FP8 weights", model_dir, kept)
+            experts = use_float8_experts(module, names, weights, torch.device(device), dtype)
+            if kept or experts:
+                logger.info("%s: %d linears and %d stacked expert weights keep the checkpoint's FP8 weights",
+                            model_dir, kept, experts)
         # Storage for the meta tensors, floating ones in `dtype` (FP8 weights stay float8):
         # to_empty().to(dtype) through the same Module._apply to_empty uses, but with torch.empty
         # (to_empty's empty_like of a meta tensor imports sympy: 0.5 s of every start).

@@ -7,6 +7,7 @@ half-loads a checkpoint produces garbage that looks like a model.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.models.fp8 import FLOAT8, FP8Weights
+from engine.models.fp8_experts import Fp8Experts, load_stacked
 from engine.models.fp8_linear import Fp8Linear
 
 __all__ = ["CheckpointError", "ConfigReader", "WeightFiles", "load_into", "read_config", "read_json"]
@@ -172,14 +174,15 @@ class WeightFiles:
         """A tensor's dtype as the file's header names it ("F8_E4M3", "BF16"); None if missing."""
         return self._slice(name).get_dtype() if name in self._file_of else None
 
+    def shape_of(self, name: str) -> list[int]:
+        """A tensor's shape from the file's header (missing names are an error naming them)."""
+        if name not in self._file_of:
+            raise CheckpointError(f"{self.model_dir}: missing tensor {name!r}")
+        return list(self._slice(name).get_shape())
+
     def numel_of(self, name: str) -> int:
         """A tensor's element count from the file's header; 0 for a missing name."""
-        if name not in self._file_of:
-            return 0
-        count = 1
-        for d in self._slice(name).get_shape():
-            count *= d
-        return count
+        return math.prod(self.shape_of(name)) if name in self._file_of else 0
 
     def _handle(self, path: Path):
         handle = self._handles.get(path)
@@ -208,11 +211,15 @@ def load_into(module: torch.nn.Module, weights: WeightFiles, name_map, ignore=la
     assembled from several HF tensors (fused MoE experts). Leftover checkpoint tensors that
     `ignore` does not excuse are an error: they mean the architecture was read wrong.
     """
-    float8 = {f"{name}.qweight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
+    float8 = {f"{name}.qweight": m for name, m in module.named_modules() if isinstance(m, (Fp8Linear, Fp8Experts))}
     with torch.no_grad():
         for our_name, param in module.named_parameters():
-            if our_name in float8:  # a linear that keeps the checkpoint's FP8 weight as stored
-                float8[our_name].load_float8(*weights.get_float8(name_map(our_name.removesuffix("qweight") + "weight")))
+            kept = float8.get(our_name)  # a linear or stacked experts keeping the checkpoint's FP8 weights
+            if isinstance(kept, Fp8Linear):
+                kept.load_float8(*weights.get_float8(name_map(our_name.removesuffix("qweight") + "weight")))
+                continue
+            if isinstance(kept, Fp8Experts):
+                load_stacked(kept, weights, name_map(our_name.removesuffix(".qweight")))
                 continue
             source = name_map(our_name)
             if callable(source):

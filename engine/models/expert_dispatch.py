@@ -13,6 +13,8 @@ Three ways, one result (full capacity: no token dropped):
   hides and a long prefill would not, so it serves decode-sized steps only.
 A module passes its stacked weights (first projection [E, out, in], second [E, out2, out or
 out/2], the function between them); `dispatch_experts` picks the way by device, dtype and size.
+Stacked weights that keep a checkpoint's FP8 (engine.models.fp8_experts) always run `grouped`,
+through the grouped scaled GEMM: they are kept only where the device computes it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels import cpu, uses_cpu_kernel
+from engine.models.fp8_experts import Fp8Experts
 
 STATIC_ENV = "SPLITSERVE_STATIC_MOE"  # 1: the host-read-free ways on CPU tensors too (tests)
 DENSE_MAX_TOKENS = 512  # beyond, dense work costs more than the host read it saves
@@ -35,10 +38,13 @@ _refused: set[tuple] = set()  # (device type, dtype, weight shapes) torch._group
 def dispatch_experts(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, num_experts: int,
                      expert_fn, stacked: tuple[torch.Tensor, torch.Tensor, Callable] | None = None) -> torch.Tensor:
     """x [T, in], experts and weights [T, k] (weights in x's dtype) -> [T, out2]."""
+    if stacked is not None:
+        first, second, between = _dense_or_kept(stacked[0]), _dense_or_kept(stacked[1]), stacked[2]
+        if isinstance(first, Fp8Experts) or isinstance(second, Fp8Experts):  # kept only where grouped runs
+            return grouped(x, experts, weights, first, second, between)
     if uses_cpu_kernel(x) and uses_cpu_kernel(weights):
         return _cpu_grouped(x, experts, weights, num_experts, expert_fn)
     if stacked is not None and (x.is_cuda or os.environ.get(STATIC_ENV, "") not in ("", "0")):
-        first, second, between = stacked
         if grouped_supported(x, first, second):
             try:
                 return grouped(x, experts, weights, first, second, between)
@@ -72,10 +78,20 @@ def grouped(x, experts, weights, first, second, between) -> torch.Tensor:
     ids = torch.arange(first.shape[0], device=x.device, dtype=flat.dtype)
     ends = torch.searchsorted(flat.index_select(0, order), ids, right=True).to(torch.int32)
     routed = x.index_select(0, order // top_k)
-    y = torch._grouped_mm(between(torch._grouped_mm(routed, first.transpose(1, 2), offs=ends)),
-                          second.transpose(1, 2), offs=ends)
+    y = _project(between(_project(routed, first, ends)), second, ends)
     picks = torch.empty_like(y).index_copy_(0, order, y * weights.flatten().index_select(0, order)[:, None])
     return picks.view(tokens, top_k, -1).sum(dim=1)
+
+
+def _project(rows: torch.Tensor, stacked, ends: torch.Tensor) -> torch.Tensor:
+    if isinstance(stacked, Fp8Experts):
+        return stacked.grouped_product(rows, ends)
+    return torch._grouped_mm(rows, stacked.transpose(1, 2), offs=ends)
+
+
+def _dense_or_kept(stacked):
+    """A stacked weight as the ways take it: an Fp8Experts the device runs, or a tensor."""
+    return stacked.dense if isinstance(stacked, Fp8Experts) and not stacked.kept else stacked
 
 
 def dense(x, experts, weights, first, second, between) -> torch.Tensor:

@@ -17,8 +17,9 @@ Which linears keep FP8 is decided on the meta model, before any storage exists (
 that fits a GPU only as FP8 must never be materialized dense): a plain nn.Linear whose weight
 is one float8_e4m3fn checkpoint tensor, both dimensions multiples of 16 (the GPU kernels'
 rule), that no module folds constants into after load (fold_scales) and that no module reads
-as a weight instead of calling it (`reads_weights`: MLA's absorbed kv_b_proj). Every other FP8
-weight (stacked MoE experts among them) is dequantized at load (engine.models.fp8).
+as a weight instead of calling it (`reads_weights`: MLA's absorbed kv_b_proj). Stacked MoE
+experts keep FP8 through engine.models.fp8_experts; every other FP8 weight is dequantized at
+load (engine.models.fp8).
 
 `keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (scales per
 row or per block need 9.0 and a bfloat16 output). On a CPU the weights are dequantized: the

@@ -224,6 +224,8 @@ class SparseMoE(nn.Module):
     down) so each hit expert is one pair of matmuls over exactly the tokens routed to it.
     """
 
+    float8_experts = ("gate_up", "down")  # stacked weights an FP8 checkpoint keeps as float8 (engine.models.fp8_experts)
+
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str,
                  normalize_top_k: bool):
         super().__init__()

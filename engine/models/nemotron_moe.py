@@ -60,6 +60,8 @@ class NemotronMLP(nn.Module):
 
 
 class NemotronMoE(nn.Module):
+    float8_experts = ("up", "down")  # stacked weights an FP8 checkpoint keeps as float8 (engine.models.fp8_experts)
+
     def __init__(self, hidden: int, intermediate: int, shared_intermediate: int, num_experts: int,
                  top_k: int, n_group: int, topk_group: int, normalize: bool, scaling: float,
                  latent: int | None, act: str, bias: bool):

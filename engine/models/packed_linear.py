@@ -57,7 +57,7 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
 def pack_per_expert(*stacks: torch.Tensor) -> list[tuple] | None:
     """For each expert, the packed copies of its [out, in] slice of every stacked weight
     [experts, out, in] given; None where packing does not apply."""
-    if any(s.dim() != 3 or not supported(s[0]) for s in stacks):
+    if any(not isinstance(s, torch.Tensor) or s.dim() != 3 or not supported(s[0]) for s in stacks):
         return None
     return list(zip(*([pack(w) for w in s] for s in stacks)))
 

@@ -82,7 +82,9 @@ def take(t: torch.Tensor, dim: int, positions) -> nn.Parameter:
 
 
 def set_param(module: nn.Module, name: str, t: torch.Tensor, dim: int, positions) -> None:
-    setattr(module, name, take(t, dim, positions))
+    """module.<name> = t's entries at `positions` along `dim`; a weight that shards itself
+    (stacked FP8 experts, with their scales) takes them itself."""
+    setattr(module, name, t.tp_take(dim, positions) if hasattr(t, "tp_take") else take(t, dim, positions))
 
 
 def keep_rows(linear: nn.Linear, rows) -> None:

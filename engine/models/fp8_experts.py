@@ -1,0 +1,333 @@
+"""Stacked MoE expert weights that keep a checkpoint's FP8, run as grouped scaled GEMMs.
+
+An FP8 MoE checkpoint's experts are most of its bytes (Qwen3-Next-80B-A3B-FP8: about 77 of
+80 GB), so dequantizing them at load doubles the model's memory: the difference between
+fitting one GPU and not. Kept experts are float8_e4m3fn [experts, out, in] with one scale per
+expert and output channel (compressed-tensors' per-channel scales; a per-tensor scale is
+expanded to its rows) or per 128x128 block (transformers' fine-grained format), and
+`engine.models.expert_dispatch.grouped` multiplies the expert-sorted token rows through
+`torch._scaled_grouped_mm`: no host read, so CUDA graphs capture it.
+
+That kernel takes scales per row of the input and per expert and output channel only. So:
+- per-channel weights: one grouped GEMM per projection, the input rounded to FP8 with a scale
+  per token, accumulated in float32 by the kernel:
+
+      y[m, n] = (sum_k xq[m, k] * wq[e(m), n, k]) * scale_x[m] * scale_w[e(m), n]
+
+- block-wise weights: the input is rounded per token and 128 columns, as the checkpoint's
+  authors ran it, and each 128-column group g is one grouped GEMM whose weight scale per
+  output channel is its block's (`gemm_scales` [groups, experts, out], built once at load):
+
+      y[m, n] = sum_g (sum_{k in g} xq[m, k] * wq[e(m), n, k]) * scale_x[m, g] * scale_w[e(m), n // 128, g]
+
+  Each group's partial product is written in bfloat16 (the kernel's only output) and summed
+  in float32: within 2^-8 relative per group of the fused product's float32 accumulation.
+
+Only dynamic activation scales are kept (a static `input_scale` differs per expert and
+projection, and the kernel takes one scale per input row). Which experts keep FP8 is decided
+on the meta model (`use_float8_experts`), and the device's kernel is checked once per shape
+against the same product from dequantized operands (`grouped_fits`); experts it refuses or
+miscomputes are dequantized once, as are those of a tensor-parallel shard that cuts a block.
+On a CPU (tests set the policy) `reference_grouped` stands in for the kernel with the same
+arguments, so the rounding, the group split and the scale layout run here too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from engine.models.fp8_blocks import PROBE_TOLERANCE, quantize_groups, whole_blocks
+from engine.models import fp8_linear
+from engine.models.fp8_linear import FP8, FP8_MAX, GEMM_MULTIPLE, runs_scaled
+
+log = logging.getLogger(__name__)
+_fits: dict[tuple, bool] = {}  # (device, dtype, out, in, block) -> the device's grouped GEMM computes it
+
+
+class Fp8Experts(nn.Module):
+    """A stacked expert weight [experts, out, in] kept as float8_e4m3fn with its scales.
+
+    Indexing (`experts[e]`, `experts[a:b]`) gives dequantized weights in the serving dtype, so
+    the per-expert and dense ways of expert_dispatch run on it unchanged; `grouped_product` is
+    the FP8 way."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.qweight = nn.Parameter(torch.empty(experts, out_features, in_features, dtype=FP8, device=device),
+                                    requires_grad=False)
+        self.serving_dtype = dtype
+        self.weight_scale: torch.Tensor | None = None  # float32 [E, out] or, block-wise, [E, out blocks, in blocks]
+        self.block: tuple[int, int] | None = None
+        self.gemm_scales: torch.Tensor | None = None  # block-wise: [in blocks, E, out], each group's scale per channel
+        self.dense: torch.Tensor | None = None  # dequantized, where the device's grouped GEMM does not take these
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.serving_dtype
+
+    @property
+    def kept(self) -> bool:
+        """Whether products run on the FP8 weights (else on `dense`)."""
+        return self.dense is None
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.dense[index] if self.dense is not None else self.dequantized(index)
+
+    def dequantized(self, index=slice(None)) -> torch.Tensor:
+        q, scale = self.qweight[index].float(), self.weight_scale[index]
+        if self.block is None:
+            return (q * scale.unsqueeze(-1)).to(self.serving_dtype)
+        rows, cols = self.block
+        out, inputs = q.shape[-2:]
+        full = scale.repeat_interleave(rows, -2)[..., :out, :].repeat_interleave(cols, -1)[..., :inputs]
+        return (q * full).to(self.serving_dtype)
+
+    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
+        """The stacked float8 weight as stored and its scale ([E, out] or [E, out blocks, in blocks])."""
+        with torch.no_grad():
+            self.qweight.copy_(weight)
+        self.weight_scale, self.block = scale.float().to(self.qweight.device).contiguous(), block
+        self._fit()
+
+    def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, in] -> (float8 rows, a scale per row [M, 1], or per row and block of columns)."""
+        return quantize_groups(rows, self.qweight.shape[2] if self.block is None else self.block[1])
+
+    def grouped_product(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """rows [M, in] sorted by expert, expert e's rows ending at ends[e] (int32, on the device)
+        -> [M, out] in rows' dtype: each row times its expert's weight."""
+        quantized, scale = self.quantize_input(rows)
+        kernel = torch._scaled_grouped_mm if rows.is_cuda else reference_grouped
+        if self.block is None:
+            return kernel(quantized, self.qweight.transpose(1, 2), scale[:, 0].contiguous(), self.weight_scale,
+                          offs=ends, out_dtype=rows.dtype)
+        cols, out = self.block[1], None
+        for group, start in enumerate(range(0, self.qweight.shape[2], cols)):
+            part = kernel(quantized[:, start:start + cols], self.qweight[:, :, start:start + cols].transpose(1, 2),
+                          scale[:, group].contiguous(), self.gemm_scales[group], offs=ends, out_dtype=rows.dtype)
+            out = part.float() if out is None else out.add_(part)
+        return out.to(rows.dtype)
+
+    def tp_take(self, dim: int, positions) -> Fp8Experts:
+        """A tensor-parallel shard: `positions` along dim 1 (output channels) or 2 (input
+        channels), with their scales. Output channels that cut a weight block keep a scale per
+        row (the grouped GEMMs take any rows); input channels that cut one are dequantized (the
+        shard's own column groups would round its input otherwise than the whole weight's)."""
+        positions = list(positions)
+        index = torch.as_tensor(positions, dtype=torch.long, device=self.qweight.device)
+        shape = list(self.qweight.shape)
+        shape[dim] = len(positions)
+        shard = Fp8Experts(*shape, self.serving_dtype, device="meta")
+        shard.qweight = nn.Parameter(self.qweight.index_select(dim, index).clone(), requires_grad=False)
+        shard.block, scale = self.block, self.weight_scale
+        blocks = None if self.block is None else whole_blocks(positions, self.qweight.shape[dim],
+                                                              self.block[dim - 1])
+        if self.dense is not None or (self.block is not None and blocks is None and dim == 2):
+            shard.dense = self[:].index_select(dim, index)
+        elif self.block is not None and blocks is None:  # per row: each row's block scale, then the kept rows
+            shard.block = (1, self.block[1])
+            scale = scale.repeat_interleave(self.block[0], 1)[:, :self.qweight.shape[1]].index_select(1, index)
+        elif self.block is not None:
+            scale = scale[:, blocks] if dim == 1 else scale[:, :, blocks]
+        elif dim == 1:  # per channel: the kept channels' scales (an input shard keeps them all)
+            scale = scale.index_select(1, index)
+        shard.weight_scale = scale.contiguous()
+        shard._fit()
+        return shard
+
+    def _fit(self) -> None:
+        """Dequantize where the grouped GEMM would not take these experts: dimensions off its
+        rule, or a device whose kernel refuses or miscomputes this shape (`grouped_fits`)."""
+        _, out, inputs = self.qweight.shape
+        self._build_gemm_scales()
+        if self.dense is None and (out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or (
+                self.qweight.is_cuda and not grouped_fits(self.qweight.device, self.serving_dtype, out, inputs,
+                                                          self.block))):
+            self.dense, self.gemm_scales = self.dequantized(), None
+
+    def _build_gemm_scales(self) -> None:
+        """Block-wise: each input group's weight scale per expert and output channel."""
+        self.gemm_scales = None
+        if self.dense is None and self.block is not None:
+            rows, out = self.block[0], self.qweight.shape[1]
+            self.gemm_scales = self.weight_scale.permute(2, 0, 1).repeat_interleave(rows, 2)[:, :, :out].contiguous()
+
+    def extra_repr(self) -> str:
+        kind = "per {}x{} block".format(*self.block) if self.block is not None else "per channel"
+        return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}" + ("" if self.kept else ", dequantized")
+
+
+def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows: torch.Tensor,
+                      scale_cols: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_grouped_mm's row-wise product from dequantized operands, in float32:
+    quantized [M, K], weights [E, K, N] (the stacked weight transposed), scale_rows [M],
+    scale_cols [E, N], offs [E] the groups' ends."""
+    out = torch.empty(quantized.shape[0], weights.shape[2], dtype=out_dtype, device=quantized.device)
+    start = 0
+    for expert, end in enumerate(offs.tolist()):
+        product = quantized[start:end].float() @ weights[expert].float()
+        out[start:end] = (product * scale_rows[start:end, None] * scale_cols[expert]).to(out_dtype)
+        start = end
+    return out
+
+
+def grouped_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                 block: tuple[int, int] | None) -> bool:
+    """Whether the device's grouped scaled GEMM computes these experts' product (checked once
+    per shape against the product from dequantized operands)."""
+    key = (str(device), dtype, out_features, in_features, block)
+    if key not in _fits:
+        try:
+            error = _probe(device, dtype, out_features, in_features, block)
+        except (RuntimeError, TypeError, ValueError) as why:
+            error = str(why)
+        _fits[key] = error is None
+        if error is not None:
+            log.warning("torch's grouped scaled GEMM does not compute FP8 experts [%d, %d] (%s) on %s: %s; those "
+                        "experts are dequantized", out_features, in_features,
+                        "per channel" if block is None else "per {}x{} block".format(*block), device, error)
+    return _fits[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+           block: tuple[int, int] | None) -> str | None:
+    generator = torch.Generator().manual_seed(0)
+    probe = Fp8Experts(3, out_features, in_features, dtype, device=device)
+    weight = (torch.randn(3, out_features, in_features, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX)
+    # scales 2^-12 .. 2^-6, different per expert, channel or block: one read from the wrong place shows
+    scale_shape = (3, out_features) if block is None else (3, -(-out_features // block[0]), -(-in_features // block[1]))
+    probe.qweight.data.copy_(weight.to(FP8).to(device))
+    probe.weight_scale = torch.exp2(-12 + 6 * torch.rand(scale_shape, generator=generator)).to(device)
+    probe.block = block
+    probe._build_gemm_scales()
+    rows = torch.randn(33, in_features, generator=generator).to(device, dtype)  # no tile size divides 33
+    ends = torch.tensor([7, 7, 33], dtype=torch.int32, device=device)  # the middle expert has no rows
+    got = probe.grouped_product(rows, ends).float()
+    quantized, scale = probe.quantize_input(rows)
+    dequantized = quantized.float() * scale.repeat_interleave(in_features if block is None else block[1], 1)[
+        :, :in_features]
+    weights = probe.dequantized().float()
+    want = torch.cat([dequantized[:7] @ weights[0].t(), dequantized[7:] @ weights[2].t()])
+    if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
+        return f"relative error {float((got - want).norm() / want.norm()):.3g}"
+    return None
+
+
+# ------------------------------------------------------------------------------ loading
+
+def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
+    """On the meta `model`, before storage: replace each stacked expert weight that a module
+    names in `float8_experts` by an Fp8Experts where every checkpoint tensor it is stacked
+    from is float8_e4m3fn with dynamic activations; returns how many."""
+    fp8 = weights.fp8
+    if fp8 is None or not fp8_linear.keeps_float8(device) or fp8.dynamic_activations is False:
+        return 0
+    if not runs_scaled(device, dtype, rowwise=True) or (fp8.block is not None and fp8.block[1] % GEMM_MULTIPLE):
+        return 0
+    count = 0
+    for name, module in list(model.named_modules()):
+        for attr in getattr(module, "float8_experts", ()):
+            stacked = getattr(module, attr)
+            if not isinstance(stacked, nn.Parameter) or stacked.dim() != 3:
+                continue
+            experts, out, inputs = stacked.shape
+            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE:
+                continue
+            read = _tensors_read(weights, name_map(f"{name}.{attr}" if name else attr))
+            if not read or any(weights.stored_dtype(n) != "F8_E4M3" or fp8.input_scale_name(n) in weights
+                               for n in read):
+                continue
+            delattr(module, attr)  # a parameter's name takes a module only once the parameter is gone
+            setattr(module, attr, Fp8Experts(experts, out, inputs, dtype, device=stacked.device))
+            count += 1
+    return count
+
+
+def load_stacked(experts: Fp8Experts, weights, source) -> None:
+    """Fill `experts` from `source` (the family's name map entry: a tensor name, or a function
+    that stacks the experts' tensors from a WeightFiles): the float8 weights as stored, their
+    scales stacked the same way. Where the stacking leaves the scales off block boundaries (a
+    gate and an up projection that end inside a block), they stay one per row and group: the
+    grouped GEMMs take any rows."""
+    stored = _StoredFloat8(weights)
+    weight = stored.get(source) if isinstance(source, str) else source(stored)
+    scale = stored.scales[source] if isinstance(source, str) else source(_RecordedScales(stored))
+    block = weights.fp8.block
+    if block is None:
+        experts.load_float8(weight, scale[..., 0], None)
+        return
+    rows = block[0]
+    per_block = scale[:, ::rows].contiguous()
+    if torch.equal(per_block.repeat_interleave(rows, 1)[:, :scale.shape[1]], scale):
+        experts.load_float8(weight, per_block, block)
+    else:  # stacked projections cut inside a block: the scales as they are, one per row and group
+        experts.load_float8(weight, scale, (1, block[1]))
+
+
+class _StoredFloat8:
+    """A WeightFiles as a family's expert-stacking function reads it, returning each float8
+    weight as stored and keeping its scale, stretched to one row per weight row ([out, 1], or
+    [out, in blocks] block-wise) so that stacking the scales as the weights were stacked lines
+    them up."""
+
+    def __init__(self, weights):
+        self.weights, self.model_dir, self.scales = weights, weights.model_dir, {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str, shape=None) -> torch.Tensor:
+        weight, scale, _, block = self.weights.get_float8(name)
+        scale = scale.float()
+        if block is not None:
+            scale = scale.repeat_interleave(block[0], 0)[: weight.shape[0]]
+        else:
+            scale = scale.reshape(-1, 1).expand(weight.shape[0], 1)
+        self.scales[name] = scale
+        return weight
+
+
+class _RecordedScales:
+    """The same reads answered with the recorded scales."""
+
+    def __init__(self, stored: _StoredFloat8):
+        self.stored, self.model_dir = stored, stored.model_dir
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.stored
+
+    def get(self, name: str, shape=None) -> torch.Tensor:
+        return self.stored.scales[name]
+
+
+class _Recorder:
+    """A WeightFiles whose reads give meta tensors of the stored shapes, recording their names."""
+
+    def __init__(self, weights):
+        self.weights, self.model_dir, self.read = weights, weights.model_dir, []
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str, shape=None) -> torch.Tensor:
+        self.read.append(name)
+        return torch.empty(self.weights.shape_of(name), device="meta")
+
+
+def _tensors_read(weights, source) -> list[str]:
+    """The checkpoint tensors a name map entry reads (none where it cannot be traced)."""
+    if isinstance(source, str):
+        return [source] if source in weights else []
+    recorder = _Recorder(weights)
+    try:
+        source(recorder)
+    except Exception:  # a stacking this dry run cannot follow: those experts load as before
+        return []
+    return recorder.read

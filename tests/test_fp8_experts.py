@@ -1,0 +1,190 @@
+"""Stacked MoE experts that keep a checkpoint's FP8 (engine.models.fp8_experts), run here on the
+CPU with the policy set as a GPU with FP8 units sets it: the same rounding, group split and
+scale layout, with reference_grouped standing in for torch's grouped scaled GEMM.
+
+The families' MoE checkpoints with kept experts are held to transformers in
+tests.test_fp8_linear (its oracle rounds the experts' inputs as the engine's do, per token or
+per token and block of columns); here: the product itself, the cases that keep a scale per
+row or stay dense, tensor-parallel shards and the device probe.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import LLM
+from engine.models.fp8_experts import Fp8Experts, grouped_fits, reference_grouped
+from engine.models.fp8_linear import FP8, FP8_MAX
+from tests import oracle
+from tests.test_fp8 import fp8_checkpoint
+from tests.test_fp8_linear import (FP8_TIE_TOLERANCE, GREEDY, TEACHER_FORCED, fake_quantized, keeps_float8,  # noqa: F401
+                                   kept_experts, kept_linears, oracle_with_fp8_expert_inputs, oracle_with_fp8_inputs)
+
+
+def random_experts(experts: int, out: int, inputs: int, block, seed: int = 0) -> Fp8Experts:
+    generator = torch.Generator().manual_seed(seed)
+    stacked = Fp8Experts(experts, out, inputs, torch.float32)
+    weight = (torch.randn(experts, out, inputs, generator=generator) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    shape = (experts, out) if block is None else (experts, -(-out // block[0]), -(-inputs // block[1]))
+    stacked.load_float8(weight, torch.rand(shape, generator=generator) * 0.01 + 0.001, block)  # differs per scale
+    return stacked
+
+
+def reference(stacked: Fp8Experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each expert's rows rounded as the engine rounds them, times its dequantized weight."""
+    group = None if stacked.block is None else stacked.block[1]
+    out, start = [], 0
+    for expert, count in enumerate(counts):
+        out.append(F.linear(fake_quantized(rows[start:start + count], None, group), stacked[expert]))
+        start += count
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (32, 16), (1, 16)])
+def test_a_grouped_product_is_each_experts_fp8_rounded_product(block):
+    """48 outputs (with 32-row blocks the last is 16 rows), 80 inputs: five 16-column groups,
+    each with a scale of its own per expert; the second expert gets no rows."""
+    stacked = random_experts(3, 48, 80, block)
+    rows = torch.randn(13, 80)
+    rows[0, 3] = 50.0  # one group's scale grows; block-wise, that token's other groups keep theirs
+    counts = [5, 0, 8]
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+    got = stacked.grouped_product(rows, ends)
+    torch.testing.assert_close(got, reference(stacked, rows, counts), rtol=1e-5, atol=1e-4)
+    if block is not None:  # the product is not one rounded per token alone
+        per_token = torch.cat([F.linear(fake_quantized(rows[:5], None), stacked[0]),
+                               F.linear(fake_quantized(rows[5:], None), stacked[2])])
+        assert not torch.allclose(got[0], per_token[0], rtol=1e-3, atol=1e-3)
+
+
+def test_indexing_gives_the_dequantized_weights():
+    stacked = random_experts(2, 32, 48, (16, 16))
+    scale = stacked.weight_scale.repeat_interleave(16, 1).repeat_interleave(16, 2)
+    expected = stacked.qweight.float() * scale
+    assert torch.equal(stacked[:], expected) and torch.equal(stacked[1], expected[1])
+
+
+def with_fp8_linear_inputs(hf, llm):
+    """The oracle's linears that the engine keeps in FP8 rounding their inputs as well."""
+    return oracle_with_fp8_inputs(hf, hf.config.model_type, kept_linears(llm))
+
+
+def test_experts_with_static_input_scales_or_off_the_gemm_rule_stay_dense(keeps_float8, model_factory, tmp_path):
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "static", "per_tensor")  # a static input scale per expert projection
+    assert not kept_experts(LLM(str(tmp_path / "static"), block_size=4))
+    path, _ = model_factory("nemotron_h")  # relu2 experts [4, 24, 32] and [4, 32, 24]: 24 is off the rule
+    fp8_checkpoint(path, tmp_path / "odd", "block")
+    assert not kept_experts(LLM(str(tmp_path / "odd"), block_size=4))
+
+
+def test_stacked_projections_that_end_inside_a_block_keep_a_scale_per_row(keeps_float8, model_factory, tmp_path):
+    """LFM2-MoE's experts: gate and up of 24 rows each, in 16-row blocks: the stacked gate_up's
+    third block would hold rows of both, so its scales stay one per row and column group; down
+    [32, 24] is off the GEMM rule and stays dense beside it."""
+    path, _ = model_factory("lfm2_moe")
+    hf = fp8_checkpoint(path, tmp_path / "fp8", "block")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    kept = kept_experts(llm)
+    assert kept and all(name.endswith(".gate_up") and m.block == (1, 16) and m.kept for name, m in kept.items())
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16, down=False), llm)
+    prompt = [5, 9, 14, 200, 31, 77, 3]
+    tokens = prompt + llm.generate([prompt], GREEDY)[0].token_ids
+    logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
+    scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
+    gaps = [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
+    assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
+
+
+def test_without_the_policy_fp8_experts_are_dequantized(model_factory, tmp_path):
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    assert not kept_experts(LLM(str(tmp_path / "fp8"), block_size=4))
+
+
+@pytest.mark.parametrize("dim, positions, block, stays", [
+    (1, list(range(16, 48)), (16, 16), True), (2, list(range(32)), (16, 16), True),
+    (1, list(range(8, 24)) + list(range(32, 48)), (1, 16), True),  # rows cutting blocks: a scale per row
+    (2, list(range(8, 40)), None, False)])  # columns cutting groups: dequantized
+def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim, positions, block, stays):
+    stacked = random_experts(2, 48, 64, (16, 16))
+    shard = stacked.tp_take(dim, positions)
+    index = torch.tensor(positions)
+    assert torch.equal(shard[:], stacked[:].index_select(dim, index))
+    assert shard.kept == stays and (not stays or shard.block == block)
+    rows = torch.randn(6, shard.shape[2])
+    ends = torch.tensor([2, 6], dtype=torch.int32)
+    torch.testing.assert_close(shard.grouped_product(rows, ends) if stays else reference(shard, rows, [2, 4]),
+                               reference(shard, rows, [2, 4]), rtol=1e-5, atol=1e-4)
+
+
+def test_tensor_parallel_ranks_keep_fp8_experts_and_match_the_unsharded_model(keeps_float8, model_factory,
+                                                                              tmp_path):
+    """Two ranks shard Jamba's block-wise FP8 experts (intermediate 96: 48 rows of gate and of
+    up and 48 columns of down each, whole 16-wide blocks): every rank's logits equal the
+    un-sharded FP8 model's."""
+    from engine.models import load_model
+    from engine.tp import run_in_threads
+    from engine.tp.shard import shard_model
+    from tests.test_tp_layers import check_model
+
+    path, _ = model_factory("jamba")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    full = load_model(tmp_path / "fp8")
+    assert any(isinstance(m, Fp8Experts) and m.kept for m in full.modules())
+    check_model(full, 2)
+    shards = run_in_threads(2, lambda group: [m for m in shard_model(copy.deepcopy(full), group).modules()
+                                              if isinstance(m, Fp8Experts)])
+    for kept in shards:
+        assert kept and all(m.kept and m.block == (16, 16) and m.shape[1:] in ((96, 64), (64, 48)) for m in kept), kept
+
+
+def emulated_kernel(kind: str):
+    """CPU stand-ins for torch._scaled_grouped_mm: the right product, or one that reads the
+    weight scale of the first expert for every group."""
+    def kernel(quantized, weights, scale_rows, scale_cols, offs, out_dtype):
+        cols = scale_cols if kind == "right" else scale_cols[:1].expand_as(scale_cols)
+        return reference_grouped(quantized, weights, scale_rows, cols, offs=offs, out_dtype=out_dtype)
+    return kernel
+
+
+@pytest.mark.parametrize("kind, fits", [("right", True), ("wrong scale", False)])
+def test_the_grouped_gemm_is_checked_on_the_device_before_it_is_used(kind, fits, monkeypatch):
+    """The probe's rows run through what the device calls (here a stand-in) and are compared
+    with the product from dequantized operands; a wrong one leaves the experts dequantized."""
+    import engine.models.fp8_experts as fp8_experts
+
+    monkeypatch.setattr(fp8_experts, "reference_grouped", emulated_kernel(kind))
+    monkeypatch.setattr(fp8_experts, "_fits", {})
+    assert grouped_fits(torch.device("cpu"), torch.float32, 64, 48, None) == fits
+    assert grouped_fits(torch.device("cpu"), torch.float32, 64, 48, (16, 16)) == fits
+
+
+# ---------------------------------------------------------------- on a GPU with FP8 units
+
+def fp8_grouped_gpu() -> bool:
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+            and hasattr(torch, "_scaled_grouped_mm"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_grouped_gpu(), reason="needs a CUDA GPU of compute capability 9.0 or later")
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_the_gpu_grouped_gemm_is_the_fp8_rounded_product(block):
+    """torch's grouped scaled GEMM on the device, against the same rounding from dequantized
+    operands: within bfloat16 output rounding (one rounding per 128-column group block-wise)."""
+    assert grouped_fits(torch.device("cuda"), torch.bfloat16, 512, 256, block)
+    cpu = random_experts(4, 512, 256, block)
+    stacked = Fp8Experts(4, 512, 256, torch.bfloat16, device="cuda")
+    stacked.load_float8(cpu.qweight.cuda(), cpu.weight_scale.cuda(), block)
+    assert stacked.kept
+    rows = torch.randn(37, 256)
+    counts = [9, 0, 27, 1]
+    ends = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+    got = stacked.grouped_product(rows.cuda().bfloat16(), ends).float().cpu()
+    want = reference(cpu, rows.bfloat16().float(), counts)
+    assert (got - want).norm() <= 2e-2 * want.norm()
