@@ -105,10 +105,11 @@ def step_kernels(dry_run: bool) -> dict:
          "tests/test_kernels_mamba1_scan.py", "tests/test_mla.py"], "triton", 90)
     if not dry_run:  # torch's paged varlen prefill attention against its reference (CUDA only)
         field_ok, field = _pytest(["tests/test_varlen_attention.py", "tests/test_fla_rule.py",
-                                   "tests/test_fp8_linear.py", "tests/test_mtp.py", "tests/test_prefix_exchange.py"],
+                                   "tests/test_fp8_linear.py", "tests/test_fp8_experts.py", "tests/test_mtp.py",
+                                   "tests/test_prefix_exchange.py"],
                                   "gpu", 120)
         tests_ok, tests = tests_ok and field_ok, \
-            f"{tests}; varlen attention, fla, FP8 linears, MTP, prefix fetch: {field}"
+            f"{tests}; varlen attention, fla, FP8 linears and experts, MTP, prefix fetch: {field}"
     device = _device(dry_run)
     peak = None if dry_run else kernels.copy_bandwidth_gbps(device)
     rows, failed = [], []
