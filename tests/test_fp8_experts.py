@@ -188,3 +188,29 @@ def test_the_gpu_grouped_gemm_is_the_fp8_rounded_product(block):
     got = stacked.grouped_product(rows.cuda().bfloat16(), ends).float().cpu()
     want = reference(cpu, rows.bfloat16().float(), counts)
     assert (got - want).norm() <= 2e-2 * want.norm()
+
+
+BF16_TIE_TOLERANCE = 0.15  # bfloat16 activations against the float32 oracle, on top of the FP8 rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_grouped_gpu(), reason="needs a CUDA GPU of compute capability 9.0 or later")
+def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transformers_runs_it(model_factory,
+                                                                                               tmp_path):
+    """Qwen3-Next's tiny per-channel FP8 checkpoint in bfloat16 on the device: linears and experts
+    stay FP8 (the probe found the grouped GEMM right for both expert shapes), and each greedy
+    token is the oracle's choice within bfloat16's tolerance (the oracle: float32 transformers
+    whose kept linears and experts round their inputs as the engine's do)."""
+    path, _ = model_factory("qwen3_next")
+    hf = fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4, device="cuda", dtype="bfloat16")
+    experts = kept_experts(llm)
+    assert experts and all(m.kept and m.qweight.is_cuda for m in experts.values()), experts
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, None), llm)
+    prompts = [[5, 9, 14, 200, 31], [7, 3, 250, 18, 40, 41, 42, 43, 44]]
+    for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
+        tokens = prompt + out.token_ids
+        logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
+        for i, token in enumerate(out.token_ids):
+            row = logprobs[len(prompt) - 1 + i]
+            assert float(row.max() - row[token]) <= BF16_TIE_TOLERANCE, (i, out.token_ids)
