@@ -100,6 +100,22 @@ def test_stacked_projections_that_end_inside_a_block_keep_a_scale_per_row(keeps_
     assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
 
 
+def test_experts_whose_product_the_device_miscomputes_are_never_kept(keeps_float8, model_factory, tmp_path,
+                                                                     monkeypatch):
+    """The device check runs on the meta model, before storage: experts it fails load dense
+    (the plain stacked parameter, as without the policy), and the model serves."""
+    import engine.models.fp8_experts as fp8_experts
+
+    checked = []
+    monkeypatch.setattr(fp8_experts, "device_fits", lambda *shape: checked.append(shape) and False)
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    assert checked and not kept_experts(llm)
+    assert kept_linears(llm)  # the linears' own check is theirs
+    assert len(llm.generate([[5, 6, 7]], GREEDY)[0].token_ids) == GREEDY.max_tokens
+
+
 def test_without_the_policy_fp8_experts_are_dequantized(model_factory, tmp_path):
     path, _ = model_factory("qwen3_next")
     fp8_checkpoint(path, tmp_path / "fp8", "block")

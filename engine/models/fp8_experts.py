@@ -144,12 +144,12 @@ class Fp8Experts(nn.Module):
 
     def _fit(self) -> None:
         """Dequantize where the grouped GEMM would not take these experts: dimensions off its
-        rule, or a device whose kernel refuses or miscomputes this shape (`grouped_fits`)."""
+        rule, or a device whose kernel refuses or miscomputes this shape (a tensor-parallel
+        shard's shape is new; the whole weight's was checked before it was kept)."""
         _, out, inputs = self.qweight.shape
         self._build_gemm_scales()
-        if self.dense is None and (out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or (
-                self.qweight.is_cuda and not grouped_fits(self.qweight.device, self.serving_dtype, out, inputs,
-                                                          self.block))):
+        if self.dense is None and (out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or not device_fits(
+                self.qweight.device, self.serving_dtype, out, inputs, self.block)):
             self.dense, self.gemm_scales = self.dequantized(), None
 
     def _build_gemm_scales(self) -> None:
@@ -178,6 +178,13 @@ def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows
     return out
 
 
+def device_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+                block: tuple[int, int] | None) -> bool:
+    """Whether experts of this shape keep FP8 on `device`: on CUDA, where `grouped_fits`; off
+    it (tests), reference_grouped computes any shape."""
+    return device.type != "cuda" or grouped_fits(device, dtype, out_features, in_features, block)
+
+
 def grouped_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
                  block: tuple[int, int] | None) -> bool:
     """Whether the device's grouped scaled GEMM computes these experts' product (checked once
@@ -200,14 +207,16 @@ def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_featu
            block: tuple[int, int] | None) -> str | None:
     generator = torch.Generator().manual_seed(0)
     probe = Fp8Experts(3, out_features, in_features, dtype, device=device)
-    weight = (torch.randn(3, out_features, in_features, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX)
+    # on the host explicitly: the probe also runs while the model is built under torch.device("meta")
+    weight = (torch.randn(3, out_features, in_features, generator=generator, device="cpu") * 64).clamp(-FP8_MAX,
+                                                                                                     FP8_MAX)
     # scales 2^-12 .. 2^-6, different per expert, channel or block: one read from the wrong place shows
     scale_shape = (3, out_features) if block is None else (3, -(-out_features // block[0]), -(-in_features // block[1]))
     probe.qweight.data.copy_(weight.to(FP8).to(device))
-    probe.weight_scale = torch.exp2(-12 + 6 * torch.rand(scale_shape, generator=generator)).to(device)
+    probe.weight_scale = torch.exp2(-12 + 6 * torch.rand(scale_shape, generator=generator, device="cpu")).to(device)
     probe.block = block
     probe._build_gemm_scales()
-    rows = torch.randn(33, in_features, generator=generator).to(device, dtype)  # no tile size divides 33
+    rows = torch.randn(33, in_features, generator=generator, device="cpu").to(device, dtype)  # no tile divides 33
     ends = torch.tensor([7, 7, 33], dtype=torch.int32, device=device)  # the middle expert has no rows
     got = probe.grouped_product(rows, ends).float()
     quantized, scale = probe.quantize_input(rows)
@@ -238,7 +247,9 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
             if not isinstance(stacked, nn.Parameter) or stacked.dim() != 3:
                 continue
             experts, out, inputs = stacked.shape
-            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE:
+            # checked before any storage exists: experts the device's kernel refuses load dense,
+            # never as FP8 and then a dense copy beside it
+            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or not device_fits(device, dtype, out, inputs, fp8.block):
                 continue
             read = _tensors_read(weights, name_map(f"{name}.{attr}" if name else attr))
             if not read or any(weights.stored_dtype(n) != "F8_E4M3" or fp8.input_scale_name(n) in weights
