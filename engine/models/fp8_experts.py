@@ -25,9 +25,10 @@ That kernel takes scales per row of the input and per expert and output channel 
 
 Only dynamic activation scales are kept (a static `input_scale` differs per expert and
 projection, and the kernel takes one scale per input row). Which experts keep FP8 is decided
-on the meta model (`use_float8_experts`), and the device's kernel is checked once per shape
-against the same product from dequantized operands (`grouped_fits`); experts it refuses or
-miscomputes are dequantized once, as are those of a tensor-parallel shard that cuts a block.
+on the meta model (`use_float8_experts`), after the device's kernel is checked once per shape
+against the same product from dequantized operands (`grouped_fits`): experts it refuses or
+miscomputes load dense. A tensor-parallel shard that cuts a block of input columns is
+dequantized (its rows may cut blocks: they then keep a scale per row).
 On a CPU (tests set the policy) `reference_grouped` stands in for the kernel with the same
 arguments, so the rounding, the group split and the scale layout run here too.
 """
