@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+from safetensors.torch import load_file
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -230,3 +232,29 @@ def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transf
         for i, token in enumerate(out.token_ids):
             row = logprobs[len(prompt) - 1 + i]
             assert float(row.max() - row[token]) <= BF16_TIE_TOLERANCE, (i, out.token_ids)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+@pytest.mark.parametrize("scheme, scale_name", [("block", "weight_scale_inv"), ("per_channel", "weight_scale")])
+def test_a_misshapen_or_missing_expert_scale_is_refused_naming_it_kept_or_dequantized(kept, scheme, scale_name,
+                                                                                     model_factory, tmp_path,
+                                                                                     monkeypatch):
+    from safetensors.torch import save_file
+
+    import engine.models.fp8_linear as fp8_linear
+    from engine.models import CheckpointError
+
+    monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: kept)
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "fp8", scheme)
+    weights = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = f"model.layers.1.mlp.experts.2.up_proj.{scale_name}"
+    weights[name] = torch.ones(3, 1)
+    save_file(weights, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"experts\.2\.up_proj\.{scale_name}' has shape \[3, 1\]"):
+        LLM(str(tmp_path / "fp8"), block_size=4)
+    del weights[name]
+    save_file(weights, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"experts\.2\.up_proj\.weight' is torch.float8_e4m3fn but the "
+                                              rf"checkpoint has no '.*{scale_name}'"):
+        LLM(str(tmp_path / "fp8"), block_size=4)
