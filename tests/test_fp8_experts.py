@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import copy
 
-from safetensors.torch import load_file
-
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from engine import LLM
 from engine.models.fp8_experts import Fp8Experts, grouped_fits, reference_grouped
