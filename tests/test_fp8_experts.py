@@ -133,10 +133,11 @@ def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim,
     index = torch.tensor(positions)
     assert torch.equal(shard[:], stacked[:].index_select(dim, index))
     assert shard.kept == stays and (not stays or shard.block == block)
-    rows = torch.randn(6, shard.shape[2])
-    ends = torch.tensor([2, 6], dtype=torch.int32)
-    torch.testing.assert_close(shard.grouped_product(rows, ends) if stays else reference(shard, rows, [2, 4]),
-                               reference(shard, rows, [2, 4]), rtol=1e-5, atol=1e-4)
+    if stays:  # the shard's own product (a dequantized shard runs as plain weights: shard[:] above)
+        rows = torch.randn(6, shard.shape[2])
+        ends = torch.tensor([2, 6], dtype=torch.int32)
+        torch.testing.assert_close(shard.grouped_product(rows, ends), reference(shard, rows, [2, 4]),
+                                   rtol=1e-5, atol=1e-4)
 
 
 def test_tensor_parallel_ranks_keep_fp8_experts_and_match_the_unsharded_model(keeps_float8, model_factory,

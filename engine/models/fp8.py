@@ -29,10 +29,11 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
-    """One scale per `block` of a weight of `shape` ([ceil(out / rows), ceil(in / cols)]) as
-    one per element: W = weight * expand_blocks(scale, ...)."""
+    """One scale per `block` of a weight of `shape` ([..., ceil(out / rows), ceil(in / cols)];
+    stacked experts lead with their own dimension) as one per element: W = weight *
+    expand_blocks(scale, ...)."""
     rows, cols = block
-    return scale.repeat_interleave(rows, 0)[: shape[0]].repeat_interleave(cols, 1)[:, : shape[1]]
+    return scale.repeat_interleave(rows, -2)[..., : shape[-2], :].repeat_interleave(cols, -1)[..., : shape[-1]]
 
 
 class FP8Weights:

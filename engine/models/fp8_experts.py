@@ -40,8 +40,9 @@ import logging
 import torch
 from torch import nn
 
-from engine.models.fp8_blocks import PROBE_TOLERANCE, quantize_groups, whole_blocks
 from engine.models import fp8_linear
+from engine.models.fp8 import expand_blocks
+from engine.models.fp8_blocks import PROBE_TOLERANCE, dequantize_groups, quantize_groups, whole_blocks
 from engine.models.fp8_linear import FP8, FP8_MAX, GEMM_MULTIPLE, runs_scaled
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,7 @@ class Fp8Experts(nn.Module):
 
     def dequantized(self, index=slice(None)) -> torch.Tensor:
         q, scale = self.qweight[index].float(), self.weight_scale[index]
-        if self.block is None:
-            return (q * scale.unsqueeze(-1)).to(self.serving_dtype)
-        rows, cols = self.block
-        out, inputs = q.shape[-2:]
-        full = scale.repeat_interleave(rows, -2)[..., :out, :].repeat_interleave(cols, -1)[..., :inputs]
+        full = scale.unsqueeze(-1) if self.block is None else expand_blocks(scale, self.block, q.shape)
         return (q * full).to(self.serving_dtype)
 
     def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
@@ -190,6 +187,8 @@ def grouped_fits(device: torch.device, dtype: torch.dtype, out_features: int, in
                  block: tuple[int, int] | None) -> bool:
     """Whether the device's grouped scaled GEMM computes these experts' product (checked once
     per shape against the product from dequantized operands)."""
+    if device.type == "cuda" and device.index is None:  # one key whether the caller named the index or not
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (str(device), dtype, out_features, in_features, block)
     if key not in _fits:
         try:
@@ -220,9 +219,7 @@ def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_featu
     rows = torch.randn(33, in_features, generator=generator, device="cpu").to(device, dtype)  # no tile divides 33
     ends = torch.tensor([7, 7, 33], dtype=torch.int32, device=device)  # the middle expert has no rows
     got = probe.grouped_product(rows, ends).float()
-    quantized, scale = probe.quantize_input(rows)
-    dequantized = quantized.float() * scale.repeat_interleave(in_features if block is None else block[1], 1)[
-        :, :in_features]
+    dequantized = dequantize_groups(*probe.quantize_input(rows), in_features if block is None else block[1])
     weights = probe.dequantized().float()
     want = torch.cat([dequantized[:7] @ weights[0].t(), dequantized[7:] @ weights[2].t()])
     if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
@@ -248,13 +245,15 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
             if not isinstance(stacked, nn.Parameter) or stacked.dim() != 3:
                 continue
             experts, out, inputs = stacked.shape
-            # checked before any storage exists: experts the device's kernel refuses load dense,
-            # never as FP8 and then a dense copy beside it
-            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or not device_fits(device, dtype, out, inputs, fp8.block):
+            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE:
                 continue
             read = _tensors_read(weights, name_map(f"{name}.{attr}" if name else attr))
             if not read or any(weights.stored_dtype(n) != "F8_E4M3" or fp8.input_scale_name(n) in weights
                                for n in read):
+                continue
+            # checked before any storage exists: experts the device's kernel refuses load dense,
+            # never as FP8 and then a dense copy beside it
+            if not device_fits(device, dtype, out, inputs, fp8.block):
                 continue
             delattr(module, attr)  # a parameter's name takes a module only once the parameter is gone
             setattr(module, attr, Fp8Experts(experts, out, inputs, dtype, device=stacked.device))
@@ -263,14 +262,23 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
 
 
 def load_stacked(experts: Fp8Experts, weights, source) -> None:
-    """Fill `experts` from `source` (the family's name map entry: a tensor name, or a function
-    that stacks the experts' tensors from a WeightFiles): the float8 weights as stored, their
-    scales stacked the same way. Where the stacking leaves the scales off block boundaries (a
-    gate and an up projection that end inside a block), they stay one per row and group: the
-    grouped GEMMs take any rows."""
-    stored = _StoredFloat8(weights)
-    weight = stored.get(source) if isinstance(source, str) else source(stored)
-    scale = stored.scales[source] if isinstance(source, str) else source(_RecordedScales(stored))
+    """Fill `experts` from `source` (the family's function that stacks the experts' tensors from
+    a WeightFiles): the float8 weights as stored, their scales stacked the same way, stretched to
+    one row per weight row ([out, 1], or [out, in blocks] block-wise) so that they line up
+    whatever the stacking. Where it leaves the scales off block boundaries (a gate and an up
+    projection that end inside a block), they stay one per row and group: the grouped GEMMs
+    take any rows."""
+    scales = {}
+
+    def stored(name: str) -> torch.Tensor:
+        weight, scale, _, block = weights.get_float8(name)
+        scale = scale.float()
+        scales[name] = (scale.repeat_interleave(block[0], 0)[: weight.shape[0]] if block is not None
+                        else scale.reshape(-1, 1).expand(weight.shape[0], 1))
+        return weight
+
+    weight = source(_Reads(weights, stored))
+    scale = source(_Reads(weights, scales.__getitem__))
     block = weights.fp8.block
     if block is None:
         experts.load_float8(weight, scale[..., 0], None)
@@ -283,63 +291,33 @@ def load_stacked(experts: Fp8Experts, weights, source) -> None:
         experts.load_float8(weight, scale, (1, block[1]))
 
 
-class _StoredFloat8:
-    """A WeightFiles as a family's expert-stacking function reads it, returning each float8
-    weight as stored and keeping its scale, stretched to one row per weight row ([out, 1], or
-    [out, in blocks] block-wise) so that stacking the scales as the weights were stacked lines
-    them up."""
+class _Reads:
+    """A WeightFiles as a family's stacking function reads it (`name in w`, `w.get(name)`), each
+    read answered by `read(name)`."""
 
-    def __init__(self, weights):
-        self.weights, self.model_dir, self.scales = weights, weights.model_dir, {}
+    def __init__(self, weights, read):
+        self.weights, self.model_dir, self.read = weights, weights.model_dir, read
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights
 
     def get(self, name: str, shape=None) -> torch.Tensor:
-        weight, scale, _, block = self.weights.get_float8(name)
-        scale = scale.float()
-        if block is not None:
-            scale = scale.repeat_interleave(block[0], 0)[: weight.shape[0]]
-        else:
-            scale = scale.reshape(-1, 1).expand(weight.shape[0], 1)
-        self.scales[name] = scale
-        return weight
-
-
-class _RecordedScales:
-    """The same reads answered with the recorded scales."""
-
-    def __init__(self, stored: _StoredFloat8):
-        self.stored, self.model_dir = stored, stored.model_dir
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.stored
-
-    def get(self, name: str, shape=None) -> torch.Tensor:
-        return self.stored.scales[name]
-
-
-class _Recorder:
-    """A WeightFiles whose reads give meta tensors of the stored shapes, recording their names."""
-
-    def __init__(self, weights):
-        self.weights, self.model_dir, self.read = weights, weights.model_dir, []
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weights
-
-    def get(self, name: str, shape=None) -> torch.Tensor:
-        self.read.append(name)
-        return torch.empty(self.weights.shape_of(name), device="meta")
+        return self.read(name)
 
 
 def _tensors_read(weights, source) -> list[str]:
-    """The checkpoint tensors a name map entry reads (none where it cannot be traced)."""
-    if isinstance(source, str):
-        return [source] if source in weights else []
-    recorder = _Recorder(weights)
+    """The checkpoint tensors a stacking function reads, from a dry run on meta tensors of the
+    stored shapes (none where it is not a function, or the dry run cannot follow it)."""
+    names = []
+
+    def meta(name: str) -> torch.Tensor:
+        names.append(name)
+        return torch.empty(weights.shape_of(name), device="meta")
+
+    if not callable(source):
+        return []
     try:
-        source(recorder)
+        source(_Reads(weights, meta))
     except Exception:  # a stacking this dry run cannot follow: those experts load as before
         return []
-    return recorder.read
+    return names
