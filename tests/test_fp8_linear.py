@@ -174,16 +174,14 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
     assert bool(experts) == (moe and scheme != "per_tensor"), experts
     assert all(m.kept and m.qweight.dtype == FP8 and (m.block is None) == (scheme != "block")
                for m in experts.values())
-    if experts:
-        stored_experts = load_file(tmp_path / "fp8" / "model.safetensors")
-        name_map = FAMILIES[hf.config.model_type][1]
-        first = next(iter(experts))  # the stacked bytes are the checkpoint's: not a re-quantization
-        assert torch.equal(experts[first].qweight.view(torch.uint8),
-                           name_map(first)(_AsStored(stored_experts)).view(torch.uint8))
-        hf = oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None)
     stored = load_file(tmp_path / "fp8" / "model.safetensors")
     model_type = hf.config.model_type
     name_map = FAMILIES[model_type][1]
+    if experts:
+        first = next(iter(experts))  # the stacked bytes are the checkpoint's: not a re-quantization
+        assert torch.equal(experts[first].qweight.view(torch.uint8),
+                           name_map(first)(_AsStored(stored)).view(torch.uint8))
+        hf = oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None)
     for module_name, linear in kept.items():  # the checkpoint's bytes, not a re-quantization
         source = name_map(f"{module_name}.weight")
         assert linear.qweight.dtype == FP8 and torch.equal(linear.qweight.view(torch.uint8),
