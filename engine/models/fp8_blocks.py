@@ -38,9 +38,9 @@ _layouts: dict[tuple, str | None] = {}  # (device, dtype, out, in) -> the layout
 def quantize_groups(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     """rows [M, K] -> (float8 rows [M, K], a scale per row and `cols`-wide group [M, ceil(K / cols)])."""
     m, k = rows.shape
-    groups = F.pad(rows.float(), (0, -k % cols)).reshape(m, -1, cols)
+    groups = F.pad(rows.float(), (0, -k % cols)).reshape(m, -(-k // cols), cols)  # m may be 0
     scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    quantized = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, -1)
+    quantized = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, groups.shape[1] * cols)
     return (quantized if k % cols == 0 else quantized[:, :k].contiguous()), scale
 
 
