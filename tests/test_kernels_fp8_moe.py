@@ -1,0 +1,106 @@
+"""The fused block-wise FP8 MoE kernel (engine.kernels.fp8_moe) against its definition, and its
+tile schedule.
+
+Kernel tests (marker `triton`) run compiled on CUDA when there is a GPU, else under
+TRITON_INTERPRET=1 on CPU tensors; they skip without Triton. Groups are 32 columns or wider
+here, as Hopper's FP8 tensor cores step through 32 at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernel_support import DEVICE, kernel_mode, requires_triton  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
+from engine.kernels.fp8_moe import grouped_block_fp8_ref, grouped_block_fp8_triton, tile_schedule
+from engine.models.fp8_blocks import FP8, FP8_MAX, quantize_groups
+
+
+def operands(counts: list[int], out: int, inputs: int, block: tuple[int, int], seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    experts = len(counts)
+    rows = torch.randn(sum(counts), inputs, generator=generator)
+    rows[:, 0] *= 40  # one column dominates its group's scale: a group read with another's scale shows
+    quantized, scale = quantize_groups(rows, block[1])
+    weight = (torch.randn(experts, out, inputs, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    # scales 2^-12 .. 2^-6, different per expert and block: one read from the wrong place shows
+    weight_scale = torch.exp2(-12 + 6 * torch.rand(experts, -(-out // block[0]), -(-inputs // block[1]),
+                                                   generator=generator))
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return [t.to(DEVICE) for t in (quantized, scale, weight, weight_scale)] + [ends.to(DEVICE)]
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("counts, out, inputs, block", [
+    ([7, 0, 26], 96, 128, (32, 32)),  # an expert with no rows between two that have some
+    ([0, 3, 0, 150], 80, 96, (64, 32)),  # 150 rows: three tiles of one expert; 80 outputs end inside a block
+    ([1, 0, 1, 1, 0, 2, 1, 0, 0, 1], 64, 80, (32, 32)),  # decode: a row or two an expert; a 16-column last group
+    ([5, 9], 40, 64, (1, 32)),  # a scale per output row (a tensor-parallel shard that cuts blocks)
+    ([3, 30, 1], 384, 256, (128, 128)),  # the published checkpoints' blocks
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_is_the_block_wise_product(kernel_mode, counts, out, inputs, block, out_dtype):
+    quantized, scale, weight, weight_scale, ends = operands(counts, out, inputs, block)
+    got = grouped_block_fp8_triton(quantized, scale, weight, weight_scale, block, ends, out_dtype)
+    want = grouped_block_fp8_ref(quantized, scale, weight, weight_scale, block, ends, torch.float32)
+    # float32 accumulation both ways, in another order; bfloat16 output rounds to 2^-8 relative
+    rtol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
+
+
+@pytest.mark.triton
+@requires_triton
+def test_the_fused_kernel_writes_nothing_for_no_rows(kernel_mode):
+    quantized, scale, weight, weight_scale, ends = operands([0, 0], 32, 64, (32, 32))
+    assert grouped_block_fp8_triton(quantized, scale, weight, weight_scale, (32, 32), ends,
+                                    torch.float32).shape == (0, 32)
+
+
+def test_the_reference_is_the_sum_over_groups_of_scaled_partial_products():
+    """The definition written out once per element for a few, against grouped_block_fp8_ref."""
+    counts, block = [2, 3], (16, 32)
+    quantized, scale, weight, weight_scale, ends = (t.cpu() for t in operands(counts, 32, 64, block))
+    got = grouped_block_fp8_ref(quantized, scale, weight, weight_scale, block, ends, torch.float32)
+    for m, n in [(0, 0), (1, 17), (2, 31), (4, 5)]:
+        expert = 0 if m < 2 else 1
+        want = sum(float(scale[m, g]) * float(weight_scale[expert, n // 16, g])
+                   * float((quantized[m, 32 * g:32 * g + 32].float() * weight[expert, n, 32 * g:32 * g + 32].float()).sum())
+                   for g in range(2))
+        assert abs(float(got[m, n]) - want) <= 1e-5 * max(1.0, abs(want))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_tile_schedule_covers_each_row_once_within_its_expert(seed, block_m):
+    generator = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(1, 12, (1,), generator=generator))
+    counts = torch.randint(0, 3 * block_m, (experts,), generator=generator) * torch.randint(0, 2, (experts,),
+                                                                                              generator=generator)
+    rows = int(counts.sum())
+    if rows == 0:
+        counts[0], rows = 1, 1
+    ends = counts.cumsum(0).to(torch.int32)
+    tile_expert, tile_row = tile_schedule(ends, rows, block_m)
+    covered = torch.zeros(rows, dtype=torch.long)
+    for expert, first in zip(tile_expert.tolist(), tile_row.tolist()):
+        if expert == experts:  # past the last tile
+            continue
+        start = 0 if expert == 0 else int(ends[expert - 1])
+        assert start <= first < int(ends[expert]) and (first - start) % block_m == 0
+        covered[first:min(first + block_m, int(ends[expert]))] += 1
+    assert torch.equal(covered, torch.ones(rows, dtype=torch.long)), counts.tolist()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: dict(a, block=(32, 24)), "power of two"),
+    (lambda a: dict(a, scale=a["scale"][:, :1]), "input scale"),
+    (lambda a: dict(a, weight_scale=a["weight_scale"][:, :1]), "weight scale"),
+    (lambda a: dict(a, ends=a["ends"].long()), "int32"),
+])
+def test_misshapen_operands_are_refused_naming_them(change, message):
+    quantized, scale, weight, weight_scale, ends = (t.cpu() for t in operands([4, 4], 64, 64, (32, 32)))
+    args = dict(quantized=quantized, scale=scale, qweight=weight, weight_scale=weight_scale, block=(32, 32),
+                ends=ends, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        grouped_block_fp8_triton(**change(args))
