@@ -6,8 +6,10 @@ touches); achieved GB/s = bytes / time, beside the bandwidth of a large device c
 on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow released models:
 Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
 Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
-decode steps at batch 64-128 and one prefill of each recurrent kind. `scale` divides every
-size (the CPU dry run checks the same cases, small, under Triton's interpreter).
+decode steps at batch 64-128 and one prefill of each recurrent kind; the block-wise FP8 MoE
+product at Qwen3-Next-80B's expert sizes, whose reference column is the split it replaces (one
+torch grouped GEMM per 128-column group), so its ratio is the fused kernel's gain. `scale`
+divides every size (the CPU dry run checks the same cases, small, under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.kernels.row_copy import gather_rows_ref, gather_rows_triton, scatter
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
+from engine.models.fp8_experts import Fp8Experts
 
 
 @dataclass
@@ -223,6 +226,40 @@ def row_copy_cases(device, dtype, scale=1, rows=4096, row_shape=(16, 8, 128)):
     ]
 
 
+def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, intermediate=512):
+    """Qwen3-Next-80B-A3B-FP8's experts (128x128 blocks): gate_up and down at a batch-64 decode
+    step, gate_up at a 2048-token prefill; the fused kernel against the split products."""
+    if dtype != torch.bfloat16 or (device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
+        return []  # the serving dtype only; FP8 needs the units
+    experts = max(2, experts // scale)
+    top_k = min(top_k, max(1, experts // 4))
+    hidden, intermediate = max(32, hidden // scale), max(16, intermediate // scale)
+    block = (min(128, 2 * intermediate), min(128, hidden, intermediate))
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for name, tokens, out, inputs in (("gate_up", 64, 2 * intermediate, hidden), ("down", 64, hidden, intermediate),
+                                      ("gate_up", 2048, 2 * intermediate, hidden)):
+        tokens = max(1, tokens // scale)
+        picks = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices.flatten()
+        counts = torch.bincount(picks, minlength=experts)
+        ends = counts.cumsum(0).to(torch.int32).to(device)
+        weight = (torch.randn(experts, out, inputs, generator=generator) * 64).clamp(-448, 448)
+        weight_scale = torch.exp2(-12 + 6 * torch.rand(experts, -(-out // block[0]), -(-inputs // block[1]),
+                                                       generator=generator))
+        fused, split = (Fp8Experts(experts, out, inputs, dtype, device="meta") for _ in range(2))
+        for stacked, is_fused in ((fused, True), (split, False)):  # both ways, whatever the device check says
+            stacked.qweight = torch.nn.Parameter(weight.to(device).to(torch.float8_e4m3fn), requires_grad=False)
+            stacked.weight_scale, stacked.block, stacked.fused = weight_scale.to(device), block, is_fused
+            stacked._build_gemm_scales()
+        rows = torch.randn(int(counts.sum()), inputs, generator=generator).to(device, dtype)
+        hit = int((counts > 0).sum())
+        nbytes = hit * out * inputs + weight_scale[0].numel() * 4 * hit + rows.numel() * 2 + rows.shape[0] * out * 2
+        cases.append(Case("fp8_moe_block", f"{name} T={tokens} top{top_k} E={experts} [{out}, {inputs}]", nbytes,
+                          lambda fused=fused, rows=rows, ends=ends: fused.grouped_product(rows, ends),
+                          lambda split=split, rows=rows, ends=ends: split.grouped_product(rows, ends)))
+    return cases
+
+
 GROUPS = (
     lambda d, t, s: mamba_cases(d, t, s),
     lambda d, t, s: mamba2_cases(d, t, s),
@@ -231,6 +268,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: row_copy_cases(d, t, s),
+    lambda d, t, s: fp8_moe_cases(d, t, s),
 )
 
 

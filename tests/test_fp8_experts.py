@@ -5,7 +5,9 @@ scale layout, with reference_grouped standing in for torch's grouped scaled GEMM
 The families' MoE checkpoints with kept experts are held to transformers in
 tests.test_fp8_linear (its oracle rounds the experts' inputs as the engine's do, per token or
 per token and block of columns); here: the product itself, the cases that keep a scale per
-row or stay dense, tensor-parallel shards and the device probe.
+row or stay dense, tensor-parallel shards and the device probe. Where a test says Triton runs
+(`triton_runs`), block-wise experts pick the fused Triton kernel as on a GPU, and it runs here
+under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from engine import LLM
-from engine.models.fp8_experts import Fp8Experts, grouped_fits, reference_grouped
+from engine.kernels import _triton
+from engine.kernels.fp8_moe import grouped_block_fp8_triton
+from engine.models import fp8_experts
+from engine.models.fp8_experts import Fp8Experts, grouped_fits, kernel_for, reference_grouped
 from engine.models.fp8_linear import FP8, FP8_MAX
 from tests import oracle
 from tests.test_fp8 import fp8_checkpoint
@@ -35,6 +40,15 @@ def random_experts(experts: int, out: int, inputs: int, block, seed: int = 0) ->
     return stacked
 
 
+@pytest.fixture
+def triton_runs(monkeypatch):
+    """Experts pick their kernel as where Triton runs (CUDA); nothing probed before counts."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(fp8_experts, "uses_triton", lambda tensor: True)
+    monkeypatch.setattr(fp8_experts, "_fits", {})
+
+
 def reference(stacked: Fp8Experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's rows rounded as the engine rounds them, times its dequantized weight."""
     group = None if stacked.block is None else stacked.block[1]
@@ -45,11 +59,18 @@ def reference(stacked: Fp8Experts, rows: torch.Tensor, counts: list[int]) -> tor
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("block", [None, (16, 16), (32, 16), (1, 16)])
-def test_a_grouped_product_is_each_experts_fp8_rounded_product(block):
+def test_a_grouped_product_is_each_experts_fp8_rounded_product(block, fused, request):
     """48 outputs (with 32-row blocks the last is 16 rows), 80 inputs: five 16-column groups,
-    each with a scale of its own per expert; the second expert gets no rows."""
+    each with a scale of its own per expert; the second expert gets no rows. Block-wise, one
+    fused kernel where Triton runs (no per-group scales kept for the split then), else one
+    grouped GEMM per group."""
+    if fused:
+        request.getfixturevalue("triton_runs")
     stacked = random_experts(3, 48, 80, block)
+    assert stacked.fused == (fused and block is not None)
+    assert (stacked.gemm_scales is None) == (block is None or fused)
     rows = torch.randn(13, 80)
     rows[0, 3] = 50.0  # one group's scale grows; block-wise, that token's other groups keep theirs
     counts = [5, 0, 8]
@@ -108,7 +129,7 @@ def test_experts_whose_product_the_device_miscomputes_are_never_kept(keeps_float
     import engine.models.fp8_experts as fp8_experts
 
     checked = []
-    monkeypatch.setattr(fp8_experts, "device_fits", lambda *shape: checked.append(shape) and False)
+    monkeypatch.setattr(fp8_experts, "kernel_for", lambda *shape: checked.append(shape) and None)
     path, _ = model_factory("qwen3_next")
     fp8_checkpoint(path, tmp_path / "fp8", "block")
     llm = LLM(str(tmp_path / "fp8"), block_size=4)
@@ -127,12 +148,16 @@ def test_without_the_policy_fp8_experts_are_dequantized(model_factory, tmp_path)
     (1, list(range(16, 48)), (16, 16), True), (2, list(range(32)), (16, 16), True),
     (1, list(range(8, 24)) + list(range(32, 48)), (1, 16), True),  # rows cutting blocks: a scale per row
     (2, list(range(8, 40)), None, False)])  # columns cutting groups: dequantized
-def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim, positions, block, stays):
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim, positions, block, stays, fused,
+                                                                           request):
+    if fused:
+        request.getfixturevalue("triton_runs")
     stacked = random_experts(2, 48, 64, (16, 16))
     shard = stacked.tp_take(dim, positions)
     index = torch.tensor(positions)
     assert torch.equal(shard[:], stacked[:].index_select(dim, index))
-    assert shard.kept == stays and (not stays or shard.block == block)
+    assert shard.kept == stays and (not stays or shard.block == block) and shard.fused == (stays and fused)
     if stays:  # the shard's own product (a dequantized shard runs as plain weights: shard[:] above)
         rows = torch.randn(6, shard.shape[2])
         ends = torch.tensor([2, 6], dtype=torch.int32)
@@ -182,6 +207,62 @@ def test_the_grouped_gemm_is_checked_on_the_device_before_it_is_used(kind, fits,
     assert grouped_fits(torch.device("cpu"), torch.float32, 64, 48, (16, 16)) == fits
 
 
+class _CompileError(Exception):
+    """Like Triton's compile errors: an Exception, not a RuntimeError."""
+
+
+@pytest.mark.parametrize("kernel, logged", [
+    (lambda q, s, w, ws, block, ends, dtype: grouped_block_fp8_triton(
+        q, s, w, ws[:1].expand_as(ws), block, ends, dtype), "relative error"),  # the first expert's scales
+    (lambda *args: (_ for _ in ()).throw(_CompileError("out of shared memory")), "_CompileError")])
+def test_a_fused_kernel_the_device_check_refuses_leaves_the_split_products(kernel, logged, triton_runs,
+                                                                           monkeypatch, caplog):
+    monkeypatch.setattr(fp8_experts, "grouped_block_fp8_triton", kernel)
+    assert kernel_for(torch.device("cpu"), torch.float32, 48, 80, (16, 16)) == "split"
+    assert logged in caplog.text and "one grouped GEMM per input group" in caplog.text
+    stacked = random_experts(3, 48, 80, (16, 16))
+    assert stacked.kept and not stacked.fused and stacked.gemm_scales is not None
+
+
+def test_the_fused_kernel_takes_what_the_split_gemms_refuse(triton_runs):
+    """Widths off torch's 16-byte rule (Nemotron-H's 24-wide experts) stay FP8 through the fused
+    kernel; per-channel experts never take it (torch's grouped GEMM runs them in one)."""
+    assert kernel_for(torch.device("cpu"), torch.float32, 24, 32, (16, 16)) == "fused"
+    assert kernel_for(torch.device("cpu"), torch.float32, 24, 32, None) is None
+    assert kernel_for(torch.device("cpu"), torch.float32, 48, 80, (16, 24)) == "split"  # groups not a power of 2
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2_moe"])
+def test_fused_block_wise_experts_serve_as_transformers_runs_them(name, keeps_float8, triton_runs, model_factory,
+                                                                  tmp_path, monkeypatch):
+    """The families' tiny block-wise FP8 checkpoints with every expert projection on the fused
+    kernel (LFM2-MoE's: gate_up with a scale per row, and down, which the split GEMMs refuse,
+    kept too), judged by transformers rounding the experts' inputs the same way. Where the
+    split products keep the same experts (Qwen3-Next), their engine gives the same tokens."""
+    path, _ = model_factory(name)
+    hf = fp8_checkpoint(path, tmp_path / "fp8", "block")
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    experts = kept_experts(llm)
+    assert experts and all(m.kept and m.fused and m.gemm_scales is None for m in experts.values()), experts
+    assert len(experts) == 2 * sum(1 for m in hf.modules() if hasattr(m, "gate_up_proj"))  # both projections
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16), llm)
+    prompt = [5, 9, 14, 200, 31, 77, 3]
+    out = llm.generate([prompt], GREEDY)[0].token_ids
+    tokens = prompt + out
+    logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
+    scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
+    gaps = [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
+    assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
+    monkeypatch.setattr(fp8_experts, "uses_triton", lambda tensor: False)
+    split = LLM(str(tmp_path / "fp8"), block_size=4)
+    split_kept = {n for n, m in kept_experts(split).items() if m.kept}
+    assert not any(m.fused for m in kept_experts(split).values())
+    if name == "lfm2_moe":  # its 24-wide down stays dense there: another rounding, other tokens
+        assert split_kept == {n for n in experts if n.endswith(".gate_up")}
+    else:
+        assert split_kept == set(experts) and split.generate([prompt], GREEDY)[0].token_ids == out
+
+
 # ---------------------------------------------------------------- on a GPU with FP8 units
 
 def fp8_grouped_gpu() -> bool:
@@ -213,18 +294,21 @@ BF16_TIE_TOLERANCE = 0.15  # bfloat16 activations against the float32 oracle, on
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fp8_grouped_gpu(), reason="needs a CUDA GPU of compute capability 9.0 or later")
-def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transformers_runs_it(model_factory,
+@pytest.mark.parametrize("scheme", ["per_channel", "block"])
+def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transformers_runs_it(scheme,
+                                                                                               model_factory,
                                                                                                tmp_path):
-    """Qwen3-Next's tiny per-channel FP8 checkpoint in bfloat16 on the device: linears and experts
-    stay FP8 (the probe found the grouped GEMM right for both expert shapes), and each greedy
-    token is the oracle's choice within bfloat16's tolerance (the oracle: float32 transformers
-    whose kept linears and experts round their inputs as the engine's do)."""
+    """Qwen3-Next's tiny FP8 checkpoints in bfloat16 on the device: linears and experts stay FP8
+    (the probe found a kernel right for both expert shapes: block-wise, the fused one or the
+    split GEMMs), and each greedy token is the oracle's choice within bfloat16's tolerance (the
+    oracle: float32 transformers whose kept linears and experts round their inputs as the
+    engine's do)."""
     path, _ = model_factory("qwen3_next")
-    hf = fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+    hf = fp8_checkpoint(path, tmp_path / "fp8", scheme)
     llm = LLM(str(tmp_path / "fp8"), block_size=4, device="cuda", dtype="bfloat16")
     experts = kept_experts(llm)
     assert experts and all(m.kept and m.qweight.is_cuda for m in experts.values()), experts
-    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, None), llm)
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None), llm)
     prompts = [[5, 9, 14, 200, 31], [7, 3, 250, 18, 40, 41, 42, 43, 44]]
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         tokens = prompt + out.token_ids

@@ -14,7 +14,8 @@ Three ways, one result (full capacity: no token dropped):
 A module passes its stacked weights (first projection [E, out, in], second [E, out2, out or
 out/2], the function between them); `dispatch_experts` picks the way by device, dtype and size.
 Stacked weights that keep a checkpoint's FP8 (engine.models.fp8_experts) always run `grouped`,
-through the grouped scaled GEMM: they are kept only where the device computes it.
+through their own product (torch's grouped scaled GEMM, or the fused block-wise Triton kernel):
+they are kept only where the device computes it.
 """
 
 from __future__ import annotations

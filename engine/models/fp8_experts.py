@@ -15,22 +15,26 @@ That kernel takes scales per row of the input and per expert and output channel 
       y[m, n] = (sum_k xq[m, k] * wq[e(m), n, k]) * scale_x[m] * scale_w[e(m), n]
 
 - block-wise weights: the input is rounded per token and 128 columns, as the checkpoint's
-  authors ran it, and each 128-column group g is one grouped GEMM whose weight scale per
-  output channel is its block's (`gemm_scales` [groups, experts, out], built once at load):
+  authors ran it, and the product sums each 128-column group g scaled by its two scales:
 
       y[m, n] = sum_g (sum_{k in g} xq[m, k] * wq[e(m), n, k]) * scale_x[m, g] * scale_w[e(m), n // 128, g]
 
-  Each group's partial product is written in bfloat16 (the kernel's only output) and summed
-  in float32: within 2^-8 relative per group of the fused product's float32 accumulation.
+  torch's grouped kernel takes no block scales. Where Triton runs (CUDA), one launch of
+  engine.kernels.fp8_moe computes the whole sum in float32 ("fused"). Elsewhere, or where the
+  device check refuses that kernel, each group is one grouped GEMM whose weight scale per
+  output channel is its block's (`gemm_scales` [groups, experts, out], built at load): its
+  partial product is written in bfloat16 (the kernel's only output) and summed in float32,
+  within 2^-8 relative per group of the fused product ("split").
 
 Only dynamic activation scales are kept (a static `input_scale` differs per expert and
 projection, and the kernel takes one scale per input row). Which experts keep FP8 is decided
 on the meta model (`use_float8_experts`), after the device's kernel is checked once per shape
-against the same product from dequantized operands (`grouped_fits`): experts it refuses or
-miscomputes load dense. A tensor-parallel shard that cuts a block of input columns is
+against the same product from dequantized operands (`kernel_for`): experts that no kernel
+computes load dense. A tensor-parallel shard that cuts a block of input columns is
 dequantized (its rows may cut blocks: they then keep a scale per row).
-On a CPU (tests set the policy) `reference_grouped` stands in for the kernel with the same
-arguments, so the rounding, the group split and the scale layout run here too.
+On a CPU (tests set the policy) `reference_grouped` stands in for torch's kernel with the same
+arguments, so the rounding, the group split and the scale layout run here too; the Triton
+kernel runs here under TRITON_INTERPRET=1 where a test says Triton is used.
 """
 
 from __future__ import annotations
@@ -40,13 +44,15 @@ import logging
 import torch
 from torch import nn
 
+from engine.kernels import uses_triton
+from engine.kernels.fp8_moe import MIN_TILE, grouped_block_fp8_triton
 from engine.models import fp8_linear
 from engine.models.fp8 import expand_blocks
 from engine.models.fp8_blocks import PROBE_TOLERANCE, dequantize_groups, quantize_groups, whole_blocks
 from engine.models.fp8_linear import FP8, FP8_MAX, GEMM_MULTIPLE, runs_scaled
 
 log = logging.getLogger(__name__)
-_fits: dict[tuple, bool] = {}  # (device, dtype, out, in, block) -> the device's grouped GEMM computes it
+_fits: dict[tuple, bool] = {}  # (kernel, device, dtype, out, in, block) -> the kernel computes it there
 
 
 class Fp8Experts(nn.Module):
@@ -63,7 +69,8 @@ class Fp8Experts(nn.Module):
         self.serving_dtype = dtype
         self.weight_scale: torch.Tensor | None = None  # float32 [E, out] or, block-wise, [E, out blocks, in blocks]
         self.block: tuple[int, int] | None = None
-        self.gemm_scales: torch.Tensor | None = None  # block-wise: [in blocks, E, out], each group's scale per channel
+        self.fused = False  # block-wise, one launch of the Triton kernel a product (else one grouped GEMM a group)
+        self.gemm_scales: torch.Tensor | None = None  # split: [in blocks, E, out], each group's scale per channel
         self.dense: torch.Tensor | None = None  # dequantized, where the device's grouped GEMM does not take these
 
     @property
@@ -106,6 +113,9 @@ class Fp8Experts(nn.Module):
         if self.block is None:
             return kernel(quantized, self.qweight.transpose(1, 2), scale[:, 0].contiguous(), self.weight_scale,
                           offs=ends, out_dtype=rows.dtype)
+        if self.fused:
+            return grouped_block_fp8_triton(quantized, scale, self.qweight, self.weight_scale, self.block, ends,
+                                            rows.dtype)
         cols, out = self.block[1], None
         for group, start in enumerate(range(0, self.qweight.shape[2], cols)):
             part = kernel(quantized[:, start:start + cols], self.qweight[:, :, start:start + cols].transpose(1, 2),
@@ -141,25 +151,26 @@ class Fp8Experts(nn.Module):
         return shard
 
     def _fit(self) -> None:
-        """Dequantize where the grouped GEMM would not take these experts: dimensions off its
-        rule, or a device whose kernel refuses or miscomputes this shape (a tensor-parallel
-        shard's shape is new; the whole weight's was checked before it was kept)."""
+        """Pick the kernel, or dequantize where none computes these experts on their device (a
+        tensor-parallel shard's shape is new; the whole weight's was checked before it was kept)."""
         _, out, inputs = self.qweight.shape
+        kernel = kernel_for(self.qweight.device, self.serving_dtype, out, inputs, self.block) if self.kept else None
+        self.fused = kernel == "fused"
+        if self.kept and kernel is None:
+            self.dense = self.dequantized()
         self._build_gemm_scales()
-        if self.dense is None and (out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE or not device_fits(
-                self.qweight.device, self.serving_dtype, out, inputs, self.block)):
-            self.dense, self.gemm_scales = self.dequantized(), None
 
     def _build_gemm_scales(self) -> None:
-        """Block-wise: each input group's weight scale per expert and output channel."""
+        """Block-wise and split: each input group's weight scale per expert and output channel."""
         self.gemm_scales = None
-        if self.dense is None and self.block is not None:
+        if self.kept and self.block is not None and not self.fused:
             rows, out = self.block[0], self.qweight.shape[1]
             self.gemm_scales = self.weight_scale.permute(2, 0, 1).repeat_interleave(rows, 2)[:, :, :out].contiguous()
 
     def extra_repr(self) -> str:
         kind = "per {}x{} block".format(*self.block) if self.block is not None else "per channel"
-        return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}" + ("" if self.kept else ", dequantized")
+        way = ", fused" if self.fused else "" if self.kept else ", dequantized"
+        return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{way}"
 
 
 def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows: torch.Tensor,
@@ -176,35 +187,46 @@ def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows
     return out
 
 
-def device_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
-                block: tuple[int, int] | None) -> bool:
-    """Whether experts of this shape keep FP8 on `device`: on CUDA, where `grouped_fits`; off
-    it (tests), reference_grouped computes any shape."""
-    return device.type != "cuda" or grouped_fits(device, dtype, out_features, in_features, block)
+def kernel_for(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+               block: tuple[int, int] | None) -> str | None:
+    """How experts of this shape keep FP8 on `device`: "fused" (block-wise, the Triton kernel,
+    where Triton runs and computes them), "split" (torch's grouped scaled GEMM: on CUDA where it
+    computes them; off it, tests, reference_grouped computes any shape), or None: dequantized."""
+    if (block is not None and block[1] >= MIN_TILE and not block[1] & (block[1] - 1)
+            and uses_triton(torch.empty(0, device=device)) and grouped_fits(device, dtype, out_features,
+                                                                            in_features, block, fused=True)):
+        return "fused"
+    if out_features % GEMM_MULTIPLE or in_features % GEMM_MULTIPLE:
+        return None
+    if device.type != "cuda" or grouped_fits(device, dtype, out_features, in_features, block):
+        return "split"
+    return None
 
 
 def grouped_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
-                 block: tuple[int, int] | None) -> bool:
-    """Whether the device's grouped scaled GEMM computes these experts' product (checked once
-    per shape against the product from dequantized operands)."""
+                 block: tuple[int, int] | None, fused: bool = False) -> bool:
+    """Whether the device's kernel (torch's grouped scaled GEMM, or the fused Triton one)
+    computes these experts' product (checked once per shape against the product from
+    dequantized operands)."""
     if device.type == "cuda" and device.index is None:  # one key whether the caller named the index or not
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), dtype, out_features, in_features, block)
+    key = (fused, str(device), dtype, out_features, in_features, block)
     if key not in _fits:
         try:
-            error = _probe(device, dtype, out_features, in_features, block)
-        except (RuntimeError, TypeError, ValueError) as why:
-            error = str(why)
+            error = _probe(device, dtype, out_features, in_features, block, fused)
+        except Exception as why:  # noqa: BLE001 - Triton's compile errors are Exceptions of their own
+            error = f"{type(why).__name__}: {why}"
         _fits[key] = error is None
         if error is not None:
-            log.warning("torch's grouped scaled GEMM does not compute FP8 experts [%d, %d] (%s) on %s: %s; those "
-                        "experts are dequantized", out_features, in_features,
-                        "per channel" if block is None else "per {}x{} block".format(*block), device, error)
+            log.warning("%s does not compute FP8 experts [%d, %d] (%s) on %s: %s; those experts %s",
+                        "the fused Triton MoE kernel" if fused else "torch's grouped scaled GEMM",
+                        out_features, in_features, "per channel" if block is None else "per {}x{} block".format(*block),
+                        device, error, "run one grouped GEMM per input group" if fused else "are dequantized")
     return _fits[key]
 
 
 def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
-           block: tuple[int, int] | None) -> str | None:
+           block: tuple[int, int] | None, fused: bool) -> str | None:
     generator = torch.Generator().manual_seed(0)
     probe = Fp8Experts(3, out_features, in_features, dtype, device=device)
     # on the host explicitly: the probe also runs while the model is built under torch.device("meta")
@@ -214,16 +236,17 @@ def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_featu
     scale_shape = (3, out_features) if block is None else (3, -(-out_features // block[0]), -(-in_features // block[1]))
     probe.qweight.data.copy_(weight.to(FP8).to(device))
     probe.weight_scale = torch.exp2(-12 + 6 * torch.rand(scale_shape, generator=generator, device="cpu")).to(device)
-    probe.block = block
+    probe.block, probe.fused = block, fused
     probe._build_gemm_scales()
-    rows = torch.randn(33, in_features, generator=generator, device="cpu").to(device, dtype)  # no tile divides 33
-    ends = torch.tensor([7, 7, 33], dtype=torch.int32, device=device)  # the middle expert has no rows
-    got = probe.grouped_product(rows, ends).float()
-    dequantized = dequantize_groups(*probe.quantize_input(rows), in_features if block is None else block[1])
     weights = probe.dequantized().float()
-    want = torch.cat([dequantized[:7] @ weights[0].t(), dequantized[7:] @ weights[2].t()])
-    if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
-        return f"relative error {float((got - want).norm() / want.norm()):.3g}"
+    for count in (33, 161):  # no tile divides either; the fused kernel tiles them differently (decode, prefill)
+        rows = torch.randn(count, in_features, generator=generator, device="cpu").to(device, dtype)
+        ends = torch.tensor([7, 7, count], dtype=torch.int32, device=device)  # the middle expert has no rows
+        got = probe.grouped_product(rows, ends).float()
+        dequantized = dequantize_groups(*probe.quantize_input(rows), in_features if block is None else block[1])
+        want = torch.cat([dequantized[:7] @ weights[0].t(), dequantized[7:] @ weights[2].t()])
+        if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
+            return f"relative error {float((got - want).norm() / want.norm()):.3g} at {count} rows"
     return None
 
 
@@ -245,15 +268,13 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
             if not isinstance(stacked, nn.Parameter) or stacked.dim() != 3:
                 continue
             experts, out, inputs = stacked.shape
-            if out % GEMM_MULTIPLE or inputs % GEMM_MULTIPLE:
-                continue
             read = _tensors_read(weights, name_map(f"{name}.{attr}" if name else attr))
             if not read or any(weights.stored_dtype(n) != "F8_E4M3" or fp8.input_scale_name(n) in weights
                                for n in read):
                 continue
             # checked before any storage exists: experts the device's kernel refuses load dense,
             # never as FP8 and then a dense copy beside it
-            if not device_fits(device, dtype, out, inputs, fp8.block):
+            if kernel_for(device, dtype, out, inputs, fp8.block) is None:
                 continue
             delattr(module, attr)  # a parameter's name takes a module only once the parameter is gone
             setattr(module, attr, Fp8Experts(experts, out, inputs, dtype, device=stacked.device))
