@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine import LLM
 from engine.kernels import _triton
@@ -28,7 +28,8 @@ from engine.models.fp8_linear import FP8, FP8_MAX
 from tests import oracle
 from tests.test_fp8 import fp8_checkpoint
 from tests.test_fp8_linear import (FP8_TIE_TOLERANCE, GREEDY, TEACHER_FORCED, fake_quantized, keeps_float8,  # noqa: F401
-                                   kept_experts, kept_linears, oracle_with_fp8_expert_inputs, oracle_with_fp8_inputs)
+                                   kept_experts, kept_linears, oracle_with_fp8_expert_inputs, oracle_with_fp8_inputs,
+                                   static_expert_scales)
 
 
 def random_experts(experts: int, out: int, inputs: int, block, seed: int = 0) -> Fp8Experts:
@@ -90,15 +91,66 @@ def test_indexing_gives_the_dequantized_weights():
     assert torch.equal(stacked[:], expected) and torch.equal(stacked[1], expected[1])
 
 
+PROMPT = [5, 9, 14, 200, 31, 77, 3]
+
+
+def scored_as(judge, llm, prompt: list[int]) -> list[int]:
+    """llm's greedy continuation of `prompt`, each position teacher-forced and scored against
+    `judge`'s logprobs: within the FP8 tie tolerance everywhere and float32 agreement at most
+    positions (the same products). Returns the continuation."""
+    out = llm.generate([prompt], GREEDY)[0].token_ids
+    tokens = prompt + out
+    logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
+    scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
+    gaps = [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
+    assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
+    return out
+
+
 def with_fp8_linear_inputs(hf, llm):
     """The oracle's linears that the engine keeps in FP8 rounding their inputs as well."""
     return oracle_with_fp8_inputs(hf, hf.config.model_type, kept_linears(llm))
 
 
-def test_experts_with_static_input_scales_or_off_the_gemm_rule_stay_dense(keeps_float8, model_factory, tmp_path):
+def with_static_expert_scales(directory, scale_of) -> None:
+    """Each expert projection's `input_scale` in the checkpoint set to scale_of(expert, projection)."""
+    tensors = load_file(directory / "model.safetensors")
+    for name in tensors:
+        if name.endswith(".input_scale") and ".experts." in name:
+            expert, projection = name.split(".experts.")[1].split(".")[:2]
+            tensors[name] = torch.tensor([scale_of(int(expert), projection)])
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_static_input_scales_round_each_row_by_its_experts_scale(keeps_float8, model_factory, tmp_path):
+    """Qwen3-Next's tiny per-tensor checkpoint with a static activation scale of its own per
+    expert and projection (gate's and up's equal, as calibration gives them; not powers of two,
+    which FP8 would round the same): the experts keep FP8 with those scales, judged by
+    transformers rounding each expert's inputs by the same scales."""
     path, _ = model_factory("qwen3_next")
-    fp8_checkpoint(path, tmp_path / "static", "per_tensor")  # a static input scale per expert projection
-    assert not kept_experts(LLM(str(tmp_path / "static"), block_size=4))
+    hf = fp8_checkpoint(path, tmp_path / "fp8", "per_tensor")
+    scale_of = lambda expert, projection: 0.011 * (1 + 0.37 * expert) * (1.6 if projection == "down_proj" else 1)  # noqa: E731
+    with_static_expert_scales(tmp_path / "fp8", scale_of)
+    llm = LLM(str(tmp_path / "fp8"), block_size=4)
+    experts = kept_experts(llm)
+    assert experts and all(m.kept and m.input_scale is not None for m in experts.values()), experts
+    for name, m in experts.items():
+        projection = "down_proj" if name.endswith(".down") else "gate_proj"
+        want = torch.tensor([scale_of(e, projection) for e in range(m.shape[0])])
+        torch.testing.assert_close(m.input_scale, want)
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, None, static=static_expert_scales(experts)),
+                                   llm)
+    scored_as(judge, llm, PROMPT)
+
+
+def test_experts_whose_stacked_scales_differ_or_off_the_gemm_rule_stay_dense(keeps_float8, model_factory,
+                                                                              tmp_path):
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "static", "per_tensor")
+    # expert 2's up projection calibrated otherwise than its gate: gate_up cannot round one input two ways
+    with_static_expert_scales(tmp_path / "static", lambda e, p: 0.02 if (e, p) == (2, "up_proj") else 0.01)
+    kept = kept_experts(LLM(str(tmp_path / "static"), block_size=4))
+    assert kept and all(name.endswith(".down") for name in kept), kept  # down's scales are one per expert
     path, _ = model_factory("nemotron_h")  # relu2 experts [4, 24, 32] and [4, 32, 24]: 24 is off the rule
     fp8_checkpoint(path, tmp_path / "odd", "block")
     assert not kept_experts(LLM(str(tmp_path / "odd"), block_size=4))
@@ -114,12 +166,7 @@ def test_stacked_projections_that_end_inside_a_block_keep_a_scale_per_row(keeps_
     kept = kept_experts(llm)
     assert kept and all(name.endswith(".gate_up") and m.block == (1, 16) and m.kept for name, m in kept.items())
     judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16, down=False), llm)
-    prompt = [5, 9, 14, 200, 31, 77, 3]
-    tokens = prompt + llm.generate([prompt], GREEDY)[0].token_ids
-    logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
-    scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
-    gaps = [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
-    assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
+    scored_as(judge, llm, PROMPT)
 
 
 def test_experts_whose_product_the_device_miscomputes_are_never_kept(keeps_float8, model_factory, tmp_path,
@@ -163,6 +210,22 @@ def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim,
         ends = torch.tensor([2, 6], dtype=torch.int32)
         torch.testing.assert_close(shard.grouped_product(rows, ends), reference(shard, rows, [2, 4]),
                                    rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dim, positions", [(None, None), (1, list(range(16, 48))), (2, list(range(16, 48)))])
+def test_static_scales_round_each_row_by_its_expert_whole_or_sharded(dim, positions):
+    """Two experts with static activation scales 0.013 and 0.021: each row is rounded by its own
+    expert's, in the whole weight and in either tensor-parallel shard (a static scale rounds
+    each element alone, so a shard's inputs round as the whole weight's)."""
+    stacked = random_experts(2, 48, 64, None)
+    stacked.load_float8(stacked.qweight.data, stacked.weight_scale, None, torch.tensor([0.013, 0.021]))
+    experts = stacked if dim is None else stacked.tp_take(dim, positions)
+    assert experts.kept and torch.equal(experts.input_scale, torch.tensor([0.013, 0.021]))
+    rows = torch.randn(9, experts.shape[2])
+    ends = torch.tensor([4, 9], dtype=torch.int32)
+    want = torch.cat([F.linear(fake_quantized(rows[:4], torch.tensor(0.013)), experts[0]),
+                      F.linear(fake_quantized(rows[4:], torch.tensor(0.021)), experts[1])])
+    torch.testing.assert_close(experts.grouped_product(rows, ends), want, rtol=1e-5, atol=1e-4)
 
 
 def test_tensor_parallel_ranks_keep_fp8_experts_and_match_the_unsharded_model(keeps_float8, model_factory,
@@ -246,13 +309,7 @@ def test_fused_block_wise_experts_serve_as_transformers_runs_them(name, keeps_fl
     assert experts and all(m.kept and m.fused and m.gemm_scales is None for m in experts.values()), experts
     assert len(experts) == 2 * sum(1 for m in hf.modules() if hasattr(m, "gate_up_proj"))  # both projections
     judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16), llm)
-    prompt = [5, 9, 14, 200, 31, 77, 3]
-    out = llm.generate([prompt], GREEDY)[0].token_ids
-    tokens = prompt + out
-    logprobs = torch.log_softmax(oracle.hf_logits(judge, tokens).float(), -1)
-    scored = llm.generate([tokens], TEACHER_FORCED)[0].prompt_logprobs
-    gaps = [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
-    assert max(gaps) <= FP8_TIE_TOLERANCE and sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps
+    out = scored_as(judge, llm, PROMPT)
     monkeypatch.setattr(fp8_experts, "uses_triton", lambda tensor: False)
     split = LLM(str(tmp_path / "fp8"), block_size=4)
     split_kept = {n for n, m in kept_experts(split).items() if m.kept}
@@ -260,7 +317,7 @@ def test_fused_block_wise_experts_serve_as_transformers_runs_them(name, keeps_fl
     if name == "lfm2_moe":  # its 24-wide down stays dense there: another rounding, other tokens
         assert split_kept == {n for n in experts if n.endswith(".gate_up")}
     else:
-        assert split_kept == set(experts) and split.generate([prompt], GREEDY)[0].token_ids == out
+        assert split_kept == set(experts) and split.generate([PROMPT], GREEDY)[0].token_ids == out
 
 
 # ---------------------------------------------------------------- on a GPU with FP8 units
@@ -294,13 +351,13 @@ BF16_TIE_TOLERANCE = 0.15  # bfloat16 activations against the float32 oracle, on
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not fp8_grouped_gpu(), reason="needs a CUDA GPU of compute capability 9.0 or later")
-@pytest.mark.parametrize("scheme", ["per_channel", "block"])
+@pytest.mark.parametrize("scheme", ["per_channel", "per_tensor", "block"])
 def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transformers_runs_it(scheme,
                                                                                                model_factory,
                                                                                                tmp_path):
-    """Qwen3-Next's tiny FP8 checkpoints in bfloat16 on the device: linears and experts stay FP8
-    (the probe found a kernel right for both expert shapes: block-wise, the fused one or the
-    split GEMMs), and each greedy token is the oracle's choice within bfloat16's tolerance (the
+    """Qwen3-Next's tiny FP8 checkpoints in bfloat16 on the device (per-tensor: static activation
+    scales): linears and experts stay FP8 (the probe found a kernel right for both expert
+    shapes: block-wise, the fused one or the split GEMMs), and each greedy token is the oracle's choice within bfloat16's tolerance (the
     oracle: float32 transformers whose kept linears and experts round their inputs as the
     engine's do)."""
     path, _ = model_factory("qwen3_next")
@@ -308,7 +365,8 @@ def test_an_fp8_moe_checkpoint_keeps_its_experts_on_the_gpu_and_serves_as_transf
     llm = LLM(str(tmp_path / "fp8"), block_size=4, device="cuda", dtype="bfloat16")
     experts = kept_experts(llm)
     assert experts and all(m.kept and m.qweight.is_cuda for m in experts.values()), experts
-    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None), llm)
+    judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None,
+                                                                 static=static_expert_scales(experts)), llm)
     prompts = [[5, 9, 14, 200, 31], [7, 3, 250, 18, 40, 41, 42, 43, 44]]
     for prompt, out in zip(prompts, llm.generate(prompts, GREEDY)):
         tokens = prompt + out.token_ids

@@ -133,26 +133,34 @@ def kept_experts(llm) -> dict[str, Fp8Experts]:
     return {name: m for name, m in llm.engine.model.named_modules() if isinstance(m, Fp8Experts)}
 
 
-def oracle_with_fp8_expert_inputs(hf, group: int | None, down: bool = True):
+def oracle_with_fp8_expert_inputs(hf, group: int | None, down: bool = True, static: list | None = None):
     """transformers' model whose experts round each input to FP8 as the engine's kept experts
-    do (per token, or per token and `group` columns): the hidden rows before gate_up, the
-    activations before down (where `down` is kept)."""
-    for module in hf.modules():
-        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
-            continue
-
-        def forward(hidden, top_k_index, top_k_weights, m=module):
+    do (per token, per token and `group` columns, or by static scales: `static` gives each
+    experts module in order its (gate_up, down) scales per expert): the hidden rows before
+    gate_up, the activations before down (where `down` is kept)."""
+    modules = [m for m in hf.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    for module, scales in zip(modules, static or [(None, None)] * len(modules)):
+        def forward(hidden, top_k_index, top_k_weights, m=module, scales=scales):
             out = torch.zeros_like(hidden)
             for expert in range(m.gate_up_proj.shape[0]):
                 token, position = torch.where(top_k_index == expert)
                 if len(token):
-                    gate, up = F.linear(fake_quantized(hidden[token], None, group), m.gate_up_proj[expert]).chunk(2, -1)
+                    first, second = (None if s is None else s[expert] for s in scales)
+                    gate, up = F.linear(fake_quantized(hidden[token], first, group), m.gate_up_proj[expert]).chunk(2, -1)
                     between = m.act_fn(gate) * up
-                    y = F.linear(fake_quantized(between, None, group) if down else between, m.down_proj[expert])
+                    y = F.linear(fake_quantized(between, second, group) if down else between, m.down_proj[expert])
                     out.index_add_(0, token, y * top_k_weights[token, position, None])
             return out
         module.forward = forward
     return hf
+
+
+def static_expert_scales(experts: dict[str, Fp8Experts]) -> list:
+    """The kept experts' static scales as oracle_with_fp8_expert_inputs takes them, in order."""
+    pairs = [(name, m) for name, m in experts.items() if m.input_scale is not None]
+    ups = [m.input_scale for name, m in pairs if not name.endswith(".down")]
+    downs = [m.input_scale for name, m in pairs if name.endswith(".down")]
+    return list(zip(ups, downs)) or None
 
 
 @pytest.mark.parametrize("name, scheme", [("llama", "per_tensor"), ("jamba", "per_channel"),
@@ -161,9 +169,9 @@ def oracle_with_fp8_expert_inputs(hf, group: int | None, down: bool = True):
                                           ("qwen3_next", "block"), ("kimi_linear", "block")])
 def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, keeps_float8, model_factory,
                                                                   tmp_path):
-    """MoE families with dynamic activations keep their experts' FP8 too (engine.models.
-    fp8_experts), and the oracle rounds their inputs the same way; a static input scale per
-    expert projection leaves them dense."""
+    """MoE families keep their experts' FP8 too (engine.models.fp8_experts), and the oracle
+    rounds their inputs the same way: per token, per token and block of columns, or by each
+    expert projection's static scale."""
     path, _ = model_factory(name)
     hf = fp8_checkpoint(path, tmp_path / "fp8", scheme)
     llm = LLM(str(tmp_path / "fp8"), block_size=4)
@@ -171,7 +179,7 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
     assert kept, "no linear kept its FP8 weight"
     experts = kept_experts(llm)
     moe = any(hasattr(m, "gate_up_proj") for m in hf.modules())
-    assert bool(experts) == (moe and scheme != "per_tensor"), experts
+    assert bool(experts) == moe, experts
     assert all(m.kept and m.qweight.dtype == FP8 and (m.block is None) == (scheme != "block")
                for m in experts.values())
     stored = load_file(tmp_path / "fp8" / "model.safetensors")
@@ -181,7 +189,8 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
         first = next(iter(experts))  # the stacked bytes are the checkpoint's: not a re-quantization
         assert torch.equal(experts[first].qweight.view(torch.uint8),
                            name_map(first)(_AsStored(stored)).view(torch.uint8))
-        hf = oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None)
+        hf = oracle_with_fp8_expert_inputs(hf, 16 if scheme == "block" else None,
+                                           static=static_expert_scales(experts))
     for module_name, linear in kept.items():  # the checkpoint's bytes, not a re-quantization
         source = name_map(f"{module_name}.weight")
         assert linear.qweight.dtype == FP8 and torch.equal(linear.qweight.view(torch.uint8),
@@ -421,10 +430,12 @@ def test_tensor_parallel_ranks_keep_fp8_weights_and_match_the_unsharded_model(na
     from engine.tp.shard import shard_model
     from tests.test_tp_layers import check_model
 
-    if (name, scheme) == ("qwen3_next", "block"):
-        # its tiny experts' down projection (16 columns) would be cut inside a 16-column group
-        # at two ranks, whose inputs then round otherwise (tests.test_fp8_experts has that
-        # shard and Jamba's experts on whole blocks); here they load dense
+    if name == "qwen3_next":
+        # its tiny experts' down projection (16 columns) is 8 a rank: block-wise that cuts a
+        # 16-column group, whose inputs would round otherwise, and per tensor it is off the
+        # grouped GEMM's 16-wide rule; either way the shard runs dequantized, unrounded
+        # (tests.test_fp8_experts has those shards, and Jamba's experts on whole blocks);
+        # here they load dense
         import engine.models
 
         monkeypatch.setattr(engine.models, "use_float8_experts", lambda *args: 0)

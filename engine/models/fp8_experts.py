@@ -10,7 +10,9 @@ expanded to its rows) or per 128x128 block (transformers' fine-grained format), 
 
 That kernel takes scales per row of the input and per expert and output channel only. So:
 - per-channel weights: one grouped GEMM per projection, the input rounded to FP8 with a scale
-  per token, accumulated in float32 by the kernel:
+  per token, or with a checkpoint's static activation scale (compressed-tensors' `input_scale`,
+  one per expert and projection: each row takes its expert's), accumulated in float32 by the
+  kernel:
 
       y[m, n] = (sum_k xq[m, k] * wq[e(m), n, k]) * scale_x[m] * scale_w[e(m), n]
 
@@ -26,8 +28,9 @@ That kernel takes scales per row of the input and per expert and output channel 
   partial product is written in bfloat16 (the kernel's only output) and summed in float32,
   within 2^-8 relative per group of the fused product ("split").
 
-Only dynamic activation scales are kept (a static `input_scale` differs per expert and
-projection, and the kernel takes one scale per input row). Which experts keep FP8 is decided
+A static scale is kept where the tensors stacked into each expert's rows share one (a gate and
+an up projection read the same input, so calibration gives them the same scale); where they
+differ, or beside block-wise weights, the experts are dequantized. Which experts keep FP8 is decided
 on the meta model (`use_float8_experts`), after the device's kernel is checked once per shape
 against the same product from dequantized operands (`kernel_for`): experts that no kernel
 computes load dense. A tensor-parallel shard that cuts a block of input columns is
@@ -68,6 +71,7 @@ class Fp8Experts(nn.Module):
                                     requires_grad=False)
         self.serving_dtype = dtype
         self.weight_scale: torch.Tensor | None = None  # float32 [E, out] or, block-wise, [E, out blocks, in blocks]
+        self.input_scale: torch.Tensor | None = None  # float32 [E]: the checkpoint's static activation scales
         self.block: tuple[int, int] | None = None
         self.fused = False  # block-wise, one launch of the Triton kernel a product (else one grouped GEMM a group)
         self.gemm_scales: torch.Tensor | None = None  # split: [in blocks, E, out], each group's scale per channel
@@ -94,21 +98,31 @@ class Fp8Experts(nn.Module):
         full = scale.unsqueeze(-1) if self.block is None else expand_blocks(scale, self.block, q.shape)
         return (q * full).to(self.serving_dtype)
 
-    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> None:
-        """The stacked float8 weight as stored and its scale ([E, out] or [E, out blocks, in blocks])."""
+    def load_float8(self, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                    input_scale: torch.Tensor | None = None) -> None:
+        """The stacked float8 weight as stored, its scale ([E, out] or [E, out blocks, in blocks])
+        and its static activation scales ([E], or None: dynamic)."""
         with torch.no_grad():
             self.qweight.copy_(weight)
-        self.weight_scale, self.block = scale.float().to(self.qweight.device).contiguous(), block
+        device = self.qweight.device
+        self.weight_scale, self.block = scale.float().to(device).contiguous(), block
+        self.input_scale = None if input_scale is None else input_scale.float().to(device).contiguous()
         self._fit()
 
-    def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows [M, in] -> (float8 rows, a scale per row [M, 1], or per row and block of columns)."""
-        return quantize_groups(rows, self.qweight.shape[2] if self.block is None else self.block[1])
+    def quantize_input(self, rows: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [M, in] sorted by expert -> (float8 rows, a scale per row [M, 1], or per row and
+        block of columns): the row's expert's static scale where the checkpoint has them."""
+        if self.input_scale is None:
+            return quantize_groups(rows, self.qweight.shape[2] if self.block is None else self.block[1])
+        index = torch.arange(rows.shape[0], device=rows.device, dtype=ends.dtype)
+        expert = torch.searchsorted(ends, index, right=True).clamp_(max=self.input_scale.shape[0] - 1)
+        scale = self.input_scale.index_select(0, expert).unsqueeze(1)
+        return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
     def grouped_product(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """rows [M, in] sorted by expert, expert e's rows ending at ends[e] (int32, on the device)
         -> [M, out] in rows' dtype: each row times its expert's weight."""
-        quantized, scale = self.quantize_input(rows)
+        quantized, scale = self.quantize_input(rows, ends)
         kernel = torch._scaled_grouped_mm if rows.is_cuda else reference_grouped
         if self.block is None:
             return kernel(quantized, self.qweight.transpose(1, 2), scale[:, 0].contiguous(), self.weight_scale,
@@ -134,7 +148,7 @@ class Fp8Experts(nn.Module):
         shape[dim] = len(positions)
         shard = Fp8Experts(*shape, self.serving_dtype, device="meta")
         shard.qweight = nn.Parameter(self.qweight.index_select(dim, index).clone(), requires_grad=False)
-        shard.block, scale = self.block, self.weight_scale
+        shard.block, shard.input_scale, scale = self.block, self.input_scale, self.weight_scale
         blocks = None if self.block is None else whole_blocks(positions, self.qweight.shape[dim],
                                                               self.block[dim - 1])
         if self.dense is not None or (self.block is not None and blocks is None and dim == 2):
@@ -170,7 +184,8 @@ class Fp8Experts(nn.Module):
     def extra_repr(self) -> str:
         kind = "per {}x{} block".format(*self.block) if self.block is not None else "per channel"
         way = ", fused" if self.fused else "" if self.kept else ", dequantized"
-        return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{way}"
+        static = ", static input scales" if self.input_scale is not None else ""
+        return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{static}{way}"
 
 
 def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows: torch.Tensor,
@@ -243,7 +258,7 @@ def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_featu
         rows = torch.randn(count, in_features, generator=generator, device="cpu").to(device, dtype)
         ends = torch.tensor([7, 7, count], dtype=torch.int32, device=device)  # the middle expert has no rows
         got = probe.grouped_product(rows, ends).float()
-        dequantized = dequantize_groups(*probe.quantize_input(rows), in_features if block is None else block[1])
+        dequantized = dequantize_groups(*probe.quantize_input(rows, ends), in_features if block is None else block[1])
         want = torch.cat([dequantized[:7] @ weights[0].t(), dequantized[7:] @ weights[2].t()])
         if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
             return f"relative error {float((got - want).norm() / want.norm()):.3g} at {count} rows"
@@ -255,9 +270,10 @@ def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_featu
 def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
     """On the meta `model`, before storage: replace each stacked expert weight that a module
     names in `float8_experts` by an Fp8Experts where every checkpoint tensor it is stacked
-    from is float8_e4m3fn with dynamic activations; returns how many."""
+    from is float8_e4m3fn, with dynamic activations or static scales that each expert's tensors
+    share; returns how many."""
     fp8 = weights.fp8
-    if fp8 is None or not fp8_linear.keeps_float8(device) or fp8.dynamic_activations is False:
+    if fp8 is None or not fp8_linear.keeps_float8(device):
         return 0
     if not runs_scaled(device, dtype, rowwise=True) or (fp8.block is not None and fp8.block[1] % GEMM_MULTIPLE):
         return 0
@@ -268,10 +284,14 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
             if not isinstance(stacked, nn.Parameter) or stacked.dim() != 3:
                 continue
             experts, out, inputs = stacked.shape
-            read = _tensors_read(weights, name_map(f"{name}.{attr}" if name else attr))
-            if not read or any(weights.stored_dtype(n) != "F8_E4M3" or fp8.input_scale_name(n) in weights
-                               for n in read):
+            source = name_map(f"{name}.{attr}" if name else attr)
+            read = _tensors_read(weights, source)
+            if not read or any(weights.stored_dtype(n) != "F8_E4M3" for n in read):
                 continue
+            static = {fp8.input_scale_name(n) in weights for n in read}
+            if static != {False} and (static != {True} or fp8.block is not None
+                                      or static_input_scales(weights, source) is None):
+                continue  # static beside dynamic, static block-wise, or one expert's tensors' scales differ
             # checked before any storage exists: experts the device's kernel refuses load dense,
             # never as FP8 and then a dense copy beside it
             if kernel_for(device, dtype, out, inputs, fp8.block) is None:
@@ -302,7 +322,8 @@ def load_stacked(experts: Fp8Experts, weights, source) -> None:
     scale = source(_Reads(weights, scales.__getitem__))
     block = weights.fp8.block
     if block is None:
-        experts.load_float8(weight, scale[..., 0], None)
+        static = weights.fp8.input_scale_name(next(iter(scales))) in weights
+        experts.load_float8(weight, scale[..., 0], None, static_input_scales(weights, source) if static else None)
         return
     rows = block[0]
     per_block = scale[:, ::rows].contiguous()
@@ -310,6 +331,18 @@ def load_stacked(experts: Fp8Experts, weights, source) -> None:
         experts.load_float8(weight, per_block, block)
     else:  # stacked projections cut inside a block: the scales as they are, one per row and group
         experts.load_float8(weight, scale, (1, block[1]))
+
+
+def static_input_scales(weights, source) -> torch.Tensor | None:
+    """Each expert's static activation scale [E], from `source` stacking every tensor's scale
+    stretched to its rows; None where the tensors stacked into one expert's rows differ."""
+    def read(name: str) -> torch.Tensor:
+        scale = weights.get(weights.fp8.input_scale_name(name)).float().reshape(1, 1)
+        return scale.expand(weights.shape_of(name)[0], 1)
+
+    per_row = source(_Reads(weights, read))
+    first = per_row[:, :1]
+    return first[:, 0, 0].contiguous() if torch.equal(per_row, first.expand_as(per_row)) else None
 
 
 class _Reads:
