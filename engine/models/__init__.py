@@ -20,7 +20,7 @@ from engine.models.families_qwen3_next import FAMILIES as _QWEN3_NEXT_FAMILIES
 from engine.models.families_qwen3_next import MTP_HEADS
 from engine.models.families_zamba2 import FAMILIES as _ZAMBA2_FAMILIES
 from engine.models.fp8 import FLOAT8
-from engine.models.fp8_experts import use_float8_experts
+from engine.models.fp8_experts_loading import use_float8_experts
 from engine.models.fp8_linear import use_float8_linears
 from engine.models.hybrid import HybridLM, LayerCacheSpec, ModelSpec, StateTensorSpec
 from engine.models.mtp_head import MTPHead

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 from engine.errors import CheckpointError
 from engine.models.fp8 import FLOAT8, FP8Weights
-from engine.models.fp8_experts import Fp8Experts, load_stacked
+from engine.models.fp8_experts import Fp8Experts
+from engine.models.fp8_experts_loading import load_stacked
 from engine.models.fp8_linear import Fp8Linear
 
 __all__ = ["CheckpointError", "ConfigReader", "WeightFiles", "load_into", "read_config", "read_json"]
