@@ -67,8 +67,8 @@ def grouped_block_fp8_triton(quantized: torch.Tensor, scale: torch.Tensor, qweig
     qweight, weight_scale = qweight.contiguous(), weight_scale.contiguous()
     _grouped_block_fp8_kernel[(tile_expert.shape[0], -(-n // block_n))](
         quantized, scale, qweight, weight_scale, ends, tile_expert, tile_row, out,
-        n, k, scale.shape[1], weight_scale.shape[1],
-        NUM_EXPERTS=experts, SCALE_ROWS=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1],
+        experts, n, k, scale.shape[1], weight_scale.shape[1],
+        SCALE_ROWS=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1],
         num_warps=4, num_stages=3,
     )
     return out
@@ -108,8 +108,8 @@ def _check(quantized, scale, qweight, weight_scale, block, ends) -> None:
 
 @jit
 def _grouped_block_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
-                              out_ptr, N, K, K_GROUPS, N_SCALES,
-                              NUM_EXPERTS: tl.constexpr, SCALE_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                              out_ptr, NUM_EXPERTS, N, K, K_GROUPS, N_SCALES, SCALE_ROWS: tl.constexpr,
+                              BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
