@@ -6,7 +6,8 @@ touches); achieved GB/s = bytes / time, beside the bandwidth of a large device c
 on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow released models:
 Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
 Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
-decode steps at batch 64-128 and one prefill of each recurrent kind; the block-wise FP8 MoE
+decode steps at batch 64-128 and one prefill of each recurrent kind; rounding rows to FP8 per
+128 columns, against the torch ops it replaces; the block-wise FP8 MoE
 product at Qwen3-Next-80B's expert sizes, whose reference column is the split it replaces (one
 torch grouped GEMM per 128-column group), so its ratio is the fused kernel's gain. `scale`
 divides every size (the CPU dry run checks the same cases, small, under Triton's interpreter).
@@ -21,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
 from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
@@ -226,6 +228,23 @@ def row_copy_cases(device, dtype, scale=1, rows=4096, row_shape=(16, 8, 128)):
     ]
 
 
+def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
+    """Rounding a decode step's and a prefill's rows to FP8 per 128 columns, as every FP8
+    linear and expert does before its product."""
+    if dtype != torch.bfloat16:
+        return []  # the serving dtype only
+    hidden, cases = max(32, hidden // scale), []
+    cols = min(128, hidden)
+    for tokens in (64, 8192):
+        tokens = max(1, tokens // scale)
+        rows = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        nbytes = rows.numel() * (rows.element_size() + 1) + tokens * (hidden // cols) * 4
+        cases.append(Case("fp8_quantize_groups", f"T={tokens} K={hidden} per {cols} columns", nbytes,
+                          lambda rows=rows: quantize_groups_triton(rows, cols),
+                          lambda rows=rows: quantize_groups_ref(rows, cols)))
+    return cases
+
+
 def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, intermediate=512):
     """Qwen3-Next-80B-A3B-FP8's experts (128x128 blocks): gate_up and down at a batch-64 decode
     step, gate_up at a 2048-token prefill; the fused kernel against the split products."""
@@ -268,6 +287,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: row_copy_cases(d, t, s),
+    lambda d, t, s: fp8_quant_cases(d, t, s),
     lambda d, t, s: fp8_moe_cases(d, t, s),
 )
 

@@ -24,6 +24,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import uses_triton
+from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
 from engine.models.fp8 import expand_blocks
 
 FP8 = torch.float8_e4m3fn
@@ -36,12 +38,9 @@ _layouts: dict[tuple, str | None] = {}  # (device, dtype, out, in) -> the layout
 
 
 def quantize_groups(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [M, K] -> (float8 rows [M, K], a scale per row and `cols`-wide group [M, ceil(K / cols)])."""
-    m, k = rows.shape
-    groups = F.pad(rows.float(), (0, -k % cols)).reshape(m, -(-k // cols), cols)  # m may be 0
-    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    quantized = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, groups.shape[1] * cols)
-    return (quantized if k % cols == 0 else quantized[:, :k].contiguous()), scale
+    """rows [M, K] -> (float8 rows [M, K], a scale per row and `cols`-wide group [M, ceil(K / cols)]):
+    one Triton launch where Triton runs, the torch definition elsewhere (engine.kernels.fp8_quant)."""
+    return quantize_groups_triton(rows, cols) if uses_triton(rows) else quantize_groups_ref(rows, cols)
 
 
 def dequantize_groups(quantized: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:

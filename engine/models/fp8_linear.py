@@ -122,14 +122,11 @@ class Fp8Linear(nn.Module):
     def quantize_input(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [M, in] -> (float8 rows, their scale: [] static, [M, 1] per row, or [M, groups]
         per row and block of columns)."""
-        if self.block is not None:
-            return fp8_blocks.quantize_groups(rows, self.block[1])
-        if self.input_scale is not None:
-            scale = self.input_scale
-        else:
-            scale = (rows.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        if self.input_scale is None:  # per token, or per token and block of columns
+            return fp8_blocks.quantize_groups(rows, self.in_features if self.block is None else self.block[1])
+        scale = self.input_scale
         quantized = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        if self.rowwise and scale.dim() == 0:
+        if self.rowwise:
             scale = scale.expand(rows.shape[0], 1).contiguous()
         return quantized, scale
 

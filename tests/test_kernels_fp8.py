@@ -1,9 +1,10 @@
-"""The fused block-wise FP8 MoE kernel (engine.kernels.fp8_moe) against its definition, and its
-tile schedule.
+"""The FP8 kernels against their definitions: rounding rows to float8 per group of columns
+(engine.kernels.fp8_quant), bit for bit, and the fused block-wise MoE product
+(engine.kernels.fp8_moe) with its tile schedule.
 
 Kernel tests (marker `triton`) run compiled on CUDA when there is a GPU, else under
-TRITON_INTERPRET=1 on CPU tensors; they skip without Triton. Groups are 32 columns or wider
-here, as Hopper's FP8 tensor cores step through 32 at a time.
+TRITON_INTERPRET=1 on CPU tensors; they skip without Triton. MoE groups are 32 columns or
+wider here, as Hopper's FP8 tensor cores step through 32 at a time.
 """
 
 from __future__ import annotations
@@ -13,8 +14,66 @@ import torch
 
 from tests.kernel_support import DEVICE, kernel_mode, requires_triton  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels.fp8_moe import grouped_block_fp8_ref, grouped_block_fp8_triton, tile_schedule
+from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
+from engine.models import fp8_blocks
 from engine.models.fp8_blocks import FP8, FP8_MAX, quantize_groups
 
+
+def same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+# ---------------------------------------------------------------- rounding to FP8
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("rows, cols_total, cols, dtype", [
+    (5, 256, 128, torch.float32), (3, 80, 32, torch.bfloat16),  # 80: the last group 16 wide
+    (7, 2048, 2048, torch.bfloat16), (4, 100, 128, torch.float16),  # a scale per row; one group shorter than cols
+    (2, 100, 48, torch.float32),  # groups narrower than the kernel's power-of-two block
+    (0, 64, 32, torch.float32)])
+def test_rounding_to_fp8_is_the_reference_bit_for_bit(kernel_mode, rows, cols_total, cols, dtype):
+    """Rows whose magnitudes span 10^-4 .. 10^3, a group of zeros (the scale's floor), and a
+    view whose rows are strided as a projection's split leaves them."""
+    generator = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, cols_total + 8, generator=generator) * 10 ** (torch.rand(rows, 1, generator=generator) * 7 - 4)
+    if rows:
+        wide[0, :min(cols, cols_total)] = 0
+    x = wide.to(DEVICE, dtype)[:, 8:]
+    assert same_bits(quantize_groups_triton(x, cols), quantize_groups_ref(x, cols))
+
+
+@pytest.mark.triton
+@requires_triton
+def test_rounding_to_fp8_ties_to_even_across_the_whole_grid(kernel_mode):
+    """Every finite float8_e4m3fn value and every midpoint between neighbours (the ties), in a
+    row whose 448 makes the scale 1: rounded as torch's cast rounds them."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    values = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([FP8_MAX])])
+    x = values[None, :].to(DEVICE)
+    got, want = quantize_groups_triton(x, x.shape[1]), quantize_groups_ref(x, x.shape[1])
+    assert float(want[1]) == 1.0 and same_bits(got, want)
+
+
+@requires_triton
+def test_fp8_linears_and_experts_round_through_the_kernel_where_triton_runs(monkeypatch):
+    calls = []
+
+    def counted(rows, cols):
+        calls.append(cols)
+        return quantize_groups_ref(rows, cols)
+
+    monkeypatch.setattr(fp8_blocks, "quantize_groups_triton", counted)
+    monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: True)
+    x = torch.randn(3, 64)
+    assert same_bits(quantize_groups(x, 32), quantize_groups_ref(x, 32)) and calls == [32]
+    monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: False)
+    quantize_groups(x, 32)
+    assert calls == [32]
+
+
+# ---------------------------------------------------------------- the fused MoE product
 
 def operands(counts: list[int], out: int, inputs: int, block: tuple[int, int], seed: int = 0):
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,81 @@
+"""Rounding rows to float8_e4m3fn with a scale per row and group of columns, in one launch.
+
+    scale[m, g] = max(max_{k in g} |x[m, k]| / 448, float32 tiny)
+    xq[m, k] = e4m3(clamp(x[m, k] / scale[m, g(k)], -448, 448))
+
+rows [M, K] (any float dtype) -> (float8_e4m3fn [M, K], float32 [M, ceil(K / cols)]); the last
+group is shorter where `cols` does not divide K, and cols = K is a scale per row. Every FP8
+linear and expert with dynamic activations rounds its input this way before each product
+(engine.models.fp8_linear, fp8_experts): in torch that is about nine kernels a call (a pad,
+the float copy, abs, amax, two divisions, two clamps, the cast), which a CUDA-graph decode step
+of an FP8 model repeats for every linear of every layer; here it is one.
+
+The kernel is bit for bit the reference: both divisions round to nearest, and the value is
+rounded to the e4m3 grid in float32 arithmetic (round half to even, as torch's cast rounds)
+before an exact cast, so the same code gives the same bits compiled and under Triton's
+interpreter, whose own float8 cast rounds otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels._triton import device_function, jit, next_power_of_2, tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_groups_ref(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = rows.shape
+    groups = F.pad(rows.float(), (0, -k % cols)).reshape(m, -(-k // cols), cols)  # m may be 0
+    scale = (groups.abs().amax(-1) / FP8_MAX).clamp(min=TINY)
+    quantized = (groups / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(m, groups.shape[1] * cols)
+    return (quantized if k % cols == 0 else quantized[:, :k].contiguous()), scale
+
+
+def quantize_groups_triton(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = rows.shape
+    groups = -(-k // cols)
+    quantized = torch.empty(m, k, dtype=FP8, device=rows.device)
+    scale = torch.empty(m, groups, dtype=torch.float32, device=rows.device)
+    if m == 0 or k == 0:
+        return quantized, scale
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    block = next_power_of_2(cols)
+    _quantize_groups_kernel[(m, groups)](
+        rows, quantized, scale, k, groups, rows.stride(0), FP8_MAX, TINY,
+        COLS=cols, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+    )
+    return quantized, scale
+
+
+@device_function
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6 the subnormals' spacing, 2^-9
+    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(exponent - 3)
+    inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
+    units = tl.abs(v) * inverse  # exact: a power of two, units < 16
+    units = (units + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to an integer, ties to even
+    magnitude = units * spacing
+    return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit kept, a negative zero's too
+
+
+@jit
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, fp8_max, tiny,
+                            COLS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    offsets = tl.arange(0, BLOCK)
+    cols = group * COLS + offsets
+    ok = (offsets < COLS) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), tiny)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
+    tl.store(q_ptr + row * K + cols, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(scale_ptr + row * GROUPS + group, scale)
