@@ -37,31 +37,40 @@ def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch
 
 @requires_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("name, options, fp8_weights", [
-    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16"), False),
-    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16"), False),
-    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3"), False),
-    ("llama", {}, True),
+@pytest.mark.parametrize("name, options, fp8_scheme", [
+    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16"), None),
+    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16"), None),
+    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3"), None),
+    ("llama", {}, "per_channel"),
+    ("qwen3_next", {}, "block"),  # the fused MoE kernel and the rounding kernel
+    ("qwen3_next", {}, "per_tensor"),  # static scales: each row's found on the device
 ])
 def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, monkeypatch, tmp_path, name, options,
-                                                                   fp8_weights):
+                                                                   fp8_scheme):
     """The cache formats' load and store around a layer (engine.state_format, engine.kv_format)
-    and FP8 linears (engine.models.fp8_linear, under the GPU's policy) inside the forward a
-    CUDA graph captures; the tokens are those of the same engine on its eager path."""
+    and FP8 linears and experts (engine.models.fp8_linear, fp8_experts, under the GPU's policy)
+    inside the forward a CUDA graph captures; the tokens are those of the same engine on its
+    eager path."""
     import engine.models.fp8_linear as fp8_linear
+    from engine.models.fp8_experts import Fp8Experts
     from tests.test_fp8 import fp8_checkpoint
 
     path, _ = model_factory(name)
-    if fp8_weights:
+    if fp8_scheme is not None:
         monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: True)
-        fp8_checkpoint(path, tmp_path / "fp8", "per_channel")
+        fp8_checkpoint(path, tmp_path / "fp8", fp8_scheme)
         path = str(tmp_path / "fp8")
     eager = cuda_like_engine(path, monkeypatch, static=False, **options)
     expected = [out.token_ids for out in eager.generate(PROMPTS, GREEDY)]
     llm = cuda_like_engine(path, monkeypatch, **options)
     assert decode_guarded(llm, monkeypatch) == expected
-    if fp8_weights:
-        assert any(isinstance(m, fp8_linear.Fp8Linear) for m in llm.engine.model.modules())
+    if fp8_scheme is not None:
+        modules = list(llm.engine.model.modules())
+        assert any(isinstance(m, fp8_linear.Fp8Linear) for m in modules)
+        experts = [m for m in modules if isinstance(m, Fp8Experts)]
+        assert (name == "llama") != bool(experts) and all(m.kept for m in experts)
+        assert all(m.fused == (fp8_scheme == "block") and (m.input_scale is not None) == (fp8_scheme == "per_tensor")
+                   for m in experts)
 
 
 PROMPTS = [[5, 6, 7], [9], list(range(3, 14))]
