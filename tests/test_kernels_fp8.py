@@ -14,9 +14,10 @@ import torch
 
 from tests.kernel_support import DEVICE, kernel_mode, requires_triton  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
 from engine.kernels.fp8_moe import grouped_block_fp8_ref, grouped_block_fp8_triton, tile_schedule
-from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
+from engine.kernels.fp8_quant import (quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
+                                      quantize_scaled_triton)
 from engine.models import fp8_blocks
-from engine.models.fp8_blocks import FP8, FP8_MAX, quantize_groups
+from engine.models.fp8_blocks import FP8, FP8_MAX, quantize_groups, quantize_scaled
 
 
 def same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
@@ -56,21 +57,46 @@ def test_rounding_to_fp8_ties_to_even_across_the_whole_grid(kernel_mode):
     assert float(want[1]) == 1.0 and same_bits(got, want)
 
 
+@pytest.mark.triton
 @requires_triton
-def test_fp8_linears_and_experts_round_through_the_kernel_where_triton_runs(monkeypatch):
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rounding_by_static_scales_is_the_reference_bit_for_bit(kernel_mode, per_row, dtype):
+    """A checkpoint's static scale (one for all rows, or a row's expert's): small enough that
+    some values clamp at 448, from strided rows."""
+    generator = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 104, generator=generator) * 4).to(DEVICE, dtype)[:, 4:]
+    scale = (torch.rand(6, 1, generator=generator) * 0.02 + 0.005) if per_row else torch.tensor(0.011)
+    scale = scale.to(DEVICE)
+    got, want = quantize_scaled_triton(x, scale), quantize_scaled_ref(x, scale)
+    assert (want.float().abs() == FP8_MAX).any() and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_static_scale_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match=r"a float32 scale \[\] or \[3, 1\]"):
+        quantize_scaled_triton(torch.randn(3, 8), torch.ones(2, 1))
+
+
+@requires_triton
+def test_fp8_linears_and_experts_round_through_the_kernels_where_triton_runs(monkeypatch):
     calls = []
 
-    def counted(rows, cols):
-        calls.append(cols)
-        return quantize_groups_ref(rows, cols)
+    def counted(name, ref):
+        def kernel(rows, arg):
+            calls.append(name)
+            return ref(rows, arg)
+        return kernel
 
-    monkeypatch.setattr(fp8_blocks, "quantize_groups_triton", counted)
+    monkeypatch.setattr(fp8_blocks, "quantize_groups_triton", counted("groups", quantize_groups_ref))
+    monkeypatch.setattr(fp8_blocks, "quantize_scaled_triton", counted("scaled", quantize_scaled_ref))
     monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: True)
-    x = torch.randn(3, 64)
-    assert same_bits(quantize_groups(x, 32), quantize_groups_ref(x, 32)) and calls == [32]
+    x, scale = torch.randn(3, 64), torch.tensor(0.01)
+    assert same_bits(quantize_groups(x, 32), quantize_groups_ref(x, 32))
+    assert torch.equal(quantize_scaled(x, scale).view(torch.uint8), quantize_scaled_ref(x, scale).view(torch.uint8))
+    assert calls == ["groups", "scaled"]
     monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: False)
-    quantize_groups(x, 32)
-    assert calls == [32]
+    quantize_groups(x, 32), quantize_scaled(x, scale)
+    assert calls == ["groups", "scaled"]
 
 
 # ---------------------------------------------------------------- the fused MoE product

@@ -1,14 +1,16 @@
-"""Rounding rows to float8_e4m3fn with a scale per row and group of columns, in one launch.
+"""Rounding rows to float8_e4m3fn, in one launch: with a scale per row and group of columns
+computed from the rows (dynamic activations), or with given scales (static ones).
 
     scale[m, g] = max(max_{k in g} |x[m, k]| / 448, float32 tiny)
     xq[m, k] = e4m3(clamp(x[m, k] / scale[m, g(k)], -448, 448))
 
-rows [M, K] (any float dtype) -> (float8_e4m3fn [M, K], float32 [M, ceil(K / cols)]); the last
-group is shorter where `cols` does not divide K, and cols = K is a scale per row. Every FP8
-linear and expert with dynamic activations rounds its input this way before each product
-(engine.models.fp8_linear, fp8_experts): in torch that is about nine kernels a call (a pad,
-the float copy, abs, amax, two divisions, two clamps, the cast), which a CUDA-graph decode step
-of an FP8 model repeats for every linear of every layer; here it is one.
+`quantize_groups`: rows [M, K] (any float dtype) -> (float8_e4m3fn [M, K], float32
+[M, ceil(K / cols)]); the last group is shorter where `cols` does not divide K, and cols = K is
+a scale per row. `quantize_scaled`: rows and a float32 scale, one ([]) or per row ([M, 1]) ->
+float8 rows. Every FP8 linear and expert rounds its input one of these ways before each product
+(engine.models.fp8_linear, fp8_experts): in torch that is four to nine kernels a call (a pad,
+the float copy, abs, amax, divisions, clamps, the cast), which a CUDA-graph decode step of an
+FP8 model repeats for every linear of every layer; here it is one.
 
 The kernel is bit for bit the reference: both divisions round to nearest, and the value is
 rounded to the e4m3 grid in float32 arithmetic (round half to even, as torch's cast rounds)
@@ -36,21 +38,37 @@ def quantize_groups_ref(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, to
     return (quantized if k % cols == 0 else quantized[:, :k].contiguous()), scale
 
 
+def quantize_scaled_ref(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_groups_triton(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = rows.shape
-    groups = -(-k // cols)
+    scale = torch.empty(m, -(-k // cols), dtype=torch.float32, device=rows.device)
+    return _launch(rows, cols, scale, static=False), scale
+
+
+def quantize_scaled_triton(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if scale.dim() not in (0, 2) or scale.numel() not in (1, rows.shape[0]) or scale.dtype != torch.float32:
+        raise ValueError(f"a float32 scale [] or [{rows.shape[0]}, 1] is needed, got {scale.dtype} {tuple(scale.shape)}")
+    return _launch(rows, rows.shape[1], scale.contiguous(), static=True)
+
+
+def _launch(rows: torch.Tensor, cols: int, scale: torch.Tensor, static: bool) -> torch.Tensor:
+    """The kernel over (row, group): `scale` written (dynamic) or read (static: one for all rows,
+    or one per row)."""
+    m, k = rows.shape
     quantized = torch.empty(m, k, dtype=FP8, device=rows.device)
-    scale = torch.empty(m, groups, dtype=torch.float32, device=rows.device)
     if m == 0 or k == 0:
-        return quantized, scale
+        return quantized
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    block = next_power_of_2(cols)
+    block, groups = next_power_of_2(cols), -(-k // cols)
     _quantize_groups_kernel[(m, groups)](
-        rows, quantized, scale, k, groups, rows.stride(0), FP8_MAX, TINY,
-        COLS=cols, BLOCK=block, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        rows, quantized, scale, k, groups, rows.stride(0), 1 if scale.numel() == m and m > 1 else 0, FP8_MAX, TINY,
+        COLS=cols, BLOCK=block, STATIC=static, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
-    return quantized, scale
+    return quantized
 
 
 @device_function
@@ -67,15 +85,18 @@ def _round_to_e4m3(v):
 
 
 @jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, fp8_max, tiny,
-                            COLS: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, static_stride, fp8_max, tiny,
+                            COLS: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     offsets = tl.arange(0, BLOCK)
     cols = group * COLS + offsets
     ok = (offsets < COLS) & (cols < K)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), tiny)
+    if STATIC:
+        scale = tl.load(scale_ptr + row * static_stride)
+    else:
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), tiny)
+        tl.store(scale_ptr + row * GROUPS + group, scale)
     v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
     tl.store(q_ptr + row * K + cols, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(scale_ptr + row * GROUPS + group, scale)

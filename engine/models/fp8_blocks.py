@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import uses_triton
-from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
+from engine.kernels.fp8_quant import (quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
+                                      quantize_scaled_triton)
 from engine.models.fp8 import expand_blocks
 
 FP8 = torch.float8_e4m3fn
@@ -41,6 +42,11 @@ def quantize_groups(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.
     """rows [M, K] -> (float8 rows [M, K], a scale per row and `cols`-wide group [M, ceil(K / cols)]):
     one Triton launch where Triton runs, the torch definition elsewhere (engine.kernels.fp8_quant)."""
     return quantize_groups_triton(rows, cols) if uses_triton(rows) else quantize_groups_ref(rows, cols)
+
+
+def quantize_scaled(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] -> float8 rows [M, K] by a given float32 scale ([], or per row [M, 1])."""
+    return quantize_scaled_triton(rows, scale) if uses_triton(rows) else quantize_scaled_ref(rows, scale)
 
 
 def dequantize_groups(quantized: torch.Tensor, scale: torch.Tensor, cols: int) -> torch.Tensor:

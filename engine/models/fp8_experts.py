@@ -50,7 +50,7 @@ from torch import nn
 from engine.kernels import uses_triton
 from engine.kernels.fp8_moe import MIN_TILE, grouped_block_fp8_triton
 from engine.models.fp8 import expand_blocks
-from engine.models.fp8_blocks import PROBE_TOLERANCE, dequantize_groups, quantize_groups, whole_blocks
+from engine.models.fp8_blocks import PROBE_TOLERANCE, dequantize_groups, quantize_groups, quantize_scaled, whole_blocks
 from engine.models.fp8_linear import FP8, FP8_MAX, GEMM_MULTIPLE
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Fp8Experts(nn.Module):
         index = torch.arange(rows.shape[0], device=rows.device, dtype=ends.dtype)
         expert = torch.searchsorted(ends, index, right=True).clamp_(max=self.input_scale.shape[0] - 1)
         scale = self.input_scale.index_select(0, expert).unsqueeze(1)
-        return (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+        return quantize_scaled(rows, scale), scale
 
     def grouped_product(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """rows [M, in] sorted by expert, expert e's rows ending at ends[e] (int32, on the device)

@@ -125,7 +125,7 @@ class Fp8Linear(nn.Module):
         if self.input_scale is None:  # per token, or per token and block of columns
             return fp8_blocks.quantize_groups(rows, self.in_features if self.block is None else self.block[1])
         scale = self.input_scale
-        quantized = (rows.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        quantized = fp8_blocks.quantize_scaled(rows, scale)
         if self.rowwise:
             scale = scale.expand(rows.shape[0], 1).contiguous()
         return quantized, scale
