@@ -254,23 +254,24 @@ def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, in
     top_k = min(top_k, max(1, experts // 4))
     hidden, intermediate = max(32, hidden // scale), max(16, intermediate // scale)
     block = (min(128, 2 * intermediate), min(128, hidden, intermediate))
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)  # drawn where they are used: GBs at these sizes
     cases = []
     for name, tokens, out, inputs in (("gate_up", 64, 2 * intermediate, hidden), ("down", 64, hidden, intermediate),
                                       ("gate_up", 2048, 2 * intermediate, hidden)):
         tokens = max(1, tokens // scale)
-        picks = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=1).indices.flatten()
+        picks = torch.rand(tokens, experts, device=device, generator=generator).topk(top_k, dim=1).indices.flatten()
         counts = torch.bincount(picks, minlength=experts)
-        ends = counts.cumsum(0).to(torch.int32).to(device)
-        weight = (torch.randn(experts, out, inputs, generator=generator) * 64).clamp(-448, 448)
+        ends = counts.cumsum(0).to(torch.int32)
+        weight = (torch.randn(experts, out, inputs, device=device, generator=generator) * 64).clamp(-448, 448)
+        qweight = torch.nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
+        del weight
         weight_scale = torch.exp2(-12 + 6 * torch.rand(experts, -(-out // block[0]), -(-inputs // block[1]),
-                                                       generator=generator))
+                                                       device=device, generator=generator))
         fused, split = (Fp8Experts(experts, out, inputs, dtype, device="meta") for _ in range(2))
         for stacked, is_fused in ((fused, True), (split, False)):  # both ways, whatever the device check says
-            stacked.qweight = torch.nn.Parameter(weight.to(device).to(torch.float8_e4m3fn), requires_grad=False)
-            stacked.weight_scale, stacked.block, stacked.fused = weight_scale.to(device), block, is_fused
+            stacked.qweight, stacked.weight_scale, stacked.block, stacked.fused = qweight, weight_scale, block, is_fused
             stacked._build_gemm_scales()
-        rows = torch.randn(int(counts.sum()), inputs, generator=generator).to(device, dtype)
+        rows = torch.randn(int(counts.sum()), inputs, device=device, generator=generator).to(dtype)
         hit = int((counts > 0).sum())
         nbytes = hit * out * inputs + weight_scale[0].numel() * 4 * hit + rows.numel() * 2 + rows.shape[0] * out * 2
         cases.append(Case("fp8_moe_block", f"{name} T={tokens} top{top_k} E={experts} [{out}, {inputs}]", nbytes,
