@@ -7,7 +7,8 @@ on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow re
 Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
 Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
 decode steps at batch 64-128 and one prefill of each recurrent kind; rounding rows to FP8 per
-128 columns, against the torch ops it replaces; the block-wise FP8 MoE
+128 columns, and storing recurrent state at half width, against the torch ops they replace;
+the block-wise FP8 MoE
 product at Qwen3-Next-80B's expert sizes, whose reference column is the split it replaces (one
 torch grouped GEMM per 128-column group), so its ratio is the fused kernel's gain. `scale`
 divides every size (the CPU dry run checks the same cases, small, under Triton's interpreter).
@@ -31,6 +32,7 @@ from engine.kernels.row_copy import gather_rows_ref, gather_rows_triton, scatter
 from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
+from engine.kernels.state_round import state_load_triton, state_store_triton, stochastic_round
 from engine.models.fp8_experts import Fp8Experts
 
 
@@ -228,6 +230,28 @@ def row_copy_cases(device, dtype, scale=1, rows=4096, row_shape=(16, 8, 128)):
     ]
 
 
+def state_round_cases(device, dtype, scale=1, batch=64, heads=32, k_dim=128, v_dim=128, slots=256):
+    """A batch-64 decode step's Gated DeltaNet states (Qwen3-Next's [32, 128, 128]) stored at
+    half width, stochastically rounded, and loaded back (`mamba_state_dtype`): bfloat16 in
+    the bf16 pass, float16 in the float32 one."""
+    narrow = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    batch, heads, slots = max(2, batch // scale), max(1, heads // scale), max(4, slots // scale)
+    working = torch.randn(slots, heads, k_dim, v_dim, device=device)
+    pool = torch.zeros(slots, heads, k_dim, v_dim, device=device, dtype=narrow)
+    rows = torch.randperm(slots, device=device)[:batch]
+    positions = torch.randint(1, 1 << 20, (batch,), device=device)
+    elements = torch.arange(working[0].numel(), device=device).view(working.shape[1:])
+    shape = f"B={batch} [{heads}, {k_dim}, {v_dim}] as {str(narrow).removeprefix('torch.')}"
+    nbytes = batch * working[0].numel() * 6
+    return [
+        Case("state_store", shape, nbytes, lambda: state_store_triton(working, pool, rows, positions),
+             lambda: pool.index_copy_(0, rows, stochastic_round(working.index_select(0, rows), narrow, positions,
+                                                                 elements)), (pool,)),
+        Case("state_load", shape, nbytes, lambda: state_load_triton(pool, working, rows),
+             lambda: working.index_copy_(0, rows, pool.index_select(0, rows).float()), (working,)),
+    ]
+
+
 def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
     """Rounding a decode step's and a prefill's rows to FP8 per 128 columns, as every FP8
     linear and expert does before its product."""
@@ -288,6 +312,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: row_copy_cases(d, t, s),
+    lambda d, t, s: state_round_cases(d, t, s),
     lambda d, t, s: fp8_quant_cases(d, t, s),
     lambda d, t, s: fp8_moe_cases(d, t, s),
 )

@@ -16,7 +16,9 @@ bits are a hash of the value, the element's index and the sequence's length afte
 not a generator's: a request's state is the same whether it ran alone, in a batch, or on a
 prefill worker that handed it off, and the same on every run (tests/test_state_format.py).
 The float32 state each step starts from is what was stored: drift against a float32 cache is
-measured (splitserve bench quant), not assumed.
+measured (splitserve bench quant), not assumed. The rounding's torch definition and the
+one-pass Triton store and load that CUDA runs are engine.kernels.state_round; on the CPU,
+cpu_state.cpp does the same in C++.
 
 A prefix cache's checkpoints, its tiers and the hand-off copy the narrow rows as they are;
 the hand-off's layout handshake compares every tensor's dtype, so a pair that disagrees on
@@ -29,12 +31,12 @@ import dataclasses
 
 import torch
 
-from engine.kernels import native
+from engine.kernels import native, uses_triton
+from engine.kernels.state_round import state_load_triton, state_store_triton, stochastic_round
 from engine.models import LayerCaches, ModelSpec
 from engine.models.batch import ForwardBatch
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")
-_MASK32 = 0xFFFFFFFF
 FORMATS = {torch.bfloat16: 1, torch.float16: 2}  # cpu_state.cpp's format codes (0: none)
 
 
@@ -48,32 +50,6 @@ def narrow_state_spec(spec: ModelSpec, state_dtype: str) -> ModelSpec:
         dataclasses.replace(t, stored_dtype=state_dtype) if t.dtype == "float32" else t for t in layer.state))
         for layer in spec.layers)
     return dataclasses.replace(spec, layers=layers)
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix of int64 `x` (murmur3's finaliser), elementwise."""
-    x = x & _MASK32
-    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _MASK32
-    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
-def stochastic_round(values: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor,
-                     elements: torch.Tensor) -> torch.Tensor:
-    """float32 `values` [rows, ...] as `dtype`, each element rounded to one of its two
-    neighbours in `dtype` with probability proportional to its nearness (values the format
-    holds exactly stay as they are). The random draw hashes the value's bits, `positions`
-    [rows] (each row's sequence length) and `elements` (each element's index within a row,
-    shaped like a row): deterministic, and no host synchronisation (CUDA-graph safe)."""
-    nearest = values.to(dtype)
-    error = values - nearest.float()
-    toward = torch.where(error > 0, float("inf"), float("-inf")).to(dtype)
-    gap = (torch.nextafter(nearest, toward).float() - nearest.float()).abs()
-    shape = (-1,) + (1,) * (values.dim() - 1)
-    salt = (positions.long().view(shape) * 0x9E3779B1 + elements.long() * 0x85EBCA77) & _MASK32
-    uniform = (_hash32((values.view(torch.int32).long() & _MASK32) ^ salt) >> 8).float() * (1.0 / (1 << 24))
-    away = (uniform * gap < error.abs()) & torch.isfinite(gap)
-    return torch.where(away, torch.nextafter(nearest, toward), nearest)
 
 
 def working_bytes(spec: ModelSpec, num_slot_rows: int) -> int:
@@ -140,7 +116,9 @@ class NarrowState:
         """The step's slots of `layer` into the working rows."""
         rows, _ = self._step(batch)
         for working, stored in zip(self.working[layer], self.pool.state[layer]):
-            if self.native:
+            if uses_triton(working):  # one pass (engine.kernels.state_round)
+                state_load_triton(stored, working, rows)
+            elif self.native:
                 native.call("state_load", pool=stored, working=working, slots=rows, rows=rows.numel(),
                             row_numel=working[0].numel(), format=FORMATS[stored.dtype])
             else:
@@ -150,6 +128,9 @@ class NarrowState:
         """The step's slots of `layer` back into the pool, stochastically rounded."""
         rows, positions = self._step(batch)
         for working, stored in zip(self.working[layer], self.pool.state[layer]):
+            if uses_triton(working):  # one pass, as the C++ store (engine.kernels.state_round)
+                state_store_triton(working, stored, rows, positions)
+                continue
             if self.native:
                 native.call("state_store", working=working, pool=stored, slots=rows, positions=positions,
                             rows=rows.numel(), row_numel=working[0].numel(), format=FORMATS[stored.dtype])
@@ -180,8 +161,7 @@ class NarrowState:
                 self._positions = torch.tensor(batch.context_lens, dtype=torch.long).to(device)
             else:
                 self._rows, self._positions = batch.decode_slots, batch.decode_context_lens
-            if self.native:
-                self._rows, self._positions = self._rows.contiguous(), self._positions.contiguous()
+            self._rows, self._positions = self._rows.contiguous(), self._positions.contiguous()  # the kernels' rule
             self._batch = batch
         return self._rows, self._positions
 

@@ -15,10 +15,13 @@ import random
 import pytest
 import torch
 
+from tests.kernel_support import DEVICE, enter_kernel_mode  # first: it sets Triton's mode
+
 from bench.quant import forced_logits
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.kernels import native
+from engine.kernels import _triton, native
+from engine.kernels.state_round import state_load_triton, state_store_triton
 from engine.llm_engine import LLMEngine
 from engine.state_format import stochastic_round
 from kvtransfer import CacheTensors, LayoutMismatchError
@@ -63,6 +66,31 @@ def test_the_cpu_kernel_rounds_bit_for_bit_as_the_torch_path(dtype):
     native.call("state_load", pool=pool, working=back, slots=slots, rows=3, row_numel=values.shape[1],
                 format=FORMATS[dtype])
     assert torch.equal(back[slots].nan_to_num(0.5), pool[slots].float().nan_to_num(0.5))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_the_triton_kernels_round_bit_for_bit_as_the_torch_path(dtype):
+    """The one-pass store and load CUDA runs (engine.kernels.state_round), compiled on a GPU,
+    under the interpreter here: the torch path's bits at the slots, rows 2.5 blocks long, and
+    every other pool row and working row left as it was."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    enter_kernel_mode()
+    values = torch.cat([edge_and_random_values()] * 2, 1)[:, :2560]
+    slots, positions = torch.tensor([4, 0, 2]), torch.tensor([1, 77, 2 ** 33 + 123456])  # past 32 bits: its low ones
+    working = torch.full((5, values.shape[1]), 7.0)
+    working[slots] = values
+    pool = torch.full((5, values.shape[1]), -3.0, dtype=dtype)
+    working, pool, slots, positions = (t.to(DEVICE) for t in (working, pool, slots, positions))
+    state_store_triton(working, pool, slots, positions)
+    want = stochastic_round(values, dtype, positions.cpu(), torch.arange(values.shape[1]))
+    assert same_bits(pool[slots].cpu(), want)
+    assert (pool[[1, 3]] == -3.0).all()
+    back = torch.full_like(working, 5.0)
+    state_load_triton(pool, back, slots)
+    assert torch.equal(back[slots].nan_to_num(0.5), pool[slots].float().nan_to_num(0.5))
+    assert (back[[1, 3]] == 5.0).all()
 
 
 @pytest.mark.parametrize("dtype", NARROW, ids=str)

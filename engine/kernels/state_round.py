@@ -1,0 +1,166 @@
+"""Recurrent state stored at half width (engine.state_format): the stochastically rounded store
+of float32 working rows into a bfloat16 / float16 pool, and the exact load back.
+
+`stochastic_round` is the definition, in torch ops: each element rounds to one of its two
+neighbours in the narrow format with probability proportional to its nearness, the random bits
+a hash of the value, the row's sequence length and the element's index (deterministic, no
+host read). As torch ops that is some thirty elementwise kernels over the state, each reading
+and writing it whole: on a GPU a decode step would move the state dozens of times per layer.
+`state_store_triton` / `state_load_triton` are one pass each (the store reads the float32 rows
+once and writes the narrow ones once), at the pool's slots.
+
+The kernels compute in 32-bit integers what engine/kernels/cpu_state.cpp computes (the CPU's
+path), and so what `stochastic_round` computes, bit for bit: the nearest narrow value by
+integer rounding (ties to even), its neighbour by a step of the magnitude, and one float32
+comparison whose every operand is exact. No float cast to the narrow format is used: Triton's
+interpreter rounds those otherwise (bfloat16 by truncation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels._triton import device_function, jit, tl
+
+_MASK32 = 0xFFFFFFFF
+BLOCK = 1024
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix of int64 `x` (murmur3's finaliser), elementwise."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & _MASK32
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def stochastic_round(values: torch.Tensor, dtype: torch.dtype, positions: torch.Tensor,
+                     elements: torch.Tensor) -> torch.Tensor:
+    """float32 `values` [rows, ...] as `dtype`, each element rounded to one of its two
+    neighbours in `dtype` with probability proportional to its nearness (values the format
+    holds exactly stay as they are). The random draw hashes the value's bits, `positions`
+    [rows] (each row's sequence length) and `elements` (each element's index within a row,
+    shaped like a row): deterministic, and no host synchronisation (CUDA-graph safe)."""
+    nearest = values.to(dtype)
+    error = values - nearest.float()
+    toward = torch.where(error > 0, float("inf"), float("-inf")).to(dtype)
+    gap = (torch.nextafter(nearest, toward).float() - nearest.float()).abs()
+    shape = (-1,) + (1,) * (values.dim() - 1)
+    salt = (positions.long().view(shape) * 0x9E3779B1 + elements.long() * 0x85EBCA77) & _MASK32
+    uniform = (_hash32((values.view(torch.int32).long() & _MASK32) ^ salt) >> 8).float() * (1.0 / (1 << 24))
+    away = (uniform * gap < error.abs()) & torch.isfinite(gap)
+    return torch.where(away, torch.nextafter(nearest, toward), nearest)
+
+
+def state_store_triton(working: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                       positions: torch.Tensor) -> None:
+    """pool[slots[r]] = stochastic_round(working[slots[r]], pool.dtype, positions[r], its
+    elements' indices); working float32 and pool bfloat16 or float16 rows of one shape."""
+    row_numel = _check(working, pool, slots)
+    if slots.numel() and row_numel:
+        _state_store_kernel[(slots.numel(), -(-row_numel // BLOCK))](
+            working, pool.view(torch.int16), slots, positions, row_numel,
+            FLOAT16=pool.dtype == torch.float16, BLOCK=BLOCK)
+
+
+def state_load_triton(pool: torch.Tensor, working: torch.Tensor, slots: torch.Tensor) -> None:
+    """working[slots[r]] = pool[slots[r]] in float32, exactly."""
+    row_numel = _check(working, pool, slots)
+    if slots.numel() and row_numel:
+        _state_load_kernel[(slots.numel(), -(-row_numel // BLOCK))](
+            pool.view(torch.int16), working, slots, row_numel, FLOAT16=pool.dtype == torch.float16, BLOCK=BLOCK)
+
+
+def _check(working: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> int:
+    if working.dtype != torch.float32 or pool.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"float32 working rows and a bfloat16 or float16 pool, got {working.dtype} and {pool.dtype}")
+    if working.shape[1:] != pool.shape[1:] or not (working.is_contiguous() and pool.is_contiguous()):
+        raise ValueError(f"contiguous rows of one shape, got {tuple(working.shape)} and {tuple(pool.shape)}")
+    if slots.dtype != torch.int64:
+        raise ValueError(f"slots must be int64, got {slots.dtype}")
+    return working[0].numel() if working.shape[0] else 0
+
+
+@device_function
+def _mix32(x):  # murmur3's finaliser on uint32, as _hash32
+    x = (x ^ (x >> 16)) * 0x85EBCA6B
+    x = (x ^ (x >> 13)) * 0xC2B2AE35
+    return x ^ (x >> 16)
+
+
+@device_function
+def _nearest_bits(bits, FLOAT16: tl.constexpr):
+    """The narrow bits nearest to the float32 `bits` (uint32), ties to even (as cpu_state.cpp)."""
+    if FLOAT16:
+        sign = (bits >> 16) & 0x8000
+        a = bits & 0x7FFFFFFF
+        # below 2^-14: adding 0.5 leaves the subnormal's bits, rounded to even, at the sum's bottom
+        subnormal = (a.to(tl.float32, bitcast=True) + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
+        normal = (a + 0xC8000FFF + ((a >> 13) & 1)) >> 13  # rebias the exponent, round 13 bits to even
+        out = tl.where(a > 0x7F800000, 0x7E00,
+                       tl.where(a >= 0x47800000, 0x7C00, tl.where(a < 0x38800000, subnormal, normal)))
+        return out.to(tl.uint32) | sign
+    else:
+        return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+
+
+@device_function
+def _value_of(h, FLOAT16: tl.constexpr):
+    """The float32 value of narrow bits `h` (uint32 < 2^16), exactly."""
+    if FLOAT16:
+        sign = (h & 0x8000) << 16
+        magnitude = h & 0x7FFF
+        normal = (magnitude << 13) + 0x38000000
+        subnormal = (magnitude.to(tl.float32) * 5.9604644775390625e-8).to(tl.uint32, bitcast=True)  # 2^-24
+        special = (magnitude << 13) | 0x7F800000
+        out = sign | tl.where(magnitude < 0x400, subnormal, tl.where(magnitude >= 0x7C00, special, normal))
+        return out.to(tl.float32, bitcast=True)
+    else:
+        return (h << 16).to(tl.float32, bitcast=True)
+
+
+@device_function
+def _inf_or_nan(h, FLOAT16: tl.constexpr):
+    exponent = 0x7C00 if FLOAT16 else 0x7F80
+    return (h & exponent) == exponent
+
+
+@jit
+def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_numel,
+                        FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = elements < row_numel
+    v = tl.load(working_ptr + slot * row_numel + elements, mask=ok, other=0.0)
+    row_salt = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
+    salt = row_salt + elements.to(tl.uint32) * 0x85EBCA77
+    bits = v.to(tl.uint32, bitcast=True)
+    nearest = _nearest_bits(bits, FLOAT16)
+    base = _value_of(nearest, FLOAT16)
+    error = v - base
+    # nextafter(nearest, toward the error): from a zero the smallest subnormal of that sign,
+    # else one step of the magnitude, which grows when moving away from zero
+    up = (error > 0).to(tl.uint32)
+    magnitude = nearest & 0x7FFF
+    sign = nearest & 0x8000
+    from_zero = (magnitude == 0).to(tl.uint32)
+    grows = from_zero | (up ^ (sign >> 15))
+    other = tl.where(from_zero != 0, (1 - up) << 15, sign) | (magnitude + 2 * grows - 1)
+    gap = tl.abs(_value_of(other, FLOAT16) - base)
+    uniform = (_mix32(bits ^ salt) >> 8).to(tl.float32)  # 24 random bits
+    away = uniform * (1.0 / 16777216.0) * gap < tl.abs(error)
+    # inf and nan stay; so do a value past the largest (nearest: inf) and one whose neighbour is inf
+    keep = ((bits & 0x7F800000) == 0x7F800000) | _inf_or_nan(nearest, FLOAT16) | _inf_or_nan(other, FLOAT16)
+    out = tl.where(away & ~keep, other, nearest)
+    tl.store(pool_ptr + slot * row_numel + elements, out.to(tl.int16), mask=ok)
+
+
+@jit
+def _state_load_kernel(pool_ptr, working_ptr, slots_ptr, row_numel, FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(slots_ptr + row)
+    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = elements < row_numel
+    h = tl.load(pool_ptr + slot * row_numel + elements, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    tl.store(working_ptr + slot * row_numel + elements, _value_of(h, FLOAT16), mask=ok)
