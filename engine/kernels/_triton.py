@@ -66,13 +66,23 @@ class LazyKernel:
                 f"Triton was imported with TRITON_INTERPRET={'0' if interpreting() else '1'} and "
                 f"it is now {os.environ.get('TRITON_INTERPRET')!r}; set it before anything imports triton")
         if self._kernel is None:
-            names = self.fn.__globals__
-            names["tl"] = triton.language
-            for name, value in list(names.items()):  # the device functions it may call, wrapped first
-                if isinstance(value, LazyDeviceFunction):
-                    names[name] = triton.jit(value.fn)
+            _bind(self.fn.__globals__, triton, set())
             self._kernel = triton.jit(self.fn)
         return self._kernel[grid]
+
+
+def _bind(names: dict, triton, bound: set) -> None:
+    """A kernel module's namespace made ready to compile: `tl` rebound to triton.language and
+    the device functions it may call wrapped first, with their own modules' namespaces (a
+    device function imported from another kernel module) made ready the same way."""
+    if id(names) in bound:
+        return
+    bound.add(id(names))
+    names["tl"] = triton.language
+    for name, value in list(names.items()):
+        if isinstance(value, LazyDeviceFunction):
+            _bind(value.fn.__globals__, triton, bound)
+            names[name] = triton.jit(value.fn)
 
 
 class LazyDeviceFunction:

@@ -13,9 +13,8 @@ the float copy, abs, amax, divisions, clamps, the cast), which a CUDA-graph deco
 FP8 model repeats for every linear of every layer; here it is one.
 
 The kernel is bit for bit the reference: both divisions round to nearest, and the value is
-rounded to the e4m3 grid in float32 arithmetic (round half to even, as torch's cast rounds)
-before an exact cast, so the same code gives the same bits compiled and under Triton's
-interpreter, whose own float8 cast rounds otherwise.
+rounded to the e4m3 grid in float32 arithmetic (engine.kernels.float_bits: ties to even, as
+torch's cast) before an exact cast.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels._triton import device_function, jit, next_power_of_2, tl
+from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels.float_bits import round_to_fp8_grid
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -71,19 +71,6 @@ def _launch(rows: torch.Tensor, cols: int, scale: torch.Tensor, static: bool) ->
     return quantized
 
 
-@device_function
-def _round_to_e4m3(v):
-    """v (float32, |v| <= 448) to the nearest float8_e4m3fn value, ties to even, in float32."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # below 2^-6 the subnormals' spacing, 2^-9
-    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: 2^(exponent - 3)
-    inverse = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)
-    units = tl.abs(v) * inverse  # exact: a power of two, units < 16
-    units = (units + 12582912.0) - 12582912.0  # 1.5 * 2^23: float32 addition rounds to an integer, ties to even
-    magnitude = units * spacing
-    return tl.where(bits < 0, -magnitude, magnitude)  # the sign bit kept, a negative zero's too
-
-
 @jit
 def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, static_stride, fp8_max, tiny,
                             COLS: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
@@ -99,4 +86,4 @@ def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, static
         scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), tiny)
         tl.store(scale_ptr + row * GROUPS + group, scale)
     v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-    tl.store(q_ptr + row * K + cols, _round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(q_ptr + row * K + cols, round_to_fp8_grid(v, 3, -6).to(q_ptr.dtype.element_ty), mask=ok)

@@ -12,8 +12,8 @@ once and writes the narrow ones once), at the pool's slots.
 The kernels compute in 32-bit integers what engine/kernels/cpu_state.cpp computes (the CPU's
 path), and so what `stochastic_round` computes, bit for bit: the nearest narrow value by
 integer rounding (ties to even), its neighbour by a step of the magnitude, and one float32
-comparison whose every operand is exact. No float cast to the narrow format is used: Triton's
-interpreter rounds those otherwise (bfloat16 by truncation).
+comparison whose every operand is exact (engine.kernels.float_bits: no cast to a narrow format,
+which Triton's interpreter rounds otherwise).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels._triton import device_function, jit, tl
+from engine.kernels.float_bits import half_bits, half_value
 
 _MASK32 = 0xFFFFFFFF
 BLOCK = 1024
@@ -89,37 +90,6 @@ def _mix32(x):  # murmur3's finaliser on uint32, as _hash32
 
 
 @device_function
-def _nearest_bits(bits, FLOAT16: tl.constexpr):
-    """The narrow bits nearest to the float32 `bits` (uint32), ties to even (as cpu_state.cpp)."""
-    if FLOAT16:
-        sign = (bits >> 16) & 0x8000
-        a = bits & 0x7FFFFFFF
-        # below 2^-14: adding 0.5 leaves the subnormal's bits, rounded to even, at the sum's bottom
-        subnormal = (a.to(tl.float32, bitcast=True) + 0.5).to(tl.uint32, bitcast=True) - 0x3F000000
-        normal = (a + 0xC8000FFF + ((a >> 13) & 1)) >> 13  # rebias the exponent, round 13 bits to even
-        out = tl.where(a > 0x7F800000, 0x7E00,
-                       tl.where(a >= 0x47800000, 0x7C00, tl.where(a < 0x38800000, subnormal, normal)))
-        return out.to(tl.uint32) | sign
-    else:
-        return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-
-
-@device_function
-def _value_of(h, FLOAT16: tl.constexpr):
-    """The float32 value of narrow bits `h` (uint32 < 2^16), exactly."""
-    if FLOAT16:
-        sign = (h & 0x8000) << 16
-        magnitude = h & 0x7FFF
-        normal = (magnitude << 13) + 0x38000000
-        subnormal = (magnitude.to(tl.float32) * 5.9604644775390625e-8).to(tl.uint32, bitcast=True)  # 2^-24
-        special = (magnitude << 13) | 0x7F800000
-        out = sign | tl.where(magnitude < 0x400, subnormal, tl.where(magnitude >= 0x7C00, special, normal))
-        return out.to(tl.float32, bitcast=True)
-    else:
-        return (h << 16).to(tl.float32, bitcast=True)
-
-
-@device_function
 def _inf_or_nan(h, FLOAT16: tl.constexpr):
     exponent = 0x7C00 if FLOAT16 else 0x7F80
     return (h & exponent) == exponent
@@ -136,8 +106,8 @@ def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_num
     row_salt = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
     salt = row_salt + elements.to(tl.uint32) * 0x85EBCA77
     bits = v.to(tl.uint32, bitcast=True)
-    nearest = _nearest_bits(bits, FLOAT16)
-    base = _value_of(nearest, FLOAT16)
+    nearest = half_bits(bits, FLOAT16)
+    base = half_value(nearest, FLOAT16)
     error = v - base
     # nextafter(nearest, toward the error): from a zero the smallest subnormal of that sign,
     # else one step of the magnitude, which grows when moving away from zero
@@ -147,7 +117,7 @@ def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_num
     from_zero = (magnitude == 0).to(tl.uint32)
     grows = from_zero | (up ^ (sign >> 15))
     other = tl.where(from_zero != 0, (1 - up) << 15, sign) | (magnitude + 2 * grows - 1)
-    gap = tl.abs(_value_of(other, FLOAT16) - base)
+    gap = tl.abs(half_value(other, FLOAT16) - base)
     uniform = (_mix32(bits ^ salt) >> 8).to(tl.float32)  # 24 random bits
     away = uniform * (1.0 / 16777216.0) * gap < tl.abs(error)
     # inf and nan stay; so do a value past the largest (nearest: inf) and one whose neighbour is inf
@@ -163,4 +133,4 @@ def _state_load_kernel(pool_ptr, working_ptr, slots_ptr, row_numel, FLOAT16: tl.
     elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = elements < row_numel
     h = tl.load(pool_ptr + slot * row_numel + elements, mask=ok, other=0).to(tl.uint32) & 0xFFFF
-    tl.store(working_ptr + slot * row_numel + elements, _value_of(h, FLOAT16), mask=ok)
+    tl.store(working_ptr + slot * row_numel + elements, half_value(h, FLOAT16), mask=ok)
