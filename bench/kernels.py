@@ -7,7 +7,8 @@ on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow re
 Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
 Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
 decode steps at batch 64-128 and one prefill of each recurrent kind; rounding rows to FP8 per
-128 columns, and storing recurrent state at half width, against the torch ops they replace;
+128 columns, storing recurrent state at half width and KV blocks in FP8, against the torch
+ops they replace;
 the block-wise FP8 MoE
 product at Qwen3-Next-80B's expert sizes, whose reference column is the split it replaces (one
 torch grouped GEMM per 128-column group), so its ratio is the fused kernel's gain. `scale`
@@ -24,6 +25,7 @@ import torch
 
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
+from engine.kernels.kv_fp8 import kv_load_triton, kv_store_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
 from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
@@ -252,6 +254,39 @@ def state_round_cases(device, dtype, scale=1, batch=64, heads=32, k_dim=128, v_d
     ]
 
 
+def kv_fp8_cases(device, dtype, scale=1, batch=64, context=1024, kv_heads=8, head_dim=128, block_size=16):
+    """An FP8 KV cache (`kv_cache_dtype` fp8_e4m3, a scale per KV head) around one attention
+    layer of a batch-64 decode step at context 1024: the load of every block the rows' tables
+    hold into working rows in the compute dtype, and the store of the step's 64 token rows."""
+    if dtype != torch.bfloat16:
+        return []  # the serving dtype only
+    batch, context = max(2, batch // scale), max(block_size, context // scale)
+    blocks = batch * -(-context // block_size)
+    pool = (torch.randn(blocks, block_size, kv_heads, head_dim, device=device) * 50).to(torch.float8_e4m3fn)
+    working = torch.zeros(blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype)
+    table = torch.randperm(blocks, device=device)
+    written = torch.randperm(blocks * block_size, device=device)[:batch]
+    scales = torch.linspace(0.5, 2.0, kv_heads, device=device).reshape(-1, 1)
+    shape = f"B={batch} ctx={context} KVH={kv_heads} Dh={head_dim} bs={block_size} e4m3"
+
+    def load_ref():
+        rows = pool.view(torch.uint8).index_select(0, table).view(pool.dtype)
+        working.index_copy_(0, table, (rows.float() * scales).to(dtype))
+
+    def store_ref():
+        flat, flat_pool = working.view(-1, kv_heads, head_dim), pool.view(torch.uint8).view(-1, kv_heads, head_dim)
+        largest = torch.finfo(pool.dtype).max
+        quantized = (flat.index_select(0, written).float() / scales).clamp_(-largest, largest).to(pool.dtype)
+        flat_pool.index_copy_(0, written, quantized.view(torch.uint8))
+
+    return [
+        Case("kv_fp8_load", shape, pool.numel() * 3, lambda: kv_load_triton(pool, table, working, scales),
+             load_ref, (working,)),
+        Case("kv_fp8_store", f"{batch} tokens of KVH={kv_heads} Dh={head_dim} e4m3", batch * kv_heads * head_dim * 3,
+             lambda: kv_store_triton(working, written, pool, scales), store_ref, (pool,)),
+    ]
+
+
 def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
     """Rounding a decode step's and a prefill's rows to FP8 per 128 columns, as every FP8
     linear and expert does before its product."""
@@ -313,6 +348,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: row_copy_cases(d, t, s),
     lambda d, t, s: state_round_cases(d, t, s),
+    lambda d, t, s: kv_fp8_cases(d, t, s),
     lambda d, t, s: fp8_quant_cases(d, t, s),
     lambda d, t, s: fp8_moe_cases(d, t, s),
 )

@@ -12,8 +12,9 @@ with tensor parallelism (each rank would hold its heads' share; refused at load)
 As for narrow recurrent state (engine.state_format), the attention layers do not change: around
 each such layer's forward, NarrowKV dequantizes the blocks the step's rows read into working
 rows in the compute dtype (one layer at a time: every layer of the same row shape shares
-them), the layer runs on those, and the rows it wrote go back quantized. A step's own tokens
-therefore attend to each other at full precision and to earlier ones through the format.
+them), the layer runs on those, and the rows it wrote go back quantized (where Triton runs, one
+pass each of engine.kernels.kv_fp8). A step's own tokens therefore attend to each other at
+full precision and to earlier ones through the format.
 
 The scales are part of the cache's layout: each layer's KV kind names them, so the hand-off's
 layout handshake refuses a pair whose scales (or formats: the tensors' dtypes) differ, naming
@@ -30,6 +31,8 @@ from pathlib import Path
 import torch
 
 from engine.errors import CheckpointError
+from engine.kernels import uses_triton
+from engine.kernels.kv_fp8 import kv_load_triton, kv_store_triton
 from engine.models import LayerCaches, ModelSpec
 from engine.models.batch import ForwardBatch
 
@@ -161,6 +164,9 @@ class NarrowKV:
         if self._batch is not batch:  # once per step; a replayed static batch keeps its tensors
             self._blocks, self._batch = batch.block_tables.reshape(-1), batch
         for working, stored, scale in zip(self.working[layer], self.pool.kv[layer], self.scales[layer]):
+            if uses_triton(working):  # one pass (engine.kernels.kv_fp8)
+                kv_load_triton(stored, self._blocks, working, scale)
+                continue
             # float8 rows move as bytes: torch's CPU index ops do not take float8 dtypes
             rows = stored.view(torch.uint8).index_select(0, self._blocks).view(stored.dtype)
             working.index_copy_(0, self._blocks, dequantize(rows, scale, self.dtype))
@@ -169,6 +175,9 @@ class NarrowKV:
         """The rows the step wrote (its tokens' K and V), quantized into the pool."""
         written = batch.kv_write_index
         for working, stored, scale in zip(self.working[layer], self.pool.kv[layer], self.scales[layer]):
+            if uses_triton(working):  # one pass (engine.kernels.kv_fp8)
+                kv_store_triton(working, written, stored, scale)
+                continue
             flat_rows = working.view(-1, *working.shape[2:])
             flat_pool = stored.view(torch.uint8).view(-1, *stored.shape[2:])
             flat_pool.index_copy_(0, written, quantize(flat_rows.index_select(0, written), scale, stored.dtype)

@@ -15,12 +15,16 @@ import shutil
 
 import pytest
 import torch
+
+from tests.kernel_support import DEVICE, enter_kernel_mode  # first: it sets Triton's mode
 from safetensors.torch import load_file, save_file
 
 from bench.quant import forced_logits
 from engine import LLM, SamplingParams
 from engine.cache import plan_cache
 from engine.config import EngineConfig
+from engine.kernels import _triton
+from engine.kernels.kv_fp8 import kv_load_triton, kv_store_triton
 from engine.kv_format import dequantize, quantize, scale_tensor
 from engine.llm_engine import LLMEngine
 from engine.models import CheckpointError
@@ -104,6 +108,44 @@ def test_quantization_saturates_scales_and_round_trips_within_the_format():
         mantissa = 3 if dtype == torch.float8_e4m3fn else 2
         inside = x.abs() < 100
         assert bool(((back - x).abs() <= x.abs() * 2.0 ** -mantissa + 1e-3)[inside].all())
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_the_triton_load_and_store_are_the_torch_path_bit_for_bit(fp8, per_head, compute):
+    """The one-pass load and store CUDA runs (engine.kernels.kv_fp8), compiled on a GPU, under the
+    interpreter here: blocks of [4 tokens, 2 heads, 96] with values that saturate, a block table
+    that repeats its padding block, and every block and token row outside them left as it was."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    enter_kernel_mode()
+    generator = torch.Generator().manual_seed(3)
+    largest = torch.finfo(fp8).max
+    scale = scale_tensor((0.37, 2.5), "cpu") if per_head else 0.61
+    values = torch.randn(6, 4, 2, 96, generator=generator) * largest / 4
+    values[1, 0, 0, :4] = torch.tensor([0.0, -0.0, 3 * largest, -3 * largest])  # zeros keep their sign; saturated
+    tiny = torch.finfo(fp8).smallest_normal  # a block of the format's subnormals and smallest normals
+    values[3] = torch.randn(4, 2, 96, generator=generator) * tiny
+    pool = quantize(values, scale, fp8)
+    blocks, written = torch.tensor([3, 1, 0, 0, 5]), torch.tensor([4, 5, 6, 13, 14, 22])
+    device_scale = scale if isinstance(scale, float) else scale.to(DEVICE)
+
+    working = torch.full((6, 4, 2, 96), 9.0, dtype=compute).to(DEVICE)
+    kv_load_triton(pool.to(DEVICE), blocks.to(DEVICE), working, device_scale)
+    want = torch.full((6, 4, 2, 96), 9.0, dtype=compute)
+    want[blocks] = dequantize(pool[blocks], scale, compute)
+    assert torch.equal(working.cpu().view(torch.int8), want.view(torch.int8))
+
+    rows = torch.randn(6, 4, 2, 96, generator=generator) * largest / 3
+    rows[3] = torch.randn(4, 2, 96, generator=generator) * tiny
+    rows = rows.to(compute)
+    stored = pool.clone().to(DEVICE)
+    kv_store_triton(rows.to(DEVICE), written.to(DEVICE), stored, device_scale)
+    want = pool.clone().view(-1, 2, 96)
+    want[written] = quantize(rows.view(-1, 2, 96)[written], scale, fp8)
+    assert torch.equal(stored.cpu().view(torch.uint8), want.view(pool.shape).view(torch.uint8))
 
 
 def test_checkpoint_scales_are_used_named_in_the_layout_and_refused_when_they_differ(model_factory, tmp_path):

@@ -1,0 +1,113 @@
+"""KV blocks stored in FP8 (engine.kv_format): the dequantizing load of whole blocks into the
+working rows an attention layer reads, and the quantizing store of the rows a step wrote.
+
+    load:  working[b] = (float32(pool[b]) * scale[head]) in the compute dtype, b in blocks
+    store: pool[t] = fp8(clamp(float32(working[t]) / scale[head], -largest, largest)), t in written
+
+`scale` is one float32 number for the tensor or one per KV head (rows [..., heads, head_dim]).
+In torch ops each is five to six kernels (a gather, widening and narrowing copies, the scaling,
+the clamp, a scatter), each reading and writing the blocks whole; a GPU step's load covers
+every block its rows' tables hold, for every attention layer. Here each is one pass at the
+blocks' or tokens' rows. Both are bit for bit the torch path (engine.kv_format.quantize /
+dequantize) on finite values: the divisions and products round to nearest, and the narrow
+results are rounded in float32 arithmetic (engine.kernels.float_bits) before an exact cast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.kernels._triton import device_function, jit, tl
+from engine.kernels.float_bits import half_bits, round_to_fp8_grid
+
+BLOCK = 1024
+_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, smallest normal exponent
+
+
+def kv_load_triton(pool: torch.Tensor, blocks: torch.Tensor, working: torch.Tensor, scale) -> None:
+    """working[blocks] = pool[blocks] * scale, in working's dtype (blocks may repeat)."""
+    scales, per_head = _scales(scale, pool)
+    block_numel = math.prod(pool.shape[1:])
+    _check(pool, working, blocks)
+    if blocks.numel() and block_numel:
+        out = working if working.dtype == torch.float32 else working.view(torch.int16)
+        _kv_load_kernel[(blocks.numel(), -(-block_numel // BLOCK))](
+            pool, blocks, out, scales, block_numel, pool.shape[-1], pool.shape[-2] if pool.dim() > 2 else 1,
+            PER_HEAD=per_head, OUT=_OUT[working.dtype], BLOCK=BLOCK)
+
+
+def kv_store_triton(working: torch.Tensor, written: torch.Tensor, pool: torch.Tensor, scale) -> None:
+    """pool's token rows `written` (rows of working and pool seen as [-1, *row]) = working's,
+    divided by scale, saturated and rounded to pool's float8 format."""
+    scales, per_head = _scales(scale, pool)
+    token_numel = math.prod(pool.shape[2:])
+    _check(pool, working, written)
+    if written.numel() and token_numel:
+        mantissa, min_exponent = _FP8[pool.dtype]
+        _kv_store_kernel[(written.numel(), -(-token_numel // BLOCK))](
+            working, written, pool, scales, token_numel, pool.shape[-1], pool.shape[-2] if pool.dim() > 2 else 1,
+            torch.finfo(pool.dtype).max, PER_HEAD=per_head, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent,
+            BLOCK=BLOCK)
+
+
+def _scales(scale, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A scale as engine.kv_format.scale_tensor gives it (a number, or [heads, 1]) -> float32 on
+    the pool's device, and whether it is per head."""
+    if isinstance(scale, torch.Tensor):
+        return scale.reshape(-1).float().contiguous(), True
+    return torch.tensor([float(scale)], dtype=torch.float32, device=pool.device), False
+
+
+def _check(pool: torch.Tensor, working: torch.Tensor, rows: torch.Tensor) -> None:
+    if pool.dtype not in _FP8 or working.dtype not in _OUT:
+        raise ValueError(f"a float8 pool and float32 / bfloat16 / float16 rows, got {pool.dtype} and {working.dtype}")
+    if pool.shape != working.shape or not (pool.is_contiguous() and working.is_contiguous()):
+        raise ValueError(f"contiguous pool and rows of one shape, got {tuple(pool.shape)} and {tuple(working.shape)}")
+    if rows.dtype != torch.int64:
+        raise ValueError(f"row indices must be int64, got {rows.dtype}")
+
+
+@device_function
+def _row(rows_ptr, row_numel, BLOCK: tl.constexpr):
+    """This program's row (read from the index tensor) and its BLOCK elements: (their offsets in
+    the flat rows, their indices within the row, the mask)."""
+    row = tl.load(rows_ptr + tl.program_id(0))
+    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return row * row_numel + elements, elements, elements < row_numel
+
+
+@device_function
+def _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD: tl.constexpr):
+    """Each element's scale: its KV head's (rows [..., heads, head_dim]), or the one."""
+    if PER_HEAD:
+        return tl.load(scale_ptr + (elements // head_dim) % heads, mask=ok, other=1.0)
+    else:
+        return tl.load(scale_ptr)
+
+
+@jit
+def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, head_dim, heads,
+                    PER_HEAD: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+    offsets, elements, ok = _row(blocks_ptr, block_numel, BLOCK)
+    v = tl.load(pool_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    v = v * _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
+    if OUT == 0:
+        tl.store(working_ptr + offsets, v, mask=ok)
+    else:
+        bits = half_bits(v.to(tl.uint32, bitcast=True), OUT == 2)
+        tl.store(working_ptr + offsets, bits.to(tl.int16), mask=ok)
+
+
+@jit
+def _kv_store_kernel(working_ptr, written_ptr, pool_ptr, scale_ptr, token_numel, head_dim, heads, largest,
+                     PER_HEAD: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    offsets, elements, ok = _row(written_ptr, token_numel, BLOCK)
+    v = tl.load(working_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    scale = _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -largest), largest)
+    tl.store(pool_ptr + offsets, round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT).to(pool_ptr.dtype.element_ty),
+             mask=ok)
