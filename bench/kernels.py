@@ -7,12 +7,11 @@ on the spot: a kernel near 100% of it is memory-bound and done. Shapes follow re
 Mamba (Jamba) d_inner 8192 x d_state 16; Mamba2 (Bamba, Granite 4.0-H) 128 heads x 64 x 128;
 Gated DeltaNet (Qwen3-Next) 32 value heads of 128 x 128 keys; attention head_dim 128 and 256;
 decode steps at batch 64-128 and one prefill of each recurrent kind; rounding rows to FP8 per
-128 columns, storing recurrent state at half width and KV blocks in FP8, against the torch
-ops they replace;
-the block-wise FP8 MoE
-product at Qwen3-Next-80B's expert sizes, whose reference column is the split it replaces (one
-torch grouped GEMM per 128-column group), so its ratio is the fused kernel's gain. `scale`
-divides every size (the CPU dry run checks the same cases, small, under Triton's interpreter).
+128 columns, storing recurrent state at half width and KV blocks in FP8, against the torch ops
+they replace; the block-wise FP8 MoE product at Qwen3-Next-80B's expert sizes, whose reference
+column is the split it replaces (one torch grouped GEMM per 128-column group), so its ratio is
+the fused kernel's gain. `scale` divides every size (the CPU dry run checks the same cases,
+small, under Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from engine.kernels.ssd_scan import ssd_chunk_scan_ref, ssd_chunk_scan_triton
 from engine.kernels.ssm_scan import selective_scan_varlen_ref, selective_scan_varlen_triton
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 from engine.kernels.state_round import state_load_triton, state_store_triton, stochastic_round
+from engine.kv_format import dequantize, quantize
 from engine.models.fp8_experts import Fp8Experts
 
 
@@ -269,15 +269,13 @@ def kv_fp8_cases(device, dtype, scale=1, batch=64, context=1024, kv_heads=8, hea
     scales = torch.linspace(0.5, 2.0, kv_heads, device=device).reshape(-1, 1)
     shape = f"B={batch} ctx={context} KVH={kv_heads} Dh={head_dim} bs={block_size} e4m3"
 
-    def load_ref():
+    def load_ref():  # NarrowKV's torch path
         rows = pool.view(torch.uint8).index_select(0, table).view(pool.dtype)
-        working.index_copy_(0, table, (rows.float() * scales).to(dtype))
+        working.index_copy_(0, table, dequantize(rows, scales, dtype))
 
     def store_ref():
         flat, flat_pool = working.view(-1, kv_heads, head_dim), pool.view(torch.uint8).view(-1, kv_heads, head_dim)
-        largest = torch.finfo(pool.dtype).max
-        quantized = (flat.index_select(0, written).float() / scales).clamp_(-largest, largest).to(pool.dtype)
-        flat_pool.index_copy_(0, written, quantized.view(torch.uint8))
+        flat_pool.index_copy_(0, written, quantize(flat.index_select(0, written), scales, pool.dtype).view(torch.uint8))
 
     return [
         Case("kv_fp8_load", shape, pool.numel() * 3, lambda: kv_load_triton(pool, table, working, scales),

@@ -130,14 +130,13 @@ class NarrowState:
         for working, stored in zip(self.working[layer], self.pool.state[layer]):
             if uses_triton(working):  # one pass, as the C++ store (engine.kernels.state_round)
                 state_store_triton(working, stored, rows, positions)
-                continue
-            if self.native:
+            elif self.native:
                 native.call("state_store", working=working, pool=stored, slots=rows, positions=positions,
                             rows=rows.numel(), row_numel=working[0].numel(), format=FORMATS[stored.dtype])
-                continue
-            elements = self._element_index(working)
-            stored.index_copy_(0, rows, stochastic_round(working.index_select(0, rows), stored.dtype,
-                                                         positions, elements))
+            else:
+                elements = self._element_index(working)
+                stored.index_copy_(0, rows, stochastic_round(working.index_select(0, rows), stored.dtype,
+                                                             positions, elements))
 
     def fill_plan(self, entry, layer: int) -> None:
         """A one-call decode plan's entry for `layer` (engine.kernels.decode_plan.LayerPlan, its

@@ -78,7 +78,7 @@ def test_a_static_scale_of_the_wrong_shape_is_refused():
 
 
 @requires_triton
-def test_fp8_linears_and_experts_round_through_the_kernels_where_triton_runs(monkeypatch):
+def test_rounding_takes_the_kernels_where_triton_runs_and_torch_elsewhere(monkeypatch):
     calls = []
 
     def counted(name, ref):

@@ -21,6 +21,7 @@ import torch
 
 from engine.kernels._triton import device_function, jit, tl
 from engine.kernels.float_bits import half_bits, round_to_fp8_grid
+from engine.kernels.row_copy import indexed_row
 
 BLOCK = 1024
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -71,15 +72,6 @@ def _check(pool: torch.Tensor, working: torch.Tensor, rows: torch.Tensor) -> Non
 
 
 @device_function
-def _row(rows_ptr, row_numel, BLOCK: tl.constexpr):
-    """This program's row (read from the index tensor) and its BLOCK elements: (their offsets in
-    the flat rows, their indices within the row, the mask)."""
-    row = tl.load(rows_ptr + tl.program_id(0))
-    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    return row * row_numel + elements, elements, elements < row_numel
-
-
-@device_function
 def _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD: tl.constexpr):
     """Each element's scale: its KV head's (rows [..., heads, head_dim]), or the one."""
     if PER_HEAD:
@@ -91,7 +83,7 @@ def _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD: tl.constexpr):
 @jit
 def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, head_dim, heads,
                     PER_HEAD: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
-    offsets, elements, ok = _row(blocks_ptr, block_numel, BLOCK)
+    offsets, elements, ok = indexed_row(blocks_ptr, block_numel, BLOCK)
     v = tl.load(pool_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
     v = v * _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
     if OUT == 0:
@@ -105,7 +97,7 @@ def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, h
 def _kv_store_kernel(working_ptr, written_ptr, pool_ptr, scale_ptr, token_numel, head_dim, heads, largest,
                      PER_HEAD: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
                      BLOCK: tl.constexpr):
-    offsets, elements, ok = _row(written_ptr, token_numel, BLOCK)
+    offsets, elements, ok = indexed_row(written_ptr, token_numel, BLOCK)
     v = tl.load(working_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
     scale = _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
     v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -largest), largest)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels._triton import jit, tl
+from engine.kernels._triton import device_function, jit, tl
 
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
@@ -114,3 +114,13 @@ def _copy_rows_kernel(src_ptr, src_ids_ptr, dst_ptr, dst_ids_ptr, rows, row_word
         dst_row = tl.load(dst_ids_ptr + i).to(tl.int64)
     words = tl.load(src_ptr + src_row * src_stride + col, mask=ok)
     tl.store(dst_ptr + dst_row * dst_stride + col, words, mask=ok)
+
+
+@device_function
+def indexed_row(rows_ptr, row_numel, BLOCK: tl.constexpr):
+    """For kernels over (row index, BLOCK elements) of whole rows: this program's row, read from
+    the index tensor at program 0's index, and its elements: (their offsets in the flat rows,
+    their indices within the row, the mask)."""
+    row = tl.load(rows_ptr + tl.program_id(0))
+    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return row * row_numel + elements, elements, elements < row_numel

@@ -22,6 +22,7 @@ import torch
 
 from engine.kernels._triton import device_function, jit, tl
 from engine.kernels.float_bits import half_bits, half_value
+from engine.kernels.row_copy import indexed_row
 
 _MASK32 = 0xFFFFFFFF
 BLOCK = 1024
@@ -98,12 +99,9 @@ def _inf_or_nan(h, FLOAT16: tl.constexpr):
 @jit
 def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_numel,
                         FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    slot = tl.load(slots_ptr + row)
-    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = elements < row_numel
-    v = tl.load(working_ptr + slot * row_numel + elements, mask=ok, other=0.0)
-    row_salt = (tl.load(positions_ptr + row) & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
+    offsets, elements, ok = indexed_row(slots_ptr, row_numel, BLOCK)
+    v = tl.load(working_ptr + offsets, mask=ok, other=0.0)
+    row_salt = (tl.load(positions_ptr + tl.program_id(0)) & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
     salt = row_salt + elements.to(tl.uint32) * 0x85EBCA77
     bits = v.to(tl.uint32, bitcast=True)
     nearest = half_bits(bits, FLOAT16)
@@ -123,14 +121,11 @@ def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_num
     # inf and nan stay; so do a value past the largest (nearest: inf) and one whose neighbour is inf
     keep = ((bits & 0x7F800000) == 0x7F800000) | _inf_or_nan(nearest, FLOAT16) | _inf_or_nan(other, FLOAT16)
     out = tl.where(away & ~keep, other, nearest)
-    tl.store(pool_ptr + slot * row_numel + elements, out.to(tl.int16), mask=ok)
+    tl.store(pool_ptr + offsets, out.to(tl.int16), mask=ok)
 
 
 @jit
 def _state_load_kernel(pool_ptr, working_ptr, slots_ptr, row_numel, FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    slot = tl.load(slots_ptr + row)
-    elements = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = elements < row_numel
-    h = tl.load(pool_ptr + slot * row_numel + elements, mask=ok, other=0).to(tl.uint32) & 0xFFFF
-    tl.store(working_ptr + slot * row_numel + elements, half_value(h, FLOAT16), mask=ok)
+    offsets, _, ok = indexed_row(slots_ptr, row_numel, BLOCK)
+    h = tl.load(pool_ptr + offsets, mask=ok, other=0).to(tl.uint32) & 0xFFFF
+    tl.store(working_ptr + offsets, half_value(h, FLOAT16), mask=ok)

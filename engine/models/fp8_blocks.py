@@ -25,12 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import uses_triton
-from engine.kernels.fp8_quant import (quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
+from engine.kernels.fp8_quant import (FP8, FP8_MAX, quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
                                       quantize_scaled_triton)
 from engine.models.fp8 import expand_blocks
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 GEMM_BLOCK = (128, 128)  # the only weight block torch's scaled matmul takes
 LAYOUTS = ("contiguous", "padded")  # the weight scale's rows as stored, or padded to 4 (some torch releases)
 PROBE_TOLERANCE = 1e-2  # relative error of a probe's product: bfloat16 output rounding is 2^-8

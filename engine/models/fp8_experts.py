@@ -113,9 +113,7 @@ class Fp8Experts(nn.Module):
         block of columns): the row's expert's static scale where the checkpoint has them."""
         if self.input_scale is None:
             return quantize_groups(rows, self.qweight.shape[2] if self.block is None else self.block[1])
-        index = torch.arange(rows.shape[0], device=rows.device, dtype=ends.dtype)
-        expert = torch.searchsorted(ends, index, right=True).clamp_(max=self.input_scale.shape[0] - 1)
-        scale = self.input_scale.index_select(0, expert).unsqueeze(1)
+        scale = self.input_scale.index_select(0, expert_of_rows(ends, rows.shape[0])).unsqueeze(1)
         return quantize_scaled(rows, scale), scale
 
     def grouped_product(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -187,6 +185,13 @@ class Fp8Experts(nn.Module):
         return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{static}{way}"
 
 
+def expert_of_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each of `rows` expert-sorted rows' expert, from the experts' ends, on the device (no host
+    read: a CUDA graph captures it)."""
+    index = torch.arange(rows, device=ends.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.shape[0] - 1)
+
+
 def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows: torch.Tensor,
                       scale_cols: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """torch._scaled_grouped_mm's row-wise product from dequantized operands, in float32:
@@ -195,8 +200,7 @@ def reference_grouped(quantized: torch.Tensor, weights: torch.Tensor, scale_rows
     device, with no host read (as in the kernel it stands in for, so a forward a CUDA graph
     would capture runs it under the tests' host-read guard); each row then gathers its
     expert's weight, M x K x N floats: test sizes only."""
-    index = torch.arange(quantized.shape[0], device=quantized.device, dtype=offs.dtype)
-    expert = torch.searchsorted(offs, index, right=True).clamp_(max=weights.shape[0] - 1)
+    expert = expert_of_rows(offs, quantized.shape[0])
     product = torch.bmm(quantized.float().unsqueeze(1), weights.float().index_select(0, expert)).squeeze(1)
     return (product * scale_rows[:, None] * scale_cols.index_select(0, expert)).to(out_dtype)
 

@@ -62,21 +62,23 @@ def load_stacked(experts: Fp8Experts, weights, source) -> None:
     whatever the stacking. Where it leaves the scales off block boundaries (a gate and an up
     projection that end inside a block), they stay one per row and group: the grouped GEMMs
     take any rows."""
-    scales = {}
+    scales, input_scales = {}, {}
 
     def stored(name: str) -> torch.Tensor:
-        weight, scale, _, block = weights.get_float8(name)
+        weight, scale, input_scale, block = weights.get_float8(name)
         scale = scale.float()
         scales[name] = (scale.repeat_interleave(block[0], 0)[: weight.shape[0]] if block is not None
                         else scale.reshape(-1, 1).expand(weight.shape[0], 1))
+        if input_scale is not None:
+            input_scales[name] = _stretched(input_scale, weight.shape[0])
         return weight
 
     weight = source(_Reads(weights, stored))
     scale = source(_Reads(weights, scales.__getitem__))
     block = weights.fp8.block
-    if block is None:
-        static = weights.fp8.input_scale_name(next(iter(scales))) in weights
-        experts.load_float8(weight, scale[..., 0], None, static_input_scales(weights, source) if static else None)
+    if block is None:  # static scales: use_float8_experts kept these only where each expert's agree
+        static = _per_expert(source(_Reads(weights, input_scales.__getitem__))) if input_scales else None
+        experts.load_float8(weight, scale[..., 0], None, static)
         return
     rows = block[0]
     per_block = scale[:, ::rows].contiguous()
@@ -88,12 +90,21 @@ def load_stacked(experts: Fp8Experts, weights, source) -> None:
 
 def static_input_scales(weights, source) -> torch.Tensor | None:
     """Each expert's static activation scale [E], from `source` stacking every tensor's scale
-    stretched to its rows; None where the tensors stacked into one expert's rows differ."""
+    stretched to its rows (the scales alone are read); None where the tensors stacked into one
+    expert's rows differ."""
     def read(name: str) -> torch.Tensor:
-        scale = weights.get(weights.fp8.input_scale_name(name)).float().reshape(1, 1)
-        return scale.expand(weights.shape_of(name)[0], 1)
+        return _stretched(weights.get(weights.fp8.input_scale_name(name)), weights.shape_of(name)[0])
 
-    per_row = source(_Reads(weights, read))
+    return _per_expert(source(_Reads(weights, read)))
+
+
+def _stretched(input_scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """One static scale as one per weight row, [rows, 1]: stacked as the weights are."""
+    return input_scale.float().reshape(1, 1).expand(rows, 1)
+
+
+def _per_expert(per_row: torch.Tensor) -> torch.Tensor | None:
+    """[E, rows, 1] stacked scales -> [E], or None where one expert's rows differ."""
     first = per_row[:, :1]
     return first[:, 0, 0].contiguous() if torch.equal(per_row, first.expand_as(per_row)) else None
 
