@@ -285,6 +285,40 @@ def kv_fp8_cases(device, dtype, scale=1, batch=64, context=1024, kv_heads=8, hea
     ]
 
 
+def fp8_attention_case(device, dtype, scale=1, batch=64, context=1024, heads=32, kv_heads=8, head_dim=128,
+                       block_size=16):
+    """An all-decode step's attention over an FP8 cache: read in place through its scales (what
+    the engine runs, engine.kv_format), against dequantizing the step's blocks into working rows
+    and reading those (what it ran before; the reference)."""
+    if dtype != torch.bfloat16:
+        return []  # the serving dtype only
+    batch, context = max(2, batch // scale), max(block_size, context // scale)
+    per_seq = -(-context // block_size)
+    blocks = batch * per_seq
+    pools = [(torch.randn(blocks, block_size, kv_heads, head_dim, device=device) * 50).to(torch.float8_e4m3fn)
+             for _ in range(2)]
+    working = [torch.zeros(blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    tables = torch.randperm(blocks, device=device).view(batch, per_seq)
+    lens = torch.full((batch,), context, device=device)
+    last = tables[:, (context - 1) // block_size] * block_size + (context - 1) % block_size
+    scales = tuple(torch.linspace(0.01, 0.02, kv_heads, device=device) for _ in range(2))
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    own = tuple(torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty_like(q)
+
+    def working_rows():
+        for pool, rows, kv_scale, new in zip(pools, working, scales, own):
+            kv_load_triton(pool, tables.reshape(-1), rows, kv_scale.reshape(-1, 1))
+            rows.view(-1, kv_heads, head_dim).index_copy_(0, last, new)
+        return paged_attention_decode_triton(q, *working, tables, lens, head_dim ** -0.5, out=out)
+
+    nbytes = 2 * batch * context * kv_heads * head_dim + 2 * q.numel() * q.element_size()
+    return [Case("paged_attention_fp8", f"B={batch} ctx={context} H={heads} KVH={kv_heads} Dh={head_dim} e4m3",
+                 nbytes, lambda: paged_attention_decode_triton(q, *pools, tables, lens, head_dim ** -0.5, out=out,
+                                                               kv_scales=scales, last_kv=own),
+                 working_rows)]
+
+
 def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
     """Rounding a decode step's and a prefill's rows to FP8 per 128 columns, as every FP8
     linear and expert does before its product."""
@@ -347,6 +381,7 @@ GROUPS = (
     lambda d, t, s: row_copy_cases(d, t, s),
     lambda d, t, s: state_round_cases(d, t, s),
     lambda d, t, s: kv_fp8_cases(d, t, s),
+    lambda d, t, s: fp8_attention_case(d, t, s),
     lambda d, t, s: fp8_quant_cases(d, t, s),
     lambda d, t, s: fp8_moe_cases(d, t, s),
 )

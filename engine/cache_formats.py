@@ -78,6 +78,9 @@ class NarrowCache:
         self.working = LayerCaches(kv, state)
         self._parts = {i: [p for p in parts if p.holds(i)] for i in range(len(kv))}
         self.state = next((p for p in parts if isinstance(p, NarrowState)), None)
+        self.kv = next((p for p in parts if isinstance(p, NarrowKV)), None)
+        # the working caches with each FP8 layer's pool in place of its working rows
+        self.in_place = LayerCaches([self.kv.in_place.get(i, t) for i, t in enumerate(kv)] if self.kv else kv, state)
 
     @classmethod
     def of(cls, pool: LayerCaches, spec: ModelSpec, num_block_rows: int, num_slot_rows: int,
@@ -94,15 +97,23 @@ class NarrowCache:
     def holds(self, layer: int) -> bool:
         return bool(self._parts.get(layer))
 
-    def load(self, layer: int, batch: ForwardBatch) -> LayerCaches:
-        """The layer's rows of this step into the working caches; the caches to run it on."""
-        for part in self._parts[layer]:
-            part.load(layer, batch)
-        return self.working
+    def kv_in_place(self, layer: int, batch: ForwardBatch) -> bool:
+        """Whether `layer`'s FP8 blocks may be read in place this step (NarrowKV.reads_in_place),
+        if its attention can."""
+        return self.kv is not None and self.kv.holds(layer) and self.kv.reads_in_place(layer, batch)
 
-    def store(self, layer: int, batch: ForwardBatch) -> None:
+    def load(self, layer: int, batch: ForwardBatch, kv_in_place: bool = False) -> LayerCaches:
+        """The layer's rows of this step into the working caches; the caches to run it on. With
+        `kv_in_place` its KV is the pool itself (an Fp8Blocks), nothing loaded."""
         for part in self._parts[layer]:
-            part.store(layer, batch)
+            if not (kv_in_place and part is self.kv):
+                part.load(layer, batch)
+        return self.in_place if kv_in_place else self.working
+
+    def store(self, layer: int, batch: ForwardBatch, kv_in_place: bool = False) -> None:
+        for part in self._parts[layer]:
+            if not (kv_in_place and part is self.kv):
+                part.store(layer, batch)
 
     def fill_plan(self, entry, layer: int) -> bool:
         """Whether `layer` can join a one-call decode plan (engine.decode_stack), its entry told

@@ -16,6 +16,13 @@ them), the layer runs on those, and the rows it wrote go back quantized (where T
 pass each of engine.kernels.kv_fp8). A step's own tokens therefore attend to each other at
 full precision and to earlier ones through the format.
 
+An all-decode step on Triton skips both passes where the layer can (`reads_in_place`): the
+layer is handed the pool itself (engine.models.batch.Fp8Blocks), stores its one token per row
+quantized, and the decode kernel reads the blocks through their scales, with each row's own
+token at full precision, so it computes what it would over the working rows (the same values,
+read where they lie). A step that prefills keeps the working rows: its varlen attention reads
+half-precision blocks.
+
 The scales are part of the cache's layout: each layer's KV kind names them, so the hand-off's
 layout handshake refuses a pair whose scales (or formats: the tensors' dtypes) differ, naming
 both, and a disk tier entry's fingerprint changes with them.
@@ -34,7 +41,7 @@ from engine.errors import CheckpointError
 from engine.kernels import uses_triton
 from engine.kernels.kv_fp8 import kv_load_triton, kv_store_triton
 from engine.models import LayerCaches, ModelSpec
-from engine.models.batch import ForwardBatch
+from engine.models.batch import ForwardBatch, Fp8Blocks
 
 KV_DTYPES = {"auto": None, "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
@@ -115,6 +122,14 @@ def scale_tensor(scale: Scale, device) -> float | torch.Tensor:
     return scale if isinstance(scale, float) else torch.tensor(scale, device=device).reshape(-1, 1)
 
 
+def head_scales(scale: Scale, pool: torch.Tensor) -> torch.Tensor:
+    """A scale as the in-place decode reads it: float32 [KV heads] on the pool's device (rows
+    [..., heads, head_dim]), a layer's one number repeated."""
+    heads = pool.shape[-2]
+    values = [scale] * heads if isinstance(scale, float) else list(scale)
+    return torch.tensor(values, dtype=torch.float32, device=pool.device)
+
+
 def quantize(rows: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """rows / scale in the float8 `dtype`, saturated at its largest value (not inf or nan)."""
     largest = torch.finfo(dtype).max
@@ -136,6 +151,9 @@ class NarrowKV:
         self.pool, self.layers, self.dtype = pool, set(layers), compute_dtype
         self.scales = {i: [scale_tensor(s, t.device) for s, t in zip(spec.layers[i].kv.scales, pool.kv[i])]
                        for i in layers}
+        self.in_place = {i: Fp8Blocks(tuple(pool.kv[i]), tuple(head_scales(s, t) for s, t in
+                                                            zip(spec.layers[i].kv.scales, pool.kv[i])))
+                         for i in layers}
         buffers: dict[tuple, list[torch.Tensor]] = {}
         self.working: dict[int, tuple[torch.Tensor, ...]] = {}
         for i in layers:
@@ -158,6 +176,11 @@ class NarrowKV:
 
     def holds(self, layer: int) -> bool:
         return layer in self.layers
+
+    def reads_in_place(self, layer: int, batch: ForwardBatch) -> bool:
+        """Whether a layer that can read the pool in place does so this step: every row a
+        decode, on Triton (the kernel that reads FP8 blocks)."""
+        return not batch.prefill_rows and uses_triton(self.pool.kv[layer][0])
 
     def load(self, layer: int, batch: ForwardBatch) -> None:
         """Every block the step's rows read (their whole tables), dequantized into the working rows."""

@@ -143,6 +143,51 @@ def test_paged_attention_kernel(kernel_mode, heads, kv_heads, head_dim, block_si
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,context_lens,window,splits,dtype", [
+    (4, 2, 32, 4, [1, 4, 5, 13], None, 1, torch.float32),
+    (8, 2, 24, 16, [16, 17, 40], 6, 3, torch.float32),   # odd head dim, a window, split context
+    (4, 1, 64, 4, [30, 3, 12], None, 2, torch.bfloat16),  # MQA (an MLA layer's latent rows)
+])
+def test_paged_attention_reads_an_fp8_cache_in_place(kernel_mode, fp8, heads, kv_heads, head_dim, block_size,
+                                                      context_lens, window, splits, dtype):
+    """An FP8 cache read in place with its per-head scales and each sequence's own row at full
+    precision (engine.kv_format's all-decode steps): the result over the cache dequantized into
+    working rows with the own rows written there, as the format's load gives it; bit for bit in
+    float32, where the two read the same values."""
+    from engine.kv_format import dequantize, quantize
+
+    q, k_cache, v_cache, tables, lens = _paged_case(heads, kv_heads, head_dim, block_size, context_lens,
+                                                    torch.float32, window)
+    scales = tuple(torch.rand(kv_heads, device=DEVICE) * 0.2 + 0.02 for _ in range(2))
+    stored = [quantize(cache, s.reshape(-1, 1), fp8) for cache, s in zip((k_cache, v_cache), scales)]
+    last_kv = tuple(torch.randn(len(context_lens), kv_heads, head_dim, device=DEVICE).to(dtype) for _ in range(2))
+    working = [dequantize(cache, s.reshape(-1, 1), dtype) for cache, s in zip(stored, scales)]
+    last = lens - 1
+    for rows, own in zip(working, last_kv):
+        blocks = tables[torch.arange(len(context_lens), device=DEVICE), last // block_size]
+        rows[blocks, last % block_size] = own
+    q, scale = q.to(dtype), head_dim ** -0.5
+    want = paged_attention_decode_triton(q, *working, tables, lens, scale, window, num_splits=splits)
+    got = paged_attention_decode_triton(q, *stored, tables, lens, scale, window, num_splits=splits,
+                                        kv_scales=scales, last_kv=last_kv)
+    ref = paged_attention_decode_ref(q, *stored, tables, lens, scale, window, kv_scales=scales, last_kv=last_kv)
+    assert not want.isnan().any()
+    if dtype == torch.float32:
+        assert torch.equal(got, want)
+        torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+    else:  # the interpreter's casts to bfloat16 truncate, torch's round: a bfloat16 step apart
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(ref, want, atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="kv_scales exactly when"):
+        paged_attention_decode_triton(q, *stored, tables, lens, scale, window)
+    with pytest.raises(ValueError, match="last_kv must be"):
+        paged_attention_decode_triton(q, *stored, tables, lens, scale, window, kv_scales=scales,
+                                      last_kv=(last_kv[0][:, :, :8], last_kv[1][:, :, :8]))
+
+
 # ---------------------------------------------------------------- block / slot gather-scatter
 
 @pytest.mark.triton

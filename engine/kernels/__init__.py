@@ -183,13 +183,18 @@ def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=Non
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
-                           sliding_window=None, out=None):
-    """One query per sequence over its paged KV; returns [B, H, Dh] in q's dtype.
+                           sliding_window=None, out=None, kv_scales=None, last_kv=None):
+    """One query per sequence over its paged KV; returns [B, H, Dh] in q's dtype. An FP8 cache
+    read in place takes kv_scales and last_kv (the C++ kernel does not: the reference there).
     See engine.kernels.paged_attention."""
     impl = _pick(k_cache, paged_attention_decode_triton, cpu.paged_attention_decode_cpu,
                  paged_attention_decode_ref)
-    return impl(q, k_cache, v_cache, block_tables, context_lens, scale,
-                sliding_window=sliding_window, out=out)
+    if kv_scales is None and last_kv is None:
+        return impl(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window, out=out)
+    if impl is cpu.paged_attention_decode_cpu:
+        impl = paged_attention_decode_ref
+    return impl(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window, out=out,
+                kv_scales=kv_scales, last_kv=last_kv)
 
 
 def copy_rows(src, src_ids, dst, dst_ids, last_row_elems=None):

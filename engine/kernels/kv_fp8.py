@@ -4,6 +4,9 @@ working rows an attention layer reads, and the quantizing store of the rows a st
     load:  working[b] = (float32(pool[b]) * scale[head]) in the compute dtype, b in blocks
     store: pool[t] = fp8(clamp(float32(working[t]) / scale[head], -largest, largest)), t in written
 
+The store also takes the step's rows themselves (kv_store_rows_triton): an all-decode step
+reads the pool in place (engine.kernels.paged_attention) and writes no working rows.
+
 `scale` is one float32 number for the tensor or one per KV head (rows [..., heads, head_dim]).
 In torch ops each is five to six kernels (a gather, widening and narrowing copies, the scaling,
 the clamp, a scatter), each reading and writing the blocks whole; a GPU step's load covers
@@ -43,15 +46,31 @@ def kv_load_triton(pool: torch.Tensor, blocks: torch.Tensor, working: torch.Tens
 def kv_store_triton(working: torch.Tensor, written: torch.Tensor, pool: torch.Tensor, scale) -> None:
     """pool's token rows `written` (rows of working and pool seen as [-1, *row]) = working's,
     divided by scale, saturated and rounded to pool's float8 format."""
+    _check(pool, working, written)
+    _store(working, 0, written, pool, scale, source_indexed=True)
+
+
+def kv_store_rows_triton(rows: torch.Tensor, written: torch.Tensor, pool: torch.Tensor, scale) -> None:
+    """pool's token row written[t] = rows[t] ([T, *row], each row contiguous), quantized as
+    kv_store_triton does: a step's K or V rows stored straight from the projection."""
+    _check(pool, None, written)
+    if rows.dtype not in _OUT or rows.shape[1:] != pool.shape[2:] or rows.shape[0] != written.numel() or (
+            rows.numel() and not rows[0].is_contiguous()):
+        raise ValueError(f"rows [{written.numel()}, *{tuple(pool.shape[2:])}] in float32 / bfloat16 / float16, "
+                         f"each contiguous, got {tuple(rows.shape)} {rows.dtype}")
+    _store(rows, rows.stride(0), written, pool, scale, source_indexed=False)
+
+
+def _store(source: torch.Tensor, source_stride: int, written: torch.Tensor, pool: torch.Tensor, scale,
+           source_indexed: bool) -> None:
     scales, per_head = _scales(scale, pool)
     token_numel = math.prod(pool.shape[2:])
-    _check(pool, working, written)
     if written.numel() and token_numel:
         mantissa, min_exponent = _FP8[pool.dtype]
         _kv_store_kernel[(written.numel(), -(-token_numel // BLOCK))](
-            working, written, pool, scales, token_numel, pool.shape[-1], pool.shape[-2] if pool.dim() > 2 else 1,
-            torch.finfo(pool.dtype).max, PER_HEAD=per_head, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent,
-            BLOCK=BLOCK)
+            source, source_stride, written, pool, scales, token_numel, pool.shape[-1],
+            pool.shape[-2] if pool.dim() > 2 else 1, torch.finfo(pool.dtype).max, PER_HEAD=per_head,
+            SOURCE_INDEXED=source_indexed, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent, BLOCK=BLOCK)
 
 
 def _scales(scale, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -62,11 +81,14 @@ def _scales(scale, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return torch.tensor([float(scale)], dtype=torch.float32, device=pool.device), False
 
 
-def _check(pool: torch.Tensor, working: torch.Tensor, rows: torch.Tensor) -> None:
-    if pool.dtype not in _FP8 or working.dtype not in _OUT:
-        raise ValueError(f"a float8 pool and float32 / bfloat16 / float16 rows, got {pool.dtype} and {working.dtype}")
-    if pool.shape != working.shape or not (pool.is_contiguous() and working.is_contiguous()):
-        raise ValueError(f"contiguous pool and rows of one shape, got {tuple(pool.shape)} and {tuple(working.shape)}")
+def _check(pool: torch.Tensor, working: torch.Tensor | None, rows: torch.Tensor) -> None:
+    """A float8 pool, int64 row indices, and working rows (where given) laid out as the pool."""
+    if pool.dtype not in _FP8 or not pool.is_contiguous():
+        raise ValueError(f"a contiguous float8 pool, got {pool.dtype}")
+    if working is not None and (working.dtype not in _OUT or pool.shape != working.shape
+                                or not working.is_contiguous()):
+        raise ValueError(f"contiguous float32 / bfloat16 / float16 rows shaped as the pool {tuple(pool.shape)}, "
+                         f"got {working.dtype} {tuple(working.shape)}")
     if rows.dtype != torch.int64:
         raise ValueError(f"row indices must be int64, got {rows.dtype}")
 
@@ -94,11 +116,15 @@ def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, h
 
 
 @jit
-def _kv_store_kernel(working_ptr, written_ptr, pool_ptr, scale_ptr, token_numel, head_dim, heads, largest,
-                     PER_HEAD: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _kv_store_kernel(source_ptr, source_stride, written_ptr, pool_ptr, scale_ptr, token_numel, head_dim, heads,
+                     largest, PER_HEAD: tl.constexpr, SOURCE_INDEXED: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                     MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
     offsets, elements, ok = indexed_row(written_ptr, token_numel, BLOCK)
-    v = tl.load(working_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    if SOURCE_INDEXED:  # working rows laid out as the pool
+        source = offsets
+    else:  # the step's rows, one per written token
+        source = tl.program_id(0).to(tl.int64) * source_stride + elements
+    v = tl.load(source_ptr + source, mask=ok, other=0.0).to(tl.float32)
     scale = _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
     v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -largest), largest)
     tl.store(pool_ptr + offsets, round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT).to(pool_ptr.dtype.element_ty),

@@ -5,6 +5,12 @@ q: [B, H, Dh]; k_cache, v_cache: [num_blocks, block_size, KVH, Dh]; block_tables
 is already in the cache (write-then-read). Query head h reads KV head h // (H // KVH). With a
 sliding window only keys at positions >= context_len - window are seen.
 
+A cache stored in FP8 (engine.kv_format) is read in place: `kv_scales` (K's and V's, float32
+[KVH] each) dequantize each value as it is read, to q's dtype, as the format's load into working
+rows would; `last_kv` (K and V [B, KVH, Dh]) are the rows at each sequence's last position, the
+step's own token at full precision, read instead of the cache's. The result is then the one
+over the dequantized rows, without writing them anywhere.
+
 The Triton path is flash-decoding: program (b, kv_head, split) runs an online softmax over
 its share of the context for all query heads of that KV head at once, token tiles resolved
 to (block, offset) one token at a time, so tiles may straddle blocks of any size. With more
@@ -16,20 +22,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels._triton import interpreting, jit, next_power_of_2, tl
+from engine.kernels._triton import device_function, interpreting, jit, next_power_of_2, tl
 
 MAX_SPLITS = 64
 
 
 def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
-                               sliding_window=None, out=None):
-    _check(q, k_cache, v_cache, block_tables, context_lens)
+                               sliding_window=None, out=None, kv_scales=None, last_kv=None):
+    _check(q, k_cache, v_cache, block_tables, context_lens, kv_scales, last_kv)
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     block_size = k_cache.shape[1]
     max_len = int(context_lens.max()) if q.shape[0] else 0
     blocks = block_tables[:, : -(-max_len // block_size)]
-    keys = k_cache[blocks].flatten(1, 2)[:, :max_len].float()  # [B, L, KVH, Dh]
-    values = v_cache[blocks].flatten(1, 2)[:, :max_len].float()
+    keys, values = (_rows(cache, blocks, max_len) for cache in (k_cache, v_cache))  # [B, L, KVH, Dh]
+    if kv_scales is not None:  # dequantized to q's dtype, as the format's working rows hold them
+        keys, values = ((rows * s[:, None]).to(q.dtype).float() for rows, s in zip((keys, values), kv_scales))
+    if last_kv is not None:
+        last = (context_lens - 1).clamp(min=0)
+        for rows, own in zip((keys, values), last_kv):
+            rows[torch.arange(q.shape[0], device=q.device), last] = own.float()
     keys = keys.repeat_interleave(heads // kv_heads, dim=2)
     values = values.repeat_interleave(heads // kv_heads, dim=2)
     scores = torch.einsum("bhd,blhd->bhl", q.float(), keys) * scale
@@ -46,11 +57,22 @@ def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, 
     return out
 
 
+def _rows(cache, blocks, max_len):
+    """cache's rows of `blocks` [B, n], [B, max_len, KVH, Dh] in float32 (float8 rows move as
+    bytes: torch's CPU index ops do not take float8 dtypes)."""
+    if cache.dtype.itemsize == 1 and cache.dtype.is_floating_point:
+        picked = cache.view(torch.uint8)[blocks].view(cache.dtype)
+    else:
+        picked = cache[blocks]
+    return picked.flatten(1, 2)[:, :max_len].float()
+
+
 def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                  sliding_window=None, out=None, num_splits=None, tile=None):
+                                  sliding_window=None, out=None, num_splits=None, tile=None,
+                                  kv_scales=None, last_kv=None):
     """num_splits: context partitions per (sequence, KV head); None picks one from the SM count.
     tile: tokens per inner-loop step (power of 2, >= 16)."""
-    _check(q, k_cache, v_cache, block_tables, context_lens)
+    _check(q, k_cache, v_cache, block_tables, context_lens, kv_scales, last_kv)
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     if out is None:
@@ -69,15 +91,18 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     split_len = -(-max_tiles // num_splits) * tile
     group = heads // kv_heads
     # Triton 3.9's interpreter multiplies the raw bits of bfloat16 dot operands; upcast there.
-    dot_fp32 = k_cache.dtype == torch.float32 or interpreting()
+    dot_fp32 = (q.dtype if kv_scales is not None else k_cache.dtype) == torch.float32 or interpreting()
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
                 DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
-                HAS_WINDOW=sliding_window is not None,
+                HAS_WINDOW=sliding_window is not None, SCALED=kv_scales is not None, HAS_LAST=last_kv is not None,
                 DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32")
     window = int(sliding_window or 0)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # unread without SCALED
+    k_last, v_last = last_kv if last_kv is not None else (q, q)  # unread without HAS_LAST
     common = (q, k_cache, v_cache, block_tables, context_lens, float(scale), window, split_len,
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-              block_tables.stride(0))
+              block_tables.stride(0), k_scale, v_scale, k_last, v_last, k_last.stride(0), k_last.stride(1),
+              v_last.stride(0), v_last.stride(1))
     if num_splits == 1:
         _decode_split_kernel[(batch, kv_heads, 1)](
             *common, out, out, out, out.stride(0), out.stride(1), 0, 0, 0, SPLIT_OUT=False, **meta)
@@ -102,7 +127,7 @@ def _default_splits(q, programs, max_tiles):
     return max(1, min(-(-2 * sms // programs), max_tiles))
 
 
-def _check(q, k_cache, v_cache, block_tables, context_lens):
+def _check(q, k_cache, v_cache, block_tables, context_lens, kv_scales=None, last_kv=None):
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} must be [B, H, Dh]; k_cache {tuple(k_cache.shape)} and "
                          f"v_cache {tuple(v_cache.shape)} the same [blocks, block_size, KVH, Dh]")
@@ -114,18 +139,44 @@ def _check(q, k_cache, v_cache, block_tables, context_lens):
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / context_lens "
                          f"{tuple(context_lens.shape)} do not match batch {batch}")
+    if (k_cache.dtype.itemsize == 1) != (kv_scales is not None):
+        raise ValueError(f"a {k_cache.dtype} cache takes kv_scales exactly when it is stored in FP8")
+    if kv_scales is not None and any(s.shape != (kv_heads,) or s.dtype != torch.float32 for s in kv_scales):
+        raise ValueError(f"kv_scales must be float32 [{kv_heads}] each (one per KV head), got "
+                         f"{[(tuple(s.shape), s.dtype) for s in kv_scales]}")
+    if last_kv is not None and any(t.shape != (batch, kv_heads, head_dim) or t.stride(2) != 1 or t.dtype != q.dtype
+                                   for t in last_kv):
+        raise ValueError(f"last_kv must be two [{batch}, {kv_heads}, {head_dim}] rows in q's dtype with a unit "
+                         f"stride in the head dimension, got {[(tuple(t.shape), t.dtype) for t in last_kv]}")
+
+
+@device_function
+def _tile_values(cache_ptr, offsets, mask, scale, own, is_own, q, q_ptr, SCALED: tl.constexpr,
+                 HAS_LAST: tl.constexpr):
+    """A token tile's K or V rows in the dot's dtype (q's): as the cache holds them, or an FP8
+    cache's times the scale, rounded to q's dtype as the format's working rows hold them; at
+    the row's own position (`is_own`), its own token's row."""
+    values = tl.load(cache_ptr + offsets, mask=mask, other=0.0)
+    if SCALED:
+        values = (values.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+    values = values.to(q.dtype)
+    if HAS_LAST:
+        values = tl.where(is_own[:, None], own[None, :], values)
+    return values
 
 
 @jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, window, split_len,
                          q_stride_b, q_stride_h, cache_stride_block, cache_stride_slot,
                          cache_stride_head, tables_stride_b,
+                         k_scale_ptr, v_scale_ptr, k_last_ptr, v_last_ptr, k_last_stride_b, k_last_stride_h,
+                         v_last_stride_b, v_last_stride_h,
                          out_ptr, max_ptr, sum_ptr, out_stride_b, out_stride_h, out_stride_split,
                          stat_stride_b, stat_stride_h,
                          SPLIT_OUT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
+                         HAS_LAST: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,8 +190,18 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
     q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + dim[None, :],
                 mask=g_ok[:, None] & dim_ok[None, :], other=0.0)
     q = q.to(tl.float32) * scale
-    if not DOT_FP32:
-        q = q.to(k_ptr.dtype.element_ty)
+    if not DOT_FP32:  # the dtype the values are read as: the cache's, or q's where FP8 is dequantized
+        if SCALED:
+            q = q.to(q_ptr.dtype.element_ty)
+        else:
+            q = q.to(k_ptr.dtype.element_ty)
+    # an FP8 cache's scales (its KV head's), and each row's own token (both unread otherwise)
+    k_scale = tl.load(k_scale_ptr + kv_head) if SCALED else 1.0
+    v_scale = tl.load(v_scale_ptr + kv_head) if SCALED else 1.0
+    own = b * k_last_stride_b + kv_head * k_last_stride_h + dim
+    k_own = tl.load(k_last_ptr + own, mask=dim_ok & HAS_LAST, other=0.0).to(q.dtype)
+    own = b * v_last_stride_b + kv_head * v_last_stride_h + dim
+    v_own = tl.load(v_last_ptr + own, mask=dim_ok & HAS_LAST, other=0.0).to(q.dtype)
 
     first = split * split_len
     if HAS_WINDOW:
@@ -157,13 +218,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
         rows = (block.to(tl.int64) * cache_stride_block + (pos % BLOCK_SIZE) * cache_stride_slot
                 + kv_head * cache_stride_head)
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + rows[:, None] + dim[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        offsets = rows[:, None] + dim[None, :]
+        is_own = pos == context - 1
+        k = _tile_values(k_ptr, offsets, kv_mask, k_scale, k_own, is_own, q, q_ptr, SCALED, HAS_LAST)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
         correction = tl.exp(row_max - new_max)
-        v = tl.load(v_ptr + rows[:, None] + dim[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = _tile_values(v_ptr, offsets, kv_mask, v_scale, v_own, is_own, q, q_ptr, SCALED, HAS_LAST)
         acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * correction + tl.sum(p, axis=1)
         row_max = new_max

@@ -19,7 +19,7 @@ from engine.kernels.decode_plan import ATTENTION, NORMED_ATTENTION, LayerPlan, N
 from engine.tp.group import TPGroup
 from engine.tp.parallel import Apply, RowParallelLinear, check_linear, keep_rows, span
 from engine.tp.plan import attention_layout, scaled
-from engine.models.batch import ForwardBatch
+from engine.models.batch import ForwardBatch, Fp8Blocks
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.packed_linear import fused_linear, pack_fused
@@ -66,7 +66,7 @@ class PagedAttention(nn.Module):
         under tensor parallelism, nor where a subclass projects its own way; packing implies
         float32 weights): then forward's kernels run as one C++ call (engine/kernels/cpu_layers.cpp)."""
         # decode_tokens is slice(None) only when every row is a decode on the CPU (ForwardBatch).
-        return (isinstance(batch.decode_tokens, slice) and self.fits_one_call()
+        return (isinstance(batch.decode_tokens, slice) and isinstance(kv_cache, tuple) and self.fits_one_call()
                 and uses_cpu_kernel(x) and all(uses_cpu_kernel(t) for t in kv_cache))
 
     def fits_one_call(self) -> bool:
@@ -171,9 +171,16 @@ class PagedAttention(nn.Module):
             q, k = self.rotary(batch.positions, q, k)
         return q, k, v
 
+    # Every way this kind runs goes through `attend`, which takes FP8 blocks in place.
+    reads_fp8_in_place = True
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
-               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+               kv_cache: tuple[torch.Tensor, torch.Tensor] | Fp8Blocks) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend: [T, heads, head_dim]."""
+        if isinstance(kv_cache, Fp8Blocks):  # an all-decode step: row i's one token is token i
+            kv_cache.store((k, v), batch.kv_write_index)
+            return paged_attention_decode(q, *kv_cache.tensors, batch.decode_block_tables, batch.decode_context_lens,
+                                          self.scale, self.sliding_window, kv_scales=kv_cache.scales, last_kv=(k, v))
         k_cache, v_cache = kv_cache
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)

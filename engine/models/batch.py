@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kernels.kv_fp8 import kv_store_rows_triton
 from engine.phase import Phase
 
 
@@ -163,3 +164,20 @@ class LayerCaches:
     def tensors(self) -> list[torch.Tensor]:
         """Every cache tensor: each layer's K and V, then each layer's state tensors."""
         return [t for per_layer in (*self.kv, *self.state) if per_layer for t in per_layer]
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """An attention layer's KV blocks stored in FP8 (engine.kv_format), as an all-decode step on
+    Triton hands them to the layer in place of working rows: the layer stores its tokens' rows
+    quantized (`store`) and reads the blocks through their scales (engine.kernels.paged_attention),
+    so no block is dequantized anywhere. Handed only to a layer whose attention modules all say
+    `reads_fp8_in_place` (HybridLM.run_layer)."""
+
+    tensors: tuple[torch.Tensor, ...]  # the pool's K and V; an MLA layer's one latent tensor
+    scales: tuple[torch.Tensor, ...]  # float32 [KV heads] per tensor (a layer's one scale, repeated)
+
+    def store(self, rows: tuple[torch.Tensor, ...], written: torch.Tensor) -> None:
+        """The step's rows ([T, KV heads, head_dim] per tensor) into the blocks' token rows `written`."""
+        for pool, own, scale in zip(self.tensors, rows, self.scales):
+            kv_store_rows_triton(own, written, pool, scale)

@@ -224,6 +224,7 @@ class HybridLM(nn.Module):
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.packed_lm_head = None
+        self._fp8_readers: frozenset[int] | None = None
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed(batch.input_ids)
@@ -278,9 +279,20 @@ class HybridLM(nn.Module):
         narrow = caches.narrow
         if narrow is None or not narrow.holds(index):
             return call(caches)
-        h = call(narrow.load(index, batch))
-        narrow.store(index, batch)
+        in_place = narrow.kv_in_place(index, batch) and self.reads_fp8_in_place(index)
+        h = call(narrow.load(index, batch, in_place))
+        narrow.store(index, batch, in_place)
         return h
+
+    def reads_fp8_in_place(self, index: int) -> bool:
+        """Whether every attention module of layer `index` (the modules that keep KV) can be
+        handed its FP8 blocks in place (engine.models.batch.Fp8Blocks); decided at first ask."""
+        if self._fp8_readers is None:
+            self._fp8_readers = frozenset(
+                i for i, layer in enumerate(self.layers)
+                if (kv := [m for m in layer.modules() if hasattr(m, "kv_spec")])
+                and all(getattr(m, "reads_fp8_in_place", False) for m in kv))
+        return index in self._fp8_readers
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a

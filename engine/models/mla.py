@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels import paged_attention_decode
-from engine.models.batch import ForwardBatch
+from engine.models.batch import ForwardBatch, Fp8Blocks
 from engine.models.hybrid import KVSpec
 from engine.models.layers import RMSNorm
 from engine.tp.group import TPGroup
@@ -87,10 +87,23 @@ class LatentAttention(nn.Module):
         c, k_shared = self.kv_a_proj(x).split([self.kv_lora_rank, self.shared_dim], dim=-1)
         return torch.cat((self.kv_a_norm(c), k_shared), dim=-1)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor]) -> torch.Tensor:
-        (cache,) = kv_cache
+    @property
+    def reads_fp8_in_place(self) -> bool:
+        """An all-decode step may hand this layer its FP8 latent rows in place (engine.models.batch.
+        Fp8Blocks) when decode runs absorbed: the paged kernel then reads them through their scale."""
+        return self.absorb
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor] | Fp8Blocks) -> torch.Tensor:
         tokens = x.shape[0]
         q, rows = self.queries(x), self.latent_rows(x)
+        if isinstance(kv_cache, Fp8Blocks):  # an all-decode step: row i's one token is token i
+            own = rows.to(q.dtype).view(tokens, 1, -1)
+            kv_cache.store((own,), batch.kv_write_index)
+            (cache,), (scale,) = kv_cache.tensors, kv_cache.scales
+            out = self.attend_absorbed(q, cache, batch.decode_block_tables, batch.decode_context_lens,
+                                       kv_scales=(scale, scale), last_kv=(own, own))
+            return self.o_proj(out.reshape(tokens, -1))
+        (cache,) = kv_cache
         flat = cache.view(-1, cache.shape[-1])
         flat.index_copy_(0, batch.kv_write_index, rows.to(cache.dtype))  # write first, then read
 
@@ -135,12 +148,13 @@ class LatentAttention(nn.Module):
         return w[:, :self.nope_dim], w[:, self.nope_dim:]
 
     def attend_absorbed(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor) -> torch.Tensor:
-        """One query per decode row, q [B, heads, qk_dim], over the cached latent rows in place."""
+                        context_lens: torch.Tensor, **fp8) -> torch.Tensor:
+        """One query per decode row, q [B, heads, qk_dim], over the cached latent rows in place;
+        `fp8`: an FP8 cache's kv_scales and last_kv (engine.kernels.paged_attention)."""
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.einsum("bhn,hnl->bhl", q[..., :self.nope_dim], w_uk.to(q.dtype))
         q_absorbed = torch.cat((q_latent, q[..., self.nope_dim:]), dim=-1)
-        o = paged_attention_decode(q_absorbed, cache, cache, block_tables, context_lens, self.scale)
+        o = paged_attention_decode(q_absorbed, cache, cache, block_tables, context_lens, self.scale, **fp8)
         return torch.einsum("bhl,hvl->bhv", o[..., :self.kv_lora_rank].to(q.dtype), w_uv.to(q.dtype))
 
     def decode_expanded(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
