@@ -146,18 +146,22 @@ def test_paged_attention_kernel(kernel_mode, heads, kv_heads, head_dim, block_si
 @pytest.mark.triton
 @requires_triton
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["float8", "bytes"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,context_lens,window,splits,dtype", [
     (4, 2, 32, 4, [1, 4, 5, 13], None, 1, torch.float32),
     (8, 2, 24, 16, [16, 17, 40], 6, 3, torch.float32),   # odd head dim, a window, split context
     (4, 1, 64, 4, [30, 3, 12], None, 2, torch.bfloat16),  # MQA (an MLA layer's latent rows)
 ])
-def test_paged_attention_reads_an_fp8_cache_in_place(kernel_mode, fp8, heads, kv_heads, head_dim, block_size,
-                                                      context_lens, window, splits, dtype):
+def test_paged_attention_reads_an_fp8_cache_in_place(kernel_mode, monkeypatch, fp8, as_bytes, heads, kv_heads,
+                                                      head_dim, block_size, context_lens, window, splits, dtype):
     """An FP8 cache read in place with its per-head scales and each sequence's own row at full
     precision (engine.kv_format's all-decode steps): the result over the cache dequantized into
     working rows with the own rows written there, as the format's load gives it; bit for bit in
-    float32, where the two read the same values."""
+    float32, where the two read the same values. `bytes`: the cache read as bytes, as on a GPU
+    whose Triton has no e4m3 type."""
     from engine.kv_format import dequantize, quantize
+
+    monkeypatch.setenv("SPLITSERVE_FP8_AS_BYTES", str(int(as_bytes)))
 
     q, k_cache, v_cache, tables, lens = _paged_case(heads, kv_heads, head_dim, block_size, context_lens,
                                                     torch.float32, window)

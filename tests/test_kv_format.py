@@ -117,13 +117,16 @@ def test_quantization_saturates_scales_and_round_trips_within_the_format():
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_the_triton_load_and_store_are_the_torch_path_bit_for_bit(fp8, per_head, compute):
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["float8", "bytes"])
+def test_the_triton_load_and_store_are_the_torch_path_bit_for_bit(fp8, per_head, compute, as_bytes, monkeypatch):
     """The one-pass load and store CUDA runs (engine.kernels.kv_fp8), compiled on a GPU, under the
     interpreter here: blocks of [4 tokens, 2 heads, 96] with values that saturate, a block table
-    that repeats its padding block, and every block and token row outside them left as it was."""
+    that repeats its padding block, and every block and token row outside them left as it was.
+    `bytes`: the pool moved as bytes, as on a GPU whose Triton has no e4m3 type."""
     if not _triton.available():
         pytest.skip("Triton is not installed")
     enter_kernel_mode()
+    monkeypatch.setenv("SPLITSERVE_FP8_AS_BYTES", str(int(as_bytes)))
     generator = torch.Generator().manual_seed(3)
     largest = torch.finfo(fp8).max
     scale = scale_tensor((0.37, 2.5), "cpu") if per_head else 0.61
@@ -156,6 +159,29 @@ def test_the_triton_load_and_store_are_the_torch_path_bit_for_bit(fp8, per_head,
     straight = pool.clone().to(DEVICE)
     kv_store_rows_triton(projected.to(DEVICE)[:, 5:].view(-1, 2, 96), written.to(DEVICE), straight, device_scale)
     assert torch.equal(straight.cpu().view(torch.uint8), want.view(pool.shape).view(torch.uint8))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_bit_pattern_moves_as_bytes_exactly(fp8, monkeypatch):
+    """As bytes (engine.kernels.float_bits.fp8_value / fp8_bits), all 256 patterns of the format
+    load as torch widens them, NaNs as NaN, and every finite value (both zeros, the subnormals,
+    the largest) stores back as its own pattern."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    enter_kernel_mode()
+    monkeypatch.setenv("SPLITSERVE_FP8_AS_BYTES", "1")
+    pool = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).view(4, 4, 1, 16)
+    working = torch.zeros(4, 4, 1, 16, device=DEVICE)
+    kv_load_triton(pool.to(DEVICE), torch.arange(4, device=DEVICE), working, 1.0)
+    want = pool.float()
+    assert torch.equal(working.cpu().isnan(), want.isnan()) and bool(want.isnan().any())
+    numbers = ~want.isnan()  # e5m2's infinities too
+    assert torch.equal(working.cpu()[numbers].view(torch.int32), want[numbers].view(torch.int32))  # -0.0 too
+    stored = torch.zeros_like(pool).to(DEVICE)
+    kv_store_triton(working.nan_to_num(0.0), torch.arange(16, device=DEVICE), stored, 1.0)  # every token row
+    finite = want.isfinite()  # an infinity saturates at the largest value, as quantize does
+    assert torch.equal(stored.cpu().view(torch.uint8)[finite], pool.view(torch.uint8)[finite])
 
 
 @pytest.mark.triton

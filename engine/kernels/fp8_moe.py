@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from engine.kernels._triton import jit, next_power_of_2, tl
 
 MIN_TILE = 16  # tl.dot's smallest tile side
+MIN_DOT_K = 32  # ... and on float8 operands its smallest K (the MMA's): a narrower group is read that wide, masked
+MIN_CAPABILITY = (8, 9)  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
 
 
 def grouped_block_fp8_ref(quantized: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor,
@@ -68,7 +70,7 @@ def grouped_block_fp8_triton(quantized: torch.Tensor, scale: torch.Tensor, qweig
     _grouped_block_fp8_kernel[(tile_expert.shape[0], -(-n // block_n))](
         quantized, scale, qweight, weight_scale, ends, tile_expert, tile_row, out,
         experts, n, k, scale.shape[1], weight_scale.shape[1],
-        SCALE_ROWS=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1],
+        SCALE_ROWS=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1], DOT_K=max(block[1], MIN_DOT_K),
         num_warps=4, num_stages=3,
     )
     return out
@@ -110,7 +112,7 @@ def _check(quantized, scale, qweight, weight_scale, block, ends) -> None:
 def _grouped_block_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
                               out_ptr, NUM_EXPERTS, N, K, K_GROUPS, N_SCALES, SCALE_ROWS: tl.constexpr,
                               BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= NUM_EXPERTS:
@@ -121,14 +123,14 @@ def _grouped_block_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ends_ptr, 
     row_ok = rows < end
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    offsets = tl.arange(0, BLOCK_K)
+    offsets = tl.arange(0, DOT_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
     w_cols = w_ptr + expert.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K
     w_scales = w_scale_ptr + (expert * N_SCALES + cols // SCALE_ROWS) * K_GROUPS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for group in range(0, K_GROUPS):
         k = group * BLOCK_K + offsets
-        k_ok = k < K
+        k_ok = (offsets < BLOCK_K) & (k < K)
         a = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         a_scale = tl.load(x_scale_ptr + rows * K_GROUPS + group, mask=row_ok, other=0.0)

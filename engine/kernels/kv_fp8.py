@@ -4,6 +4,9 @@ working rows an attention layer reads, and the quantizing store of the rows a st
     load:  working[b] = (float32(pool[b]) * scale[head]) in the compute dtype, b in blocks
     store: pool[t] = fp8(clamp(float32(working[t]) / scale[head], -largest, largest)), t in written
 
+Where Triton has no e4m3 type (a GPU before compute capability 8.9: float_bits.fp8_as_bytes)
+the pool moves as bytes, decoded and encoded exactly in integer arithmetic.
+
 The store also takes the step's rows themselves (kv_store_rows_triton): an all-decode step
 reads the pool in place (engine.kernels.paged_attention) and writes no working rows.
 
@@ -23,12 +26,11 @@ import math
 import torch
 
 from engine.kernels._triton import device_function, jit, tl
-from engine.kernels.float_bits import half_bits, round_to_fp8_grid
+from engine.kernels.float_bits import FP8_FORMATS, fp8_as_bytes, fp8_bits, fp8_value, half_bits, round_to_fp8_grid
 from engine.kernels.row_copy import indexed_row
 
 BLOCK = 1024
 _OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, smallest normal exponent
 
 
 def kv_load_triton(pool: torch.Tensor, blocks: torch.Tensor, working: torch.Tensor, scale) -> None:
@@ -38,9 +40,12 @@ def kv_load_triton(pool: torch.Tensor, blocks: torch.Tensor, working: torch.Tens
     _check(pool, working, blocks)
     if blocks.numel() and block_numel:
         out = working if working.dtype == torch.float32 else working.view(torch.int16)
+        as_bytes = fp8_as_bytes(pool)
+        mantissa, min_exponent = FP8_FORMATS[pool.dtype]
         _kv_load_kernel[(blocks.numel(), -(-block_numel // BLOCK))](
-            pool, blocks, out, scales, block_numel, pool.shape[-1], pool.shape[-2] if pool.dim() > 2 else 1,
-            PER_HEAD=per_head, OUT=_OUT[working.dtype], BLOCK=BLOCK)
+            pool.view(torch.uint8) if as_bytes else pool, blocks, out, scales, block_numel, pool.shape[-1],
+            pool.shape[-2] if pool.dim() > 2 else 1, PER_HEAD=per_head, OUT=_OUT[working.dtype],
+            AS_BYTES=as_bytes, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent, BLOCK=BLOCK)
 
 
 def kv_store_triton(working: torch.Tensor, written: torch.Tensor, pool: torch.Tensor, scale) -> None:
@@ -66,11 +71,13 @@ def _store(source: torch.Tensor, source_stride: int, written: torch.Tensor, pool
     scales, per_head = _scales(scale, pool)
     token_numel = math.prod(pool.shape[2:])
     if written.numel() and token_numel:
-        mantissa, min_exponent = _FP8[pool.dtype]
+        mantissa, min_exponent = FP8_FORMATS[pool.dtype]
+        as_bytes = fp8_as_bytes(pool)
         _kv_store_kernel[(written.numel(), -(-token_numel // BLOCK))](
-            source, source_stride, written, pool, scales, token_numel, pool.shape[-1],
-            pool.shape[-2] if pool.dim() > 2 else 1, torch.finfo(pool.dtype).max, PER_HEAD=per_head,
-            SOURCE_INDEXED=source_indexed, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent, BLOCK=BLOCK)
+            source, source_stride, written, pool.view(torch.uint8) if as_bytes else pool, scales, token_numel,
+            pool.shape[-1], pool.shape[-2] if pool.dim() > 2 else 1, torch.finfo(pool.dtype).max, PER_HEAD=per_head,
+            SOURCE_INDEXED=source_indexed, AS_BYTES=as_bytes, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent,
+            BLOCK=BLOCK)
 
 
 def _scales(scale, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -83,7 +90,7 @@ def _scales(scale, pool: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 def _check(pool: torch.Tensor, working: torch.Tensor | None, rows: torch.Tensor) -> None:
     """A float8 pool, int64 row indices, and working rows (where given) laid out as the pool."""
-    if pool.dtype not in _FP8 or not pool.is_contiguous():
+    if pool.dtype not in FP8_FORMATS or not pool.is_contiguous():
         raise ValueError(f"a contiguous float8 pool, got {pool.dtype}")
     if working is not None and (working.dtype not in _OUT or pool.shape != working.shape
                                 or not working.is_contiguous()):
@@ -104,9 +111,11 @@ def _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD: tl.constexpr):
 
 @jit
 def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, head_dim, heads,
-                    PER_HEAD: tl.constexpr, OUT: tl.constexpr, BLOCK: tl.constexpr):
+                    PER_HEAD: tl.constexpr, OUT: tl.constexpr, AS_BYTES: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                    MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
     offsets, elements, ok = indexed_row(blocks_ptr, block_numel, BLOCK)
-    v = tl.load(pool_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+    v = tl.load(pool_ptr + offsets, mask=ok, other=0.0)
+    v = fp8_value(v, MANTISSA_BITS, MIN_EXPONENT) if AS_BYTES else v.to(tl.float32)
     v = v * _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
     if OUT == 0:
         tl.store(working_ptr + offsets, v, mask=ok)
@@ -117,8 +126,8 @@ def _kv_load_kernel(pool_ptr, blocks_ptr, working_ptr, scale_ptr, block_numel, h
 
 @jit
 def _kv_store_kernel(source_ptr, source_stride, written_ptr, pool_ptr, scale_ptr, token_numel, head_dim, heads,
-                     largest, PER_HEAD: tl.constexpr, SOURCE_INDEXED: tl.constexpr, MANTISSA_BITS: tl.constexpr,
-                     MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
+                     largest, PER_HEAD: tl.constexpr, SOURCE_INDEXED: tl.constexpr, AS_BYTES: tl.constexpr,
+                     MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
     offsets, elements, ok = indexed_row(written_ptr, token_numel, BLOCK)
     if SOURCE_INDEXED:  # working rows laid out as the pool
         source = offsets
@@ -127,5 +136,8 @@ def _kv_store_kernel(source_ptr, source_stride, written_ptr, pool_ptr, scale_ptr
     v = tl.load(source_ptr + source, mask=ok, other=0.0).to(tl.float32)
     scale = _scale(scale_ptr, elements, ok, head_dim, heads, PER_HEAD)
     v = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -largest), largest)
-    tl.store(pool_ptr + offsets, round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT).to(pool_ptr.dtype.element_ty),
-             mask=ok)
+    v = round_to_fp8_grid(v, MANTISSA_BITS, MIN_EXPONENT)
+    if AS_BYTES:
+        tl.store(pool_ptr + offsets, fp8_bits(v, MANTISSA_BITS, MIN_EXPONENT), mask=ok)
+    else:
+        tl.store(pool_ptr + offsets, v.to(pool_ptr.dtype.element_ty), mask=ok)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import device_function, interpreting, jit, next_power_of_2, tl
+from engine.kernels.float_bits import FP8_FORMATS, fp8_as_bytes, fp8_value
 
 MAX_SPLITS = 64
 
@@ -82,7 +83,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or out.stride(2) != 1:
         raise ValueError("q, out and the caches need a unit stride in the head dimension, "
                          "and k_cache and v_cache the same strides")
-    tile = tile or (64 if q.is_cuda else 16)
+    tile = tile or _default_tile(q)
     # Without a host sync on context_lens the table width bounds every context.
     max_tiles = -(-block_tables.shape[1] * block_size // tile)
     if num_splits is None:
@@ -92,9 +93,14 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     group = heads // kv_heads
     # Triton 3.9's interpreter multiplies the raw bits of bfloat16 dot operands; upcast there.
     dot_fp32 = (q.dtype if kv_scales is not None else k_cache.dtype) == torch.float32 or interpreting()
+    mantissa, min_exponent = FP8_FORMATS.get(k_cache.dtype, (0, 0))
+    as_bytes = fp8_as_bytes(k_cache)
+    if as_bytes:  # read as bytes, decoded in the kernel (engine.kernels.float_bits)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
                 DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
                 HAS_WINDOW=sliding_window is not None, SCALED=kv_scales is not None, HAS_LAST=last_kv is not None,
+                AS_BYTES=as_bytes, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent,
                 DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32")
     window = int(sliding_window or 0)
     k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # unread without SCALED
@@ -118,6 +124,10 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
         row_max.stride(0), row_max.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=meta["DIM_PAD"], SPLIT_PAD=next_power_of_2(num_splits))
     return out
+
+
+def _default_tile(q):
+    return 64 if q.is_cuda else 16
 
 
 def _default_splits(q, programs, max_tiles):
@@ -152,13 +162,15 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, kv_scales=None, last
 
 @device_function
 def _tile_values(cache_ptr, offsets, mask, scale, own, is_own, q, q_ptr, SCALED: tl.constexpr,
-                 HAS_LAST: tl.constexpr):
+                 HAS_LAST: tl.constexpr, AS_BYTES: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                 MIN_EXPONENT: tl.constexpr):
     """A token tile's K or V rows in the dot's dtype (q's): as the cache holds them, or an FP8
     cache's times the scale, rounded to q's dtype as the format's working rows hold them; at
     the row's own position (`is_own`), its own token's row."""
     values = tl.load(cache_ptr + offsets, mask=mask, other=0.0)
     if SCALED:
-        values = (values.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+        values = fp8_value(values, MANTISSA_BITS, MIN_EXPONENT) if AS_BYTES else values.to(tl.float32)
+        values = (values * scale).to(q_ptr.dtype.element_ty)
     values = values.to(q.dtype)
     if HAS_LAST:
         values = tl.where(is_own[:, None], own[None, :], values)
@@ -176,7 +188,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
                          SPLIT_OUT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
-                         HAS_LAST: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         HAS_LAST: tl.constexpr, AS_BYTES: tl.constexpr, MANTISSA_BITS: tl.constexpr,
+                         MIN_EXPONENT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -220,13 +233,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         offsets = rows[:, None] + dim[None, :]
         is_own = pos == context - 1
-        k = _tile_values(k_ptr, offsets, kv_mask, k_scale, k_own, is_own, q, q_ptr, SCALED, HAS_LAST)
+        k = _tile_values(k_ptr, offsets, kv_mask, k_scale, k_own, is_own, q, q_ptr, SCALED, HAS_LAST, AS_BYTES,
+                         MANTISSA_BITS, MIN_EXPONENT)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
         correction = tl.exp(row_max - new_max)
-        v = _tile_values(v_ptr, offsets, kv_mask, v_scale, v_own, is_own, q, q_ptr, SCALED, HAS_LAST)
+        v = _tile_values(v_ptr, offsets, kv_mask, v_scale, v_own, is_own, q, q_ptr, SCALED, HAS_LAST, AS_BYTES,
+                         MANTISSA_BITS, MIN_EXPONENT)
         acc = acc * correction[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         row_sum = row_sum * correction + tl.sum(p, axis=1)
         row_max = new_max
