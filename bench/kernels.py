@@ -24,7 +24,7 @@ import torch
 
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
-from engine.kernels.kv_fp8 import kv_load_triton, kv_store_triton
+from engine.kernels.kv_fp8 import kv_load_triton, kv_store_rows_triton, kv_store_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_step_triton
 from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
@@ -287,16 +287,17 @@ def kv_fp8_cases(device, dtype, scale=1, batch=64, context=1024, kv_heads=8, hea
 
 def fp8_attention_case(device, dtype, scale=1, batch=64, context=1024, heads=32, kv_heads=8, head_dim=128,
                        block_size=16):
-    """An all-decode step's attention over an FP8 cache: read in place through its scales (what
-    the engine runs, engine.kv_format), against dequantizing the step's blocks into working rows
-    and reading those (what it ran before; the reference)."""
+    """An all-decode step's attention layer over an FP8 cache: its token rows stored quantized
+    and the blocks read in place through their scales (what the engine runs, engine.kv_format),
+    against the path that dequantizes the step's blocks into working rows, writes the tokens
+    there, reads those and stores the tokens back quantized (the reference)."""
     if dtype != torch.bfloat16:
         return []  # the serving dtype only
     batch, context = max(2, batch // scale), max(block_size, context // scale)
     per_seq = -(-context // block_size)
     blocks = batch * per_seq
-    pools = [(torch.randn(blocks, block_size, kv_heads, head_dim, device=device) * 50).to(torch.float8_e4m3fn)
-             for _ in range(2)]
+    pools = tuple((torch.randn(blocks, block_size, kv_heads, head_dim, device=device) * 50).to(torch.float8_e4m3fn)
+                  for _ in range(2))
     working = [torch.zeros(blocks, block_size, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
     tables = torch.randperm(blocks, device=device).view(batch, per_seq)
     lens = torch.full((batch,), context, device=device)
@@ -306,17 +307,24 @@ def fp8_attention_case(device, dtype, scale=1, batch=64, context=1024, heads=32,
     own = tuple(torch.randn(batch, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
     out = torch.empty_like(q)
 
+    def in_place():
+        for pool, new, kv_scale in zip(pools, own, scales):
+            kv_store_rows_triton(new, last, pool, kv_scale)
+        return paged_attention_decode_triton(q, *pools, tables, lens, head_dim ** -0.5, out=out, kv_scales=scales,
+                                             last_kv=own)
+
     def working_rows():
         for pool, rows, kv_scale, new in zip(pools, working, scales, own):
-            kv_load_triton(pool, tables.reshape(-1), rows, kv_scale.reshape(-1, 1))
+            kv_load_triton(pool, tables.reshape(-1), rows, kv_scale)
             rows.view(-1, kv_heads, head_dim).index_copy_(0, last, new)
-        return paged_attention_decode_triton(q, *working, tables, lens, head_dim ** -0.5, out=out)
+        paged_attention_decode_triton(q, *working, tables, lens, head_dim ** -0.5, out=out)
+        for pool, rows, kv_scale in zip(pools, working, scales):
+            kv_store_triton(rows, last, pool, kv_scale)
+        return out
 
     nbytes = 2 * batch * context * kv_heads * head_dim + 2 * q.numel() * q.element_size()
     return [Case("paged_attention_fp8", f"B={batch} ctx={context} H={heads} KVH={kv_heads} Dh={head_dim} e4m3",
-                 nbytes, lambda: paged_attention_decode_triton(q, *pools, tables, lens, head_dim ** -0.5, out=out,
-                                                               kv_scales=scales, last_kv=own),
-                 working_rows)]
+                 nbytes, in_place, working_rows, pools)]
 
 
 def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
@@ -345,13 +353,14 @@ def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, in
     top_k = min(top_k, max(1, experts // 4))
     hidden, intermediate = max(32, hidden // scale), max(16, intermediate // scale)
     block = (min(128, 2 * intermediate), min(128, hidden, intermediate))
-    generator = torch.Generator(device).manual_seed(0)  # drawn where they are used: GBs at these sizes
+    # drawn where they are used (GBs at these sizes); meta tensors (bench.kernel_compile) draw nothing
+    generator = None if device.type == "meta" else torch.Generator(device).manual_seed(0)
     cases = []
     for name, tokens, out, inputs in (("gate_up", 64, 2 * intermediate, hidden), ("down", 64, hidden, intermediate),
                                       ("gate_up", 2048, 2 * intermediate, hidden)):
         tokens = max(1, tokens // scale)
         picks = torch.rand(tokens, experts, device=device, generator=generator).topk(top_k, dim=1).indices.flatten()
-        counts = torch.bincount(picks, minlength=experts)
+        counts = torch.zeros(experts, dtype=torch.long, device=device).index_add_(0, picks, torch.ones_like(picks))
         ends = counts.cumsum(0).to(torch.int32)
         weight = (torch.randn(experts, out, inputs, device=device, generator=generator) * 64).clamp(-448, 448)
         qweight = torch.nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
@@ -362,8 +371,8 @@ def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, in
         for stacked, is_fused in ((fused, True), (split, False)):  # both ways, whatever the device check says
             stacked.qweight, stacked.weight_scale, stacked.block, stacked.fused = qweight, weight_scale, block, is_fused
             stacked._build_gemm_scales()
-        rows = torch.randn(int(counts.sum()), inputs, device=device, generator=generator).to(dtype)
-        hit = int((counts > 0).sum())
+        rows = torch.randn(tokens * top_k, inputs, device=device, generator=generator).to(dtype)
+        hit = min(experts, tokens * top_k) if device.type == "meta" else int((counts > 0).sum())  # no values on meta
         nbytes = hit * out * inputs + weight_scale[0].numel() * 4 * hit + rows.numel() * 2 + rows.shape[0] * out * 2
         cases.append(Case("fp8_moe_block", f"{name} T={tokens} top{top_k} E={experts} [{out}, {inputs}]", nbytes,
                           lambda fused=fused, rows=rows, ends=ends: fused.grouped_product(rows, ends),

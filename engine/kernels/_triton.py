@@ -59,16 +59,33 @@ class LazyKernel:
     def __getitem__(self, grid):
         if not available():
             raise RuntimeError(f"{self.fn.__name__} needs Triton, which is not installed")
-        import triton
-
         if not mode_matches():
             raise RuntimeError(
                 f"Triton was imported with TRITON_INTERPRET={'0' if interpreting() else '1'} and "
                 f"it is now {os.environ.get('TRITON_INTERPRET')!r}; set it before anything imports triton")
+        launch = self.jitted()[grid]
+        if not _launch_records:
+            return launch
+
+        def recorded(*args, **kwargs):
+            consumed = [record(self.fn, args, kwargs) for record in _launch_records]
+            return None if any(consumed) else launch(*args, **kwargs)
+        return recorded
+
+    def jitted(self):
+        """The triton.jit function, its module's namespace made ready first."""
         if self._kernel is None:
+            import triton
+
             _bind(self.fn.__globals__, triton, set())
             self._kernel = triton.jit(self.fn)
-        return self._kernel[grid]
+        return self._kernel
+
+
+# Callbacks told (function, args, kwargs) of every launch while registered; one that returns
+# True consumes the launch, which then does not run. The compile check (bench/kernel_compile.py)
+# records the engine's launches on meta tensors this way, to compile them for GPUs.
+_launch_records: list = []
 
 
 def _bind(names: dict, triton, bound: set) -> None:

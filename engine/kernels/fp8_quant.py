@@ -28,6 +28,7 @@ from engine.kernels.float_bits import round_to_fp8_grid
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 TINY = torch.finfo(torch.float32).tiny
+MIN_CAPABILITY = (8, 9)  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
 
 
 def quantize_groups_ref(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
