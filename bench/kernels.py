@@ -16,6 +16,7 @@ small, under Triton's interpreter).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Callable
@@ -197,6 +198,59 @@ def gdn_cases(device, dtype, scale=1, batch=64, length=4096, k_heads=16, heads=3
         Case("chunk_gated_delta_rule", f"L={length} Hk={k_heads} Hv={heads} dk={k_dim} dv={v_dim}", rule_bytes,
              lambda: chunk_gated_delta_rule_triton(*rule), lambda: chunk_gated_delta_rule_ref(*rule)),
     ]
+
+
+def decode_updates(device, rows: int, scale: int = 1) -> dict:
+    """The four decode kernels that update a state pool in place, at a serving model's sizes
+    (over `scale`): {name: (the state row's shape, run(pool, slots, positions) -> output)}, on
+    fixed random bf16 inputs for `rows` decode rows."""
+    generator = None if torch.device(device).type == "meta" else torch.Generator(device).manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, device=device, generator=generator)  # noqa: E731
+    u = lambda *shape: torch.rand(*shape, device=device, generator=generator)  # noqa: E731
+    half = lambda *shape: r(*shape).to(torch.bfloat16)  # noqa: E731
+    d_inner, heads, k_heads = max(32, 8192 // scale), max(2, 128 // scale), max(1, 16 // scale)
+    conv = half(rows, d_inner), half(d_inner, 4), half(d_inner)
+    mamba = half(rows, d_inner), u(rows, d_inner), -u(d_inner, 16), half(rows, 16), half(rows, 16), r(d_inner)
+    mamba2 = half(rows, heads, 64), half(rows, heads), -u(heads), half(rows, 1, 128), half(rows, 1, 128), r(heads), r(heads)
+    gdn = half(rows, k_heads, 128), half(rows, k_heads, 128), half(rows, 2 * k_heads, 128), -u(rows, 2 * k_heads), \
+        u(rows, 2 * k_heads)
+    return {
+        "causal_conv1d_update": ((d_inner, 4), lambda pool, slots, pos: causal_conv1d_update_triton(
+            pool, slots, *conv[:2], bias=conv[2], activation="silu", positions=pos)),
+        "selective_state_update": ((d_inner, 16), lambda pool, slots, pos: selective_state_update_triton(
+            pool, slots, *mamba[:5], D=mamba[5], dt_softplus=True, positions=pos)),
+        "mamba2_state_update": ((heads, 64, 128), lambda pool, slots, pos: mamba2_state_update_triton(
+            pool, slots, *mamba2[:5], D=mamba2[5], dt_bias=mamba2[6], dt_softplus=True, positions=pos)),
+        "gated_delta_step": ((2 * k_heads, 128, 128), lambda pool, slots, pos: gated_delta_step_triton(
+            pool, slots, *gdn, positions=pos)),
+    }
+
+
+def narrow_state_cases(device, dtype, scale=1, batch=64):
+    """The decode kernels on a bfloat16 state pool (--mamba-state-dtype bfloat16): read exactly
+    and stored rounded by the kernel itself, in place (what an all-decode step runs), against
+    loading the step's slots into float32 working rows, the update there and the rounded store
+    back (the path it replaces; the reference)."""
+    if dtype != torch.bfloat16:
+        return []  # the serving dtype only
+    batch = max(2, batch // scale)
+    slots = torch.randperm(2 * batch, device=device)[:batch]
+    positions = torch.randint(1, 4096, (batch,), device=device)
+    cases = []
+    for name, (shape, run) in decode_updates(device, batch, scale).items():
+        pool = (torch.randn(2 * batch, *shape, device=device) * 0.5).to(torch.bfloat16)
+        working = torch.zeros(2 * batch, *shape, device=device)
+
+        def working_rows(pool=pool, working=working, run=run):
+            state_load_triton(pool, working, slots)
+            out = run(working, slots, None)
+            state_store_triton(working, pool, slots, positions)
+            return out
+
+        nbytes = 2 * batch * math.prod(shape) * 2
+        cases.append(Case(f"{name}_bf16_state", f"B={batch} state {list(shape)} in place", nbytes,
+                          lambda pool=pool, run=run: run(pool, slots, positions), working_rows, (pool,)))
+    return cases
 
 
 def attention_case(device, dtype, scale=1, batch=64, context=4096, heads=32, kv_heads=8, head_dim=128,
@@ -389,6 +443,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: row_copy_cases(d, t, s),
     lambda d, t, s: state_round_cases(d, t, s),
+    lambda d, t, s: narrow_state_cases(d, t, s),
     lambda d, t, s: kv_fp8_cases(d, t, s),
     lambda d, t, s: fp8_attention_case(d, t, s),
     lambda d, t, s: fp8_quant_cases(d, t, s),

@@ -79,8 +79,10 @@ class NarrowCache:
         self._parts = {i: [p for p in parts if p.holds(i)] for i in range(len(kv))}
         self.state = next((p for p in parts if isinstance(p, NarrowState)), None)
         self.kv = next((p for p in parts if isinstance(p, NarrowKV)), None)
-        # the working caches with each FP8 layer's pool in place of its working rows
-        self.in_place = LayerCaches([self.kv.in_place.get(i, t) for i, t in enumerate(kv)] if self.kv else kv, state)
+        # What a layer is handed: the working caches, with its own entries set per step by `load`
+        # (its working rows, or its pools where it reads them in place).
+        self.handed = LayerCaches(list(kv), list(state))
+        self.pool = pool
 
     @classmethod
     def of(cls, pool: LayerCaches, spec: ModelSpec, num_block_rows: int, num_slot_rows: int,
@@ -97,22 +99,27 @@ class NarrowCache:
     def holds(self, layer: int) -> bool:
         return bool(self._parts.get(layer))
 
-    def kv_in_place(self, layer: int, batch: ForwardBatch) -> bool:
-        """Whether `layer`'s FP8 blocks may be read in place this step (NarrowKV.reads_in_place),
-        if its attention can."""
-        return self.kv is not None and self.kv.holds(layer) and self.kv.reads_in_place(layer, batch)
+    def in_place_parts(self, layer: int, batch: ForwardBatch, readers: frozenset[str]) -> tuple:
+        """The parts that `layer` reads in place this step: of those its modules can be handed
+        (`readers`, HybridLM.in_place_readers: "kv", "state"), each whose part says so for this
+        step (an all-decode step on Triton: NarrowKV / NarrowState.reads_in_place)."""
+        return tuple(part for part in self._parts[layer]
+                     if part.reads_kind in readers and part.reads_in_place(layer, batch))
 
-    def load(self, layer: int, batch: ForwardBatch, kv_in_place: bool = False) -> LayerCaches:
-        """The layer's rows of this step into the working caches; the caches to run it on. With
-        `kv_in_place` its KV is the pool itself (an Fp8Blocks), nothing loaded."""
+    def load(self, layer: int, batch: ForwardBatch, in_place: tuple = ()) -> LayerCaches:
+        """The layer's rows of this step into the working caches; the caches to run it on. A
+        part `in_place` loads nothing: the layer is handed its pool (FP8 KV as Fp8Blocks)."""
         for part in self._parts[layer]:
-            if not (kv_in_place and part is self.kv):
+            if part not in in_place:
                 part.load(layer, batch)
-        return self.in_place if kv_in_place else self.working
+        kv_pool = self.kv in in_place
+        self.handed.kv[layer] = self.kv.in_place[layer] if kv_pool else self.working.kv[layer]
+        self.handed.state[layer] = self.pool.state[layer] if self.state in in_place else self.working.state[layer]
+        return self.handed
 
-    def store(self, layer: int, batch: ForwardBatch, kv_in_place: bool = False) -> None:
+    def store(self, layer: int, batch: ForwardBatch, in_place: tuple = ()) -> None:
         for part in self._parts[layer]:
-            if not (kv_in_place and part is self.kv):
+            if part not in in_place:
                 part.store(layer, batch)
 
     def fill_plan(self, entry, layer: int) -> bool:

@@ -177,6 +177,8 @@ class NarrowKV:
     def holds(self, layer: int) -> bool:
         return layer in self.layers
 
+    reads_kind = "kv"  # what a layer's modules must say they take in place (HybridLM.in_place_readers)
+
     def reads_in_place(self, layer: int, batch: ForwardBatch) -> bool:
         """Whether a layer that can read the pool in place does so this step: every row a
         decode, on Triton (the kernel that reads FP8 blocks)."""

@@ -20,6 +20,12 @@ measured (splitserve bench quant), not assumed. The rounding's torch definition 
 one-pass Triton store and load that CUDA runs are engine.kernels.state_round; on the CPU,
 cpu_state.cpp does the same in C++.
 
+An all-decode step on Triton skips the working rows where the layer's mixer can (Mamba,
+Mamba2, Gated DeltaNet and KDA: `reads_narrow_state_in_place`): it is handed the pool itself,
+and its decode kernels read each slot exactly and store it rounded as the store would, the
+same hash and bits (engine.kernels.state_round's load_state / store_state), so the step
+computes and stores what the working rows give, bit for bit (tests/test_state_format.py).
+
 A prefix cache's checkpoints, its tiers and the hand-off copy the narrow rows as they are;
 the hand-off's layout handshake compares every tensor's dtype, so a pair that disagrees on
 the format is refused with both dtypes named (kvtransfer.layout).
@@ -111,6 +117,13 @@ class NarrowState:
 
     def holds(self, layer: int) -> bool:
         return layer in self.layers
+
+    reads_kind = "state"  # what a layer's modules must say they take in place (HybridLM.in_place_readers)
+
+    def reads_in_place(self, layer: int, batch: ForwardBatch) -> bool:
+        """Whether a layer whose mixer can update the half-width pool in place does so this step:
+        every row a decode, on Triton (the decode kernels read and round the pool themselves)."""
+        return not batch.prefill_rows and uses_triton(self.pool.state[layer][0])
 
     def load(self, layer: int, batch: ForwardBatch) -> None:
         """The step's slots of `layer` into the working rows."""

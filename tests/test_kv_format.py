@@ -32,7 +32,6 @@ from kvtransfer import CacheTensors, LayoutMismatchError
 from tests.test_handoff_engine import run_disaggregated
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-FEW = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 ATTENTION_FAMILIES = ["jamba", "llama", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "zamba2", "lfm2",
                       "qwen3_next", "lfm2_moe", "olmo_hybrid", "kimi_linear"]
 
@@ -72,7 +71,7 @@ def test_an_fp8_layer_computes_and_stores_exactly_what_the_plain_layer_would(fam
     fp8 = LLMEngine(EngineConfig(str(path), block_size=4, kv_cache_dtype="fp8_e4m3"))
     assert all(t.dtype == torch.float8_e4m3fn for _, t in fp8.cache.block_tensors())
     # every attention layer may read its blocks in place in an all-decode step on Triton
-    assert all(fp8.model.reads_fp8_in_place(i) for i in fp8.spec.attention_layers)
+    assert all("kv" in fp8.model.in_place_readers(i) for i in fp8.spec.attention_layers)
     assert fp8.cache.sizes.bytes_per_block * 4 == plain.cache.sizes.bytes_per_block
     logits = {}
     for engine in (plain, fp8):
@@ -182,54 +181,6 @@ def test_every_fp8_bit_pattern_moves_as_bytes_exactly(fp8, monkeypatch):
     kv_store_triton(working.nan_to_num(0.0), torch.arange(16, device=DEVICE), stored, 1.0)  # every token row
     finite = want.isfinite()  # an infinity saturates at the largest value, as quantize does
     assert torch.equal(stored.cpu().view(torch.uint8)[finite], pool.view(torch.uint8)[finite])
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("family, options", [
-    ("jamba", {}),  # attention as a decoder layer's mixer
-    ("falcon_h1", dict(mamba_state_dtype="bfloat16")),  # beside a Mamba2 mixer whose state is narrow too
-    ("kimi_linear", {}),  # MLA's latent rows
-])
-def test_an_all_decode_step_reads_the_fp8_blocks_in_place(family, options, model_factory, monkeypatch):
-    """On Triton (on CUDA where there is a GPU), an all-decode step hands each attention layer its FP8 pool
-    (engine.models.batch.Fp8Blocks): no block is dequantized into working rows or stored from
-    them, and each step's logits and the pool's bytes are bit for bit those of the same engine
-    with the working rows (the values are the same, read where they lie)."""
-    from engine.cache_formats import NarrowCache
-    from engine.models.batch import Fp8Blocks
-    from engine.models.hybrid import HybridLM
-    from tests.test_decode_host_reads import cuda_like_engine
-
-    if not _triton.available():
-        pytest.skip("Triton is not installed")
-    path, _ = model_factory(family)
-    loads, stores = [], []
-    load = NarrowCache.load
-    monkeypatch.setattr(NarrowCache, "load", lambda self, layer, batch, in_place=False: loads.append(
-        (not batch.prefill_rows, in_place)) or load(self, layer, batch, in_place))
-    store = Fp8Blocks.store
-    monkeypatch.setattr(Fp8Blocks, "store", lambda self, rows, written: stores.append(1) or store(self, rows, written))
-    runs = {}
-    for in_place in (True, False):
-        if not in_place:
-            monkeypatch.setattr(HybridLM, "reads_fp8_in_place", lambda self, index: False)
-        llm = cuda_like_engine(path, monkeypatch, static=False, kv_cache_dtype="fp8_e4m3", device=DEVICE, **options)
-        logits = runs[in_place] = []
-        execute = llm.engine.runner.execute
-        llm.engine.runner.execute = lambda seqs, run=execute, kept=logits: kept.append(run(seqs).clone()) or kept[-1]
-        tokens = [out.token_ids for out in llm.generate([[5, 6, 7], list(range(3, 12))], FEW)]
-        logits.append(tokens)
-        logits.append([t.view(torch.uint8).clone() for _, t in llm.engine.cache.block_tensors()])
-        if in_place:
-            decode_loads = [kv for all_decode, kv in loads if all_decode]
-            assert decode_loads and all(decode_loads) and stores, "no all-decode step read its blocks in place"
-            loads.clear()
-    assert not any(kv for _, kv in loads)
-    (*steps, tokens, pool), (*steps_ref, tokens_ref, pool_ref) = runs[True], runs[False]
-    assert tokens == tokens_ref and len(steps) == len(steps_ref)
-    for step, (got, want) in enumerate(zip(steps, steps_ref)):
-        assert torch.equal(got, want), f"step {step}"
-    assert all(torch.equal(a, b) for a, b in zip(pool, pool_ref))
 
 
 def test_checkpoint_scales_are_used_named_in_the_layout_and_refused_when_they_differ(model_factory, tmp_path):

@@ -17,6 +17,7 @@ import torch
 
 from tests.kernel_support import DEVICE, enter_kernel_mode  # first: it sets Triton's mode
 
+from bench.kernels import decode_updates
 from bench.quant import forced_logits
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
@@ -94,6 +95,32 @@ def test_the_triton_kernels_round_bit_for_bit_as_the_torch_path(dtype):
     assert (back[[1, 3]] == 5.0).all()
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("kernel", ["causal_conv1d_update", "selective_state_update", "mamba2_state_update",
+                                    "gated_delta_step"])
+@pytest.mark.parametrize("dtype", NARROW, ids=str)
+def test_decode_kernels_update_a_half_width_pool_as_load_and_store_would(kernel, dtype):
+    """Each decode kernel that takes a half-width pool in place (an all-decode step on CUDA:
+    engine.state_format) reads it exactly and stores each slot stochastically rounded: its output
+    and the pool are bit for bit those of the kernel on float32 working rows followed by the
+    rounded store, and slots outside the batch are left as they were."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    enter_kernel_mode()
+    slots, positions = torch.tensor([5, 1, 3], device=DEVICE), torch.tensor([17, 4, 260], device=DEVICE)
+    shape, run = decode_updates(DEVICE, 3, scale=256)[kernel]  # bench.kernels' inputs, small
+    narrow = (torch.randn(7, *shape, device=DEVICE) * 3).to(dtype)
+    working = narrow.float()
+    want = run(working, slots, None)
+    stored = narrow.clone()
+    state_store_triton(working, stored, slots, positions)
+    got = run(narrow, slots, positions)
+    assert torch.equal(got, want)
+    assert torch.equal(narrow.view(torch.int16), stored.view(torch.int16))
+    with pytest.raises(ValueError, match="needs int64 positions"):
+        run(narrow, slots, None)
+
+
 @pytest.mark.parametrize("dtype", NARROW, ids=str)
 def test_rounding_picks_a_neighbour_keeps_what_the_format_holds_and_is_unbiased(dtype):
     values = edge_and_random_values()[:, 19:]  # finite, in range
@@ -161,6 +188,10 @@ def test_a_narrow_layer_computes_and_stores_exactly_what_float32_would(family, d
     torch_dtype = getattr(torch, dtype)
     assert narrow.cache.sizes.bytes_per_slot * 2 == wide.cache.sizes.bytes_per_slot
     assert all(t.dtype == torch_dtype for _, t in narrow.cache.slot_tensors())
+    # an all-decode step on Triton hands the pool to every recurrent mixer but LFM2's short conv
+    # (its decode is torch ops: tests/test_narrow_in_place.py)
+    recurrent = [i for i, layer in enumerate(narrow.spec.layers) if layer.state]
+    assert all(("state" in narrow.model.in_place_readers(i)) != family.startswith("lfm2") for i in recurrent)
     logits = {}
     for engine in (wide, narrow):
         engine.add_request(prompt, GREEDY, request_id="r")

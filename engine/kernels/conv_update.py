@@ -3,7 +3,9 @@
 conv_state[slot] holds the last d_conv inputs of the sequence, oldest first (float32 pool).
 Per decode row b:  window = cat(conv_state[slot][:, 1:], x[b]) -> written back to the slot;
                    out[b] = act(sum(window * weight, -1) + bias).
-Arithmetic is float32 whatever the input dtype; `out` gets x's dtype.
+Arithmetic is float32 whatever the input dtype; `out` gets x's dtype. A half-width pool
+(engine.state_format) is read exactly and written stochastically rounded, as its load and
+store around the layer would (engine.kernels.state_round), given `positions`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 ACTIVATIONS = (None, "silu")
 
 
-def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None):
     """conv_state: [slots, D, K] (updated in place at rows `slots`); slots: int64 [B];
-    x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu". Returns [B, D]."""
+    x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu"; positions: int64
+    [B], each row's sequence length after the step, for a half-width pool. Returns [B, D]."""
     check_conv_update(conv_state, slots, x, weight, bias, activation)
+    in_place_pool(conv_state, positions)
     window = torch.cat((conv_state.index_select(0, slots)[:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
-    conv_state.index_copy_(0, slots, window.to(conv_state.dtype))
+    store_slots(conv_state, slots, window, positions)
     y = (window * weight.float()).sum(-1)
     if bias is not None:
         y = y + bias.float()
@@ -33,8 +38,9 @@ def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation
     return out
 
 
-def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None):
+def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None):
     check_conv_update(conv_state, slots, x, weight, bias, activation)
+    pool, half = in_place_pool(conv_state, positions)
     batch, d_inner = x.shape
     d_conv = conv_state.shape[2]
     if out is None:
@@ -47,11 +53,11 @@ def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activat
     block_d = min(128, next_power_of_2(d_inner))
     grid = (batch, -(-d_inner // block_d))
     _conv_update_kernel[grid](
-        conv_state, slots, x, weight, bias if bias is not None else weight, out,
+        pool, slots, positions if half else slots, x, weight, bias if bias is not None else weight, out,
         d_inner, conv_state.stride(0), conv_state.stride(1), x.stride(0), weight.stride(0),
         out.stride(0),
         D_CONV=d_conv, K_PAD=next_power_of_2(d_conv), BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation == "silu",
+        HAS_BIAS=bias is not None, SILU=activation == "silu", HALF=half,
     )
     return out
 
@@ -71,25 +77,27 @@ def check_conv_update(conv_state, slots, x, weight, bias, activation):
 
 
 @jit
-def _conv_update_kernel(state_ptr, slots_ptr, x_ptr, weight_ptr, bias_ptr, out_ptr,
+def _conv_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, weight_ptr, bias_ptr, out_ptr,
                         d_inner, state_stride_slot, state_stride_d, x_stride_row, weight_stride_d,
                         out_stride_row,
                         D_CONV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HALF: tl.constexpr):
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, K_PAD)
     d_ok = d < d_inner
     slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
-    state = state_ptr + slot * state_stride_slot + d[:, None] * state_stride_d + k[None, :]
+    elements = d[:, None] * state_stride_d + k[None, :]  # within the slot's row (a contiguous pool's)
+    state = state_ptr + slot * state_stride_slot + elements
 
     # Tap k of the new window is tap k + 1 of the old one; the last tap is the new input.
     # All loads happen before the store below, so updating the slot in place is safe.
-    shifted = tl.load(state + 1, mask=d_ok[:, None] & (k[None, :] + 1 < D_CONV), other=0.0)
+    shifted = load_state(state + 1, d_ok[:, None] & (k[None, :] + 1 < D_CONV), HALF)
     x = tl.load(x_ptr + row * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
-    window = tl.where(k[None, :] == D_CONV - 1, x[:, None], shifted.to(tl.float32))
+    window = tl.where(k[None, :] == D_CONV - 1, x[:, None], shifted)
     tap_ok = d_ok[:, None] & (k[None, :] < D_CONV)
-    tl.store(state, window, mask=tap_ok)
+    position = tl.load(positions_ptr + row) if HALF else 0
+    store_state(state, window, tap_ok, position, elements, HALF)
 
     weight = tl.load(weight_ptr + d[:, None] * weight_stride_d + k[None, :], mask=tap_ok, other=0.0)
     y = tl.sum(window * weight.to(tl.float32), axis=1)

@@ -40,6 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.state_round import in_place_pool, store_slots
+
 L2_EPS = 1e-6
 
 
@@ -167,14 +169,16 @@ def _chunk_rule_per_channel(q, k, v, g, beta, h0, length):
     return out.reshape(-1, heads, v_dim)[:length], S
 
 
-def gated_delta_step_ref(state, slots, q, k, v, g, beta):
+def gated_delta_step_ref(state, slots, q, k, v, g, beta, positions=None):
     """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
-    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk]; beta: [b, Hv].
+    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk]; beta: [b, Hv];
+    positions: int64 [b], each row's sequence length after the step, for a half-width pool.
     Returns o [b, Hv, dv] float32."""
     check_step(state, slots, q, k, v, g, beta)
+    in_place_pool(state, positions)
     q, k = prepare_qk(q, k, v.shape[1])
     o, S = _step(state.index_select(0, slots).float(), q, k, v.float(), g.float(), beta.float())
-    state.index_copy_(0, slots, S.to(state.dtype))
+    store_slots(state, slots, S, positions)
     return o
 
 

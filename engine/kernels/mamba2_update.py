@@ -8,7 +8,9 @@ g = h // (H / G):
 A, dt and D are per head (scalars per head: Mamba2's A is a scalar times identity). The clamp
 is applied whenever dt_limit is finite: a decode step must compute exactly what the chunked
 prefill computes for the same token. `y` is float32 unless `out` is given. Slots must be
-distinct within a call: rows update in place.
+distinct within a call: rows update in place. A half-width pool (engine.state_format) is read
+exactly and written stochastically rounded, as its load and store around the layer would
+(engine.kernels.state_round), given `positions`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 NO_LIMIT = (0.0, math.inf)
 
@@ -37,10 +40,12 @@ def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=NO_LIMIT):
 
 
 def mamba2_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None,
-                            dt_softplus=False, dt_limit=NO_LIMIT, out=None):
+                            dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None):
     """ssm_state: [slots, H, P, N] (updated at rows `slots`); slots: int64 [b]; x: [b, H, P];
-    dt: [b, H]; A, D, dt_bias: [H]; B, C: [b, G, N]. Returns y [b, H, P]."""
+    dt: [b, H]; A, D, dt_bias: [H]; B, C: [b, G, N]; positions: int64 [b], each row's sequence
+    length after the step, for a half-width pool. Returns y [b, H, P]."""
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
+    in_place_pool(ssm_state, positions)
     heads, groups = x.shape[1], B.shape[1]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, H]
     x = x.float()
@@ -49,7 +54,7 @@ def mamba2_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=No
     h = ssm_state.index_select(0, slots).float()
     decay = torch.exp(dt * A.float())[:, :, None, None]
     h = h * decay + (dt[:, :, None] * x)[:, :, :, None] * B[:, :, None, :]
-    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    store_slots(ssm_state, slots, h, positions)
     y = torch.einsum("bhpn,bhn->bhp", h, C)
     if D is not None:
         y = y + x * D.float()[None, :, None]
@@ -78,8 +83,9 @@ def check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias):
 
 
 def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None,
-                               dt_softplus=False, dt_limit=NO_LIMIT, out=None):
+                               dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None):
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
+    pool, half = in_place_pool(ssm_state, positions)
     batch, heads, head_dim = x.shape
     groups, d_state = B.shape[1], ssm_state.shape[3]
     if out is None:
@@ -94,7 +100,7 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
     block_p = max(1, min(next_power_of_2(head_dim), 4096 // n_pad, 64))  # bounds registers per program
     grid = (batch, heads, -(-head_dim // block_p))
     _mamba2_update_kernel[grid](
-        ssm_state, slots, x, dt, A, B, C,
+        pool, slots, positions if half else slots, x, dt, A, B, C,
         D if D is not None else A, dt_bias if dt_bias is not None else A, out,
         head_dim, d_state, heads // groups, lo, hi,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
@@ -105,14 +111,14 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
         N_PAD=n_pad, BLOCK_P=block_p, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus),
         # the reference clamps only then; an unclamped dt may be negative without softplus
-        DT_CLAMP=lo > 0.0 or hi != math.inf,
+        DT_CLAMP=lo > 0.0 or hi != math.inf, HALF=half,
     )
     return out
 
 
 
 @jit
-def _mamba2_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
+def _mamba2_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
                           dt_bias_ptr, out_ptr,
                           head_dim, d_state, heads_per_group, dt_lo, dt_hi,
                           state_stride_slot, state_stride_h, state_stride_p,
@@ -120,7 +126,8 @@ def _mamba2_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_p
                           B_stride_row, B_stride_g, C_stride_row, C_stride_g, D_stride, dt_bias_stride,
                           out_stride_row, out_stride_h,
                           N_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HAS_D: tl.constexpr,
-                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr):
+                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
+                          HALF: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     group = head // heads_per_group
@@ -130,10 +137,10 @@ def _mamba2_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_p
     n_ok = n < d_state
     pn_ok = p_ok[:, None] & n_ok[None, :]
     slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
-    state = (state_ptr + slot * state_stride_slot + head * state_stride_h
-             + p[:, None] * state_stride_p + n[None, :])
+    elements = head * state_stride_h + p[:, None] * state_stride_p + n[None, :]  # within the slot's row
+    state = state_ptr + slot * state_stride_slot + elements
 
-    h = tl.load(state, mask=pn_ok, other=0.0).to(tl.float32)
+    h = load_state(state, pn_ok, HALF)
     x = tl.load(x_ptr + row * x_stride_row + head * x_stride_h + p, mask=p_ok, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * dt_stride_row + head * dt_stride_h).to(tl.float32)
     if HAS_DT_BIAS:
@@ -147,7 +154,7 @@ def _mamba2_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_p
     C = tl.load(C_ptr + row * C_stride_row + group * C_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
 
     h = h * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
-    tl.store(state, h, mask=pn_ok)
+    store_state(state, h, pn_ok, tl.load(positions_ptr + row) if HALF else 0, elements, HALF)
 
     y = tl.sum(h * C[None, :], axis=1)
     if HAS_D:

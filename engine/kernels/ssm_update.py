@@ -6,7 +6,9 @@ Per decode row b with state h = ssm_state[slot]  ([D, N], float32 pool):
     y   = h . C  (+ D_skip * x)  (* silu(z))
 Without D_skip and z this is exactly the decode part of MambaMixer.forward, which applies
 both to all rows afterwards; with them it is the fused form. `y` is float32 unless `out` is
-given (its dtype is then used). Slots must be distinct within a call: rows update in place.
+given (its dtype is then used). Slots must be distinct within a call: rows update in place. A
+half-width pool (engine.state_format) is read exactly and written stochastically rounded, as
+its load and store around the layer would (engine.kernels.state_round), given `positions`.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 
 def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
-                               dt_bias=None, dt_softplus=False, out=None):
+                               dt_bias=None, dt_softplus=False, out=None, positions=None):
     """ssm_state: [slots, D, N] (updated at rows `slots`); slots: int64 [B]; x, dt, z: [B, D];
-    A: [D, N]; B, C: [B, N]; D, dt_bias: [D]. Returns y [B, D]."""
+    A: [D, N]; B, C: [B, N]; D, dt_bias: [D]; positions: int64 [B], each row's sequence length
+    after the step, for a half-width pool. Returns y [B, D]."""
     _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias)
+    in_place_pool(ssm_state, positions)
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -30,7 +35,7 @@ def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
     x = x.float()
     h = ssm_state.index_select(0, slots).float()  # index_select/index_copy_: no advanced-indexing pass
     h = torch.exp(dt[:, :, None] * A.float()) * h + dt[:, :, None] * B.float()[:, None, :] * x[:, :, None]
-    ssm_state.index_copy_(0, slots, h.to(ssm_state.dtype))
+    store_slots(ssm_state, slots, h, positions)
     y = torch.einsum("bdn,bn->bd", h, C.float())
     if D is not None:
         y = y + x * D.float()
@@ -43,8 +48,9 @@ def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
 
 
 def selective_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
-                                  dt_bias=None, dt_softplus=False, out=None):
+                                  dt_bias=None, dt_softplus=False, out=None, positions=None):
     _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias)
+    pool, half = in_place_pool(ssm_state, positions)
     batch, d_inner = x.shape
     d_state = A.shape[1]
     if out is None:
@@ -59,14 +65,14 @@ def selective_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, z=No
     block_d = max(1, min(next_power_of_2(d_inner), 4096 // n_pad, 64))  # bounds registers per program
     grid = (batch, -(-d_inner // block_d))
     _ssm_update_kernel[grid](
-        ssm_state, slots, x, dt, A, B, C,
+        pool, slots, positions if half else slots, x, dt, A, B, C,
         D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x, out,
         d_inner, d_state,
         ssm_state.stride(0), ssm_state.stride(1), x.stride(0), dt.stride(0), A.stride(0),
         B.stride(0), C.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
         N_PAD=n_pad, BLOCK_D=block_d, HAS_D=D is not None, HAS_Z=z is not None,
-        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus),
+        HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HALF=half,
     )
     return out
 
@@ -86,13 +92,14 @@ def _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias):
 
 
 @jit
-def _ssm_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
+def _ssm_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
                        D_ptr, z_ptr, dt_bias_ptr, out_ptr,
                        d_inner, d_state,
                        state_stride_slot, state_stride_d, x_stride_row, dt_stride_row,
                        A_stride_d, B_stride_row, C_stride_row, z_stride_row, out_stride_row,
                        N_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_D: tl.constexpr,
-                       HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr):
+                       HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                       HALF: tl.constexpr):
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, N_PAD)
@@ -100,9 +107,10 @@ def _ssm_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
     n_ok = n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
     slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
-    state = state_ptr + slot * state_stride_slot + d[:, None] * state_stride_d + n[None, :]
+    elements = d[:, None] * state_stride_d + n[None, :]  # within the slot's row
+    state = state_ptr + slot * state_stride_slot + elements
 
-    h = tl.load(state, mask=dn_ok, other=0.0).to(tl.float32)
+    h = load_state(state, dn_ok, HALF)
     x = tl.load(x_ptr + row * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * dt_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
@@ -114,7 +122,7 @@ def _ssm_update_kernel(state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
     C = tl.load(C_ptr + row * C_stride_row + n, mask=n_ok, other=0.0).to(tl.float32)
 
     h = h * tl.exp(dt[:, None] * A) + dt[:, None] * B[None, :] * x[:, None]
-    tl.store(state, h, mask=dn_ok)
+    store_state(state, h, dn_ok, tl.load(positions_ptr + row) if HALF else 0, elements, HALF)
 
     y = tl.sum(h * C[None, :], axis=1)
     if HAS_D:

@@ -73,6 +73,30 @@ def state_load_triton(pool: torch.Tensor, working: torch.Tensor, slots: torch.Te
             pool.view(torch.int16), working, slots, row_numel, FLOAT16=pool.dtype == torch.float16, BLOCK=BLOCK)
 
 
+HALF = {torch.bfloat16: 1, torch.float16: 2}  # a half-width pool's code in load_state / store_state
+
+
+def in_place_pool(state: torch.Tensor, positions: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """A decode kernel's state pool as it reads and writes it in place: a float32 pool as it is
+    (HALF 0), a half-width one (engine.state_format) as int16 bits with its HALF code, which
+    needs each row's sequence length after the step (`positions`) for the rounding."""
+    half = HALF.get(state.dtype, 0)
+    if half and (positions is None or positions.dtype != torch.int64):
+        raise ValueError(f"a {state.dtype} state pool is stored rounded: it needs int64 positions "
+                         f"(each row's sequence length after the step)")
+    return (state.view(torch.int16) if half else state), half
+
+
+def store_slots(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor | None) -> None:
+    """pool[slots] = float32 `rows`, in the pool's dtype: a half-width pool's stochastically
+    rounded (the references of the kernels that update a pool in place)."""
+    if pool.dtype not in HALF:
+        pool.index_copy_(0, slots, rows.to(pool.dtype))
+        return
+    elements = torch.arange(rows[0].numel(), device=rows.device).view(rows.shape[1:])
+    pool.index_copy_(0, slots, stochastic_round(rows, pool.dtype, positions, elements))
+
+
 def _check(working: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> int:
     if working.dtype != torch.float32 or pool.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"float32 working rows and a bfloat16 or float16 pool, got {working.dtype} and {pool.dtype}")
@@ -96,13 +120,11 @@ def _inf_or_nan(h, FLOAT16: tl.constexpr):
     return (h & exponent) == exponent
 
 
-@jit
-def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_numel,
-                        FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
-    offsets, elements, ok = indexed_row(slots_ptr, row_numel, BLOCK)
-    v = tl.load(working_ptr + offsets, mask=ok, other=0.0)
-    row_salt = (tl.load(positions_ptr + tl.program_id(0)) & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1
-    salt = row_salt + elements.to(tl.uint32) * 0x85EBCA77
+@device_function
+def round_half(v, position, elements, FLOAT16: tl.constexpr):
+    """stochastic_round of float32 `v` to bfloat16 / float16 bits (int16): `position` the row's
+    sequence length after the step, `elements` the values' indices within the row."""
+    salt = (position & 0xFFFFFFFF).to(tl.uint32) * 0x9E3779B1 + elements.to(tl.uint32) * 0x85EBCA77
     bits = v.to(tl.uint32, bitcast=True)
     nearest = half_bits(bits, FLOAT16)
     base = half_value(nearest, FLOAT16)
@@ -120,8 +142,35 @@ def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_num
     away = uniform * (1.0 / 16777216.0) * gap < tl.abs(error)
     # inf and nan stay; so do a value past the largest (nearest: inf) and one whose neighbour is inf
     keep = ((bits & 0x7F800000) == 0x7F800000) | _inf_or_nan(nearest, FLOAT16) | _inf_or_nan(other, FLOAT16)
-    out = tl.where(away & ~keep, other, nearest)
-    tl.store(pool_ptr + offsets, out.to(tl.int16), mask=ok)
+    return tl.where(away & ~keep, other, nearest).to(tl.int16)
+
+
+@device_function
+def load_state(pointers, mask, HALF: tl.constexpr):
+    """State values at `pointers` in float32: a pool's own values (HALF 0), or a half-width
+    pool's (1: bfloat16, 2: float16) read as int16 bits, exactly."""
+    if HALF == 0:
+        return tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+    else:
+        return half_value(tl.load(pointers, mask=mask, other=0).to(tl.uint32) & 0xFFFF, HALF == 2)
+
+
+@device_function
+def store_state(pointers, values, mask, position, elements, HALF: tl.constexpr):
+    """float32 state `values` into the pool at `pointers`: in its dtype (HALF 0), or as the
+    half-width store rounds them (round_half)."""
+    if HALF == 0:
+        tl.store(pointers, values.to(pointers.dtype.element_ty), mask=mask)
+    else:
+        tl.store(pointers, round_half(values, position, elements, HALF == 2), mask=mask)
+
+
+@jit
+def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_numel,
+                        FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+    offsets, elements, ok = indexed_row(slots_ptr, row_numel, BLOCK)
+    v = tl.load(working_ptr + offsets, mask=ok, other=0.0)
+    tl.store(pool_ptr + offsets, round_half(v, tl.load(positions_ptr + tl.program_id(0)), elements, FLOAT16), mask=ok)
 
 
 @jit

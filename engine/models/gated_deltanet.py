@@ -64,6 +64,9 @@ class HeadGatedRMSNorm(nn.Module):
 
 class GatedDeltaNetMixer(nn.Module):
     state_kind = "gated_deltanet"
+    # Every decode kernel forward calls takes a half-width state pool in place, given the rows'
+    # positions (engine.state_format: an all-decode step on Triton skips the working rows).
+    reads_narrow_state_in_place = True
 
     def __init__(self, hidden: int, num_k_heads: int, num_v_heads: int, k_head_dim: int,
                  v_head_dim: int, conv_kernel: int, act: str, eps: float, chunk_size: int = 64):
@@ -150,7 +153,7 @@ class GatedDeltaNetMixer(nn.Module):
         if batch.decode_rows:  # read each slot's state, update it with one token, write it back
             idx = batch.decode_tokens
             out[idx] = gated_delta_step(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
-                                        g[idx], beta[idx])
+                                        g[idx], beta[idx], positions=batch.decode_context_lens)
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
 

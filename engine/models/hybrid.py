@@ -224,7 +224,7 @@ class HybridLM(nn.Module):
         if not tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.packed_lm_head = None
-        self._fp8_readers: frozenset[int] | None = None
+        self._in_place_readers: list[frozenset[str]] | None = None
 
     def embed_tokens(self, batch: ForwardBatch) -> torch.Tensor:
         h = self.embed(batch.input_ids)
@@ -279,20 +279,23 @@ class HybridLM(nn.Module):
         narrow = caches.narrow
         if narrow is None or not narrow.holds(index):
             return call(caches)
-        in_place = narrow.kv_in_place(index, batch) and self.reads_fp8_in_place(index)
+        in_place = narrow.in_place_parts(index, batch, self.in_place_readers(index))
         h = call(narrow.load(index, batch, in_place))
         narrow.store(index, batch, in_place)
         return h
 
-    def reads_fp8_in_place(self, index: int) -> bool:
-        """Whether every attention module of layer `index` (the modules that keep KV) can be
-        handed its FP8 blocks in place (engine.models.batch.Fp8Blocks); decided at first ask."""
-        if self._fp8_readers is None:
-            self._fp8_readers = frozenset(
-                i for i, layer in enumerate(self.layers)
-                if (kv := [m for m in layer.modules() if hasattr(m, "kv_spec")])
-                and all(getattr(m, "reads_fp8_in_place", False) for m in kv))
-        return index in self._fp8_readers
+    def in_place_readers(self, index: int) -> frozenset[str]:
+        """What layer `index` can be handed in place of working rows (engine.cache_formats):
+        "kv" where every attention module (those with kv_spec) says reads_fp8_in_place, "state"
+        where every recurrent mixer (those with state_spec) says reads_narrow_state_in_place;
+        decided at the first ask."""
+        if self._in_place_readers is None:
+            self._in_place_readers = [frozenset(
+                kind for kind, keeps, says in (("kv", "kv_spec", "reads_fp8_in_place"),
+                                               ("state", "state_spec", "reads_narrow_state_in_place"))
+                if (modules := [m for m in layer.modules() if hasattr(m, keeps)])
+                and all(getattr(m, says, False) for m in modules)) for layer in self.layers]
+        return self._in_place_readers[index]
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden states [num_seqs, hidden] -> float32 logits [num_seqs, vocab] (a

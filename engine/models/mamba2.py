@@ -32,6 +32,9 @@ from engine.models.ssm import PrefillRows, conv_then_act, decodes_in_one_call, p
 
 class Mamba2Mixer(nn.Module):
     state_kind = "mamba2"
+    # Every decode kernel forward calls takes a half-width state pool in place, given the rows'
+    # positions (engine.state_format: an all-decode step on Triton skips the working rows).
+    reads_narrow_state_in_place = True
 
     def __init__(self, hidden: int, num_heads: int, head_dim: int, n_groups: int, d_state: int,
                  d_conv: int, chunk_size: int, conv_bias: bool, proj_bias: bool, act: str,
@@ -101,7 +104,8 @@ class Mamba2Mixer(nn.Module):
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
-                                         dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)
+                                         dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
+                                         positions=batch.decode_context_lens)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
         norm, rows = self.norm, cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z) and cpu_kernels_ready()
         if rows and norm is not None and norm.norm_before_gate and type(norm) is GatedRMSNorm \

@@ -76,6 +76,9 @@ def selective_scan(x, dt, A, B, C, h0):
 
 class MambaMixer(nn.Module):
     state_kind = "mamba"
+    # Every decode kernel forward calls takes a half-width state pool in place, given the rows'
+    # positions (engine.state_format: an all-decode step on Triton skips the working rows).
+    reads_narrow_state_in_place = True
 
     def __init__(self, hidden: int, d_inner: int, d_state: int, d_conv: int, dt_rank: int,
                  conv_bias: bool, proj_bias: bool, act: str, bcdt_norm_eps: float | None):
@@ -129,7 +132,7 @@ class MambaMixer(nn.Module):
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
             into_decode_rows(y, idx, selective_state_update, ssm_state, slots, x[idx].float(), dt[idx].float(), A,
-                             B[idx].float(), C[idx].float())
+                             B[idx].float(), C[idx].float(), positions=batch.decode_context_lens)
         if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
             y = cpu.gated_skip_cpu(y, x, self.D, gate)
         else:
@@ -301,7 +304,7 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
     if batch.decode_rows:
         idx, slots = batch.decode_tokens, batch.decode_slots
         into_decode_rows(out, idx, causal_conv1d_update, conv_state, slots, x[idx], weight, bias,
-                         activation="silu" if silu else None)
+                         activation="silu" if silu else None, positions=batch.decode_context_lens)
     return out
 
 
