@@ -99,28 +99,18 @@ class NarrowCache:
     def holds(self, layer: int) -> bool:
         return bool(self._parts.get(layer))
 
-    def in_place_parts(self, layer: int, batch: ForwardBatch, readers: frozenset[str]) -> tuple:
-        """The parts that `layer` reads in place this step: of those its modules can be handed
-        (`readers`, HybridLM.in_place_readers: "kv", "state"), each whose part says so for this
-        step (an all-decode step on Triton: NarrowKV / NarrowState.reads_in_place)."""
-        return tuple(part for part in self._parts[layer]
-                     if part.reads_kind in readers and part.reads_in_place(layer, batch))
-
-    def load(self, layer: int, batch: ForwardBatch, in_place: tuple = ()) -> LayerCaches:
-        """The layer's rows of this step into the working caches; the caches to run it on. A
-        part `in_place` loads nothing: the layer is handed its pool (FP8 KV as Fp8Blocks)."""
+    def load(self, layer: int, batch: ForwardBatch, readers: frozenset[str] = frozenset()) -> LayerCaches:
+        """The caches to run `layer` on this step, each part's rows loaded: its working rows, or,
+        for the kinds its modules can be handed in place (`readers`, HybridLM.in_place_readers:
+        "kv", "state"), what that part hands on this step (its pool where the step allows)."""
         for part in self._parts[layer]:
-            if part not in in_place:
-                part.load(layer, batch)
-        kv_pool = self.kv in in_place
-        self.handed.kv[layer] = self.kv.in_place[layer] if kv_pool else self.working.kv[layer]
-        self.handed.state[layer] = self.pool.state[layer] if self.state in in_place else self.working.state[layer]
+            handed = part.load(layer, batch, part.reads_kind in readers)
+            (self.handed.kv if part is self.kv else self.handed.state)[layer] = handed
         return self.handed
 
-    def store(self, layer: int, batch: ForwardBatch, in_place: tuple = ()) -> None:
+    def store(self, layer: int, batch: ForwardBatch, readers: frozenset[str] = frozenset()) -> None:
         for part in self._parts[layer]:
-            if part not in in_place:
-                part.store(layer, batch)
+            part.store(layer, batch, part.reads_kind in readers)
 
     def fill_plan(self, entry, layer: int) -> bool:
         """Whether `layer` can join a one-call decode plan (engine.decode_stack), its entry told

@@ -16,12 +16,12 @@ them), the layer runs on those, and the rows it wrote go back quantized (where T
 pass each of engine.kernels.kv_fp8). A step's own tokens therefore attend to each other at
 full precision and to earlier ones through the format.
 
-An all-decode step on Triton skips both passes where the layer can (`reads_in_place`): the
-layer is handed the pool itself (engine.models.batch.Fp8Blocks), stores its one token per row
-quantized, and the decode kernel reads the blocks through their scales, with each row's own
-token at full precision, so it computes what it would over the working rows (the same values,
-read where they lie). A step that prefills keeps the working rows: its varlen attention reads
-half-precision blocks.
+On Triton, a layer that can (its modules say `reads_fp8_in_place`) is handed the pool itself
+(engine.models.batch.Fp8Blocks), and its decode rows read the blocks through their scales, each
+row's own token at full precision, so they compute what they would over the working rows (the
+same values, read where they lie). An all-decode step then loads and stores nothing: the layer
+stores its one token per row quantized. A step that prefills loads only its prefill rows'
+blocks (its varlen attention reads half-precision blocks) and stores its rows as above.
 
 The scales are part of the cache's layout: each layer's KV kind names them, so the hand-off's
 layout handshake refuses a pair whose scales (or formats: the tensors' dtypes) differ, naming
@@ -167,8 +167,10 @@ class NarrowKV:
                 rows.append(shared[j])
             self.working[i] = tuple(rows)
         self.buffers = [t for shared in buffers.values() for t in shared]
+        # a step that prefills, on Triton: the pool for its decode rows, working rows for the rest
+        self.beside = {i: dataclasses.replace(blocks, working=self.working[i]) for i, blocks in self.in_place.items()}
         self._batch: ForwardBatch | None = None
-        self._blocks = None
+        self._blocks: dict[bool, torch.Tensor] = {}
 
     def place(self, kv: list, state: list) -> None:
         for i, rows in self.working.items():
@@ -179,25 +181,42 @@ class NarrowKV:
 
     reads_kind = "kv"  # what a layer's modules must say they take in place (HybridLM.in_place_readers)
 
-    def reads_in_place(self, layer: int, batch: ForwardBatch) -> bool:
-        """Whether a layer that can read the pool in place does so this step: every row a
-        decode, on Triton (the kernel that reads FP8 blocks)."""
-        return not batch.prefill_rows and uses_triton(self.pool.kv[layer][0])
-
-    def load(self, layer: int, batch: ForwardBatch) -> None:
-        """Every block the step's rows read (their whole tables), dequantized into the working rows."""
-        if self._batch is not batch:  # once per step; a replayed static batch keeps its tensors
-            self._blocks, self._batch = batch.block_tables.reshape(-1), batch
+    def load(self, layer: int, batch: ForwardBatch, pool_ok: bool):
+        """What layer `layer` is handed this step. Where it may be handed its pool (`pool_ok`) and
+        Triton runs, an Fp8Blocks: an all-decode step's loads nothing; a step that prefills loads
+        its prefill rows' blocks into the working rows beside it. Else the working rows, with
+        every block the step's rows read (their whole tables) dequantized into them."""
+        in_place = pool_ok and uses_triton(self.pool.kv[layer][0])
+        if in_place and not batch.prefill_rows:
+            return self.in_place[layer]
+        blocks = self._blocks_of(batch, prefill_only=in_place)
         for working, stored, scale in zip(self.working[layer], self.pool.kv[layer], self.scales[layer]):
             if uses_triton(working):  # one pass (engine.kernels.kv_fp8)
-                kv_load_triton(stored, self._blocks, working, scale)
+                kv_load_triton(stored, blocks, working, scale)
                 continue
             # float8 rows move as bytes: torch's CPU index ops do not take float8 dtypes
-            rows = stored.view(torch.uint8).index_select(0, self._blocks).view(stored.dtype)
-            working.index_copy_(0, self._blocks, dequantize(rows, scale, self.dtype))
+            rows = stored.view(torch.uint8).index_select(0, blocks).view(stored.dtype)
+            working.index_copy_(0, blocks, dequantize(rows, scale, self.dtype))
+        return self.beside[layer] if in_place else self.working[layer]
 
-    def store(self, layer: int, batch: ForwardBatch) -> None:
-        """The rows the step wrote (its tokens' K and V), quantized into the pool."""
+    def _blocks_of(self, batch: ForwardBatch, prefill_only: bool) -> torch.Tensor:
+        """The blocks a step loads: every row's table, or its prefill rows' (once per step; a
+        replayed static batch keeps its tensors)."""
+        if self._batch is not batch:
+            self._blocks, self._batch = {}, batch
+        if prefill_only not in self._blocks:
+            tables = batch.block_tables
+            if prefill_only:
+                rows = torch.tensor(batch.prefill_rows, dtype=torch.long).to(tables.device)
+                tables = tables.index_select(0, rows)
+            self._blocks[prefill_only] = tables.reshape(-1)
+        return self._blocks[prefill_only]
+
+    def store(self, layer: int, batch: ForwardBatch, pool_ok: bool) -> None:
+        """The rows the step wrote (its tokens' K and V), quantized into the pool; nothing after
+        an all-decode step whose layer stored them itself (`load` handed it the pool alone)."""
+        if pool_ok and not batch.prefill_rows and uses_triton(self.pool.kv[layer][0]):
+            return
         written = batch.kv_write_index
         for working, stored, scale in zip(self.working[layer], self.pool.kv[layer], self.scales[layer]):
             if uses_triton(working):  # one pass (engine.kernels.kv_fp8)

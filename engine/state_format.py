@@ -120,13 +120,16 @@ class NarrowState:
 
     reads_kind = "state"  # what a layer's modules must say they take in place (HybridLM.in_place_readers)
 
-    def reads_in_place(self, layer: int, batch: ForwardBatch) -> bool:
-        """Whether a layer whose mixer can update the half-width pool in place does so this step:
-        every row a decode, on Triton (the decode kernels read and round the pool themselves)."""
-        return not batch.prefill_rows and uses_triton(self.pool.state[layer][0])
+    def _in_place(self, layer: int, batch: ForwardBatch, pool_ok: bool) -> bool:
+        """An all-decode step on Triton whose layer may be handed the pool (`pool_ok`): its decode
+        kernels read and round the half-width slots themselves."""
+        return pool_ok and not batch.prefill_rows and uses_triton(self.pool.state[layer][0])
 
-    def load(self, layer: int, batch: ForwardBatch) -> None:
-        """The step's slots of `layer` into the working rows."""
+    def load(self, layer: int, batch: ForwardBatch, pool_ok: bool = False) -> tuple[torch.Tensor, ...]:
+        """What layer `layer` is handed this step: the pool itself (see _in_place), or the
+        working rows with the step's slots loaded into them."""
+        if self._in_place(layer, batch, pool_ok):
+            return self.pool.state[layer]
         rows, _ = self._step(batch)
         for working, stored in zip(self.working[layer], self.pool.state[layer]):
             if uses_triton(working):  # one pass (engine.kernels.state_round)
@@ -136,9 +139,13 @@ class NarrowState:
                             row_numel=working[0].numel(), format=FORMATS[stored.dtype])
             else:
                 working.index_copy_(0, rows, stored.index_select(0, rows).float())
+        return self.working[layer]
 
-    def store(self, layer: int, batch: ForwardBatch) -> None:
-        """The step's slots of `layer` back into the pool, stochastically rounded."""
+    def store(self, layer: int, batch: ForwardBatch, pool_ok: bool = False) -> None:
+        """The step's slots of `layer` back into the pool, stochastically rounded (nothing where
+        the layer had the pool in place)."""
+        if self._in_place(layer, batch, pool_ok):
+            return
         rows, positions = self._step(batch)
         for working, stored in zip(self.working[layer], self.pool.state[layer]):
             if uses_triton(working):  # one pass, as the C++ store (engine.kernels.state_round)

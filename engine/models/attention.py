@@ -177,10 +177,12 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                kv_cache: tuple[torch.Tensor, torch.Tensor] | Fp8Blocks) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend: [T, heads, head_dim]."""
-        if isinstance(kv_cache, Fp8Blocks):  # an all-decode step: row i's one token is token i
-            kv_cache.store((k, v), batch.kv_write_index)
-            return paged_attention_decode(q, *kv_cache.tensors, batch.decode_block_tables, batch.decode_context_lens,
-                                          self.scale, self.sliding_window, kv_scales=kv_cache.scales, last_kv=(k, v))
+        pool = None
+        if isinstance(kv_cache, Fp8Blocks):  # FP8 blocks: the decode rows read them in place
+            if kv_cache.working is None:  # an all-decode step: row i's one token is token i
+                kv_cache.store((k, v), batch.kv_write_index)
+                return self._attend_decodes_in_pool(q, k, v, batch, kv_cache)
+            pool, kv_cache = kv_cache, kv_cache.working  # the prefill rows' blocks, dequantized
         k_cache, v_cache = kv_cache
         flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -198,8 +200,18 @@ class PagedAttention(nn.Module):
                     keys, values = self._gather(k_cache, v_cache, batch.block_tables[row], context)
                 out[start:end] = self._attend_one(q[start:end], keys, values, context)
         if batch.decode_rows:
-            out[batch.decode_tokens] = self._attend_decodes(q[batch.decode_tokens], k_cache, v_cache, batch)
+            idx = batch.decode_tokens
+            if pool is not None:
+                out[idx] = self._attend_decodes_in_pool(q[idx], k[idx], v[idx], batch, pool)
+            else:
+                out[idx] = self._attend_decodes(q[idx], k_cache, v_cache, batch)
         return out
+
+    def _attend_decodes_in_pool(self, q, k, v, batch: ForwardBatch, pool: Fp8Blocks) -> torch.Tensor:
+        """The decode rows (q, k, v [B, heads, head_dim], one token each) over FP8 blocks read in
+        place through their scales, each row's own K and V at full precision."""
+        return paged_attention_decode(q, *pool.tensors, batch.decode_block_tables, batch.decode_context_lens,
+                                      self.scale, self.sliding_window, kv_scales=pool.scales, last_kv=(k, v))
 
     def _prefills_in_one_call(self, q, batch: ForwardBatch, k_cache, v_cache, out) -> bool:
         """Every prefill row in one varlen call over the paged cache, where it runs

@@ -168,14 +168,17 @@ class LayerCaches:
 
 @dataclass(frozen=True)
 class Fp8Blocks:
-    """An attention layer's KV blocks stored in FP8 (engine.kv_format), as an all-decode step on
-    Triton hands them to the layer in place of working rows: the layer stores its tokens' rows
-    quantized (`store`) and reads the blocks through their scales (engine.kernels.paged_attention),
-    so no block is dequantized anywhere. Handed only to a layer whose attention modules all say
-    `reads_fp8_in_place` (HybridLM.run_layer)."""
+    """An attention layer's KV blocks stored in FP8 (engine.kv_format), as a step on Triton hands
+    them to the layer: its decode rows read the blocks through their scales
+    (engine.kernels.paged_attention), so no decode row's context is dequantized anywhere. In an
+    all-decode step (`working` None) the layer also stores its tokens' rows quantized (`store`);
+    in a step that prefills, `working` holds the prefill rows' blocks dequantized, the layer
+    writes the step's rows there as into any cache, and the cache stores them after it. Handed
+    only to a layer whose attention modules all say `reads_fp8_in_place` (HybridLM.run_layer)."""
 
     tensors: tuple[torch.Tensor, ...]  # the pool's K and V; an MLA layer's one latent tensor
     scales: tuple[torch.Tensor, ...]  # float32 [KV heads] per tensor (a layer's one scale, repeated)
+    working: tuple[torch.Tensor, ...] | None = None  # a step that prefills: its working rows
 
     def store(self, rows: tuple[torch.Tensor, ...], written: torch.Tensor) -> None:
         """The step's rows ([T, KV heads, head_dim] per tensor) into the blocks' token rows `written`."""

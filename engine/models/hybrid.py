@@ -279,9 +279,9 @@ class HybridLM(nn.Module):
         narrow = caches.narrow
         if narrow is None or not narrow.holds(index):
             return call(caches)
-        in_place = narrow.in_place_parts(index, batch, self.in_place_readers(index))
-        h = call(narrow.load(index, batch, in_place))
-        narrow.store(index, batch, in_place)
+        readers = self.in_place_readers(index)
+        h = call(narrow.load(index, batch, readers))
+        narrow.store(index, batch, readers)
         return h
 
     def in_place_readers(self, index: int) -> frozenset[str]:

@@ -96,13 +96,13 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor] | Fp8Blocks) -> torch.Tensor:
         tokens = x.shape[0]
         q, rows = self.queries(x), self.latent_rows(x)
-        if isinstance(kv_cache, Fp8Blocks):  # an all-decode step: row i's one token is token i
-            own = rows.to(q.dtype).view(tokens, 1, -1)
-            kv_cache.store((own,), batch.kv_write_index)
-            (cache,), (scale,) = kv_cache.tensors, kv_cache.scales
-            out = self.attend_absorbed(q, cache, batch.decode_block_tables, batch.decode_context_lens,
-                                       kv_scales=(scale, scale), last_kv=(own, own))
-            return self.o_proj(out.reshape(tokens, -1))
+        pool = None
+        if isinstance(kv_cache, Fp8Blocks):  # FP8 latent rows: the decode rows read them in place
+            if kv_cache.working is None:  # an all-decode step: row i's one token is token i
+                kv_cache.store((rows.to(q.dtype).view(tokens, 1, -1),), batch.kv_write_index)
+                out = self._decodes_in_pool(q, rows, batch, kv_cache)
+                return self.o_proj(out.reshape(tokens, -1))
+            pool, kv_cache = kv_cache, kv_cache.working  # the prefill rows' blocks, dequantized
         (cache,) = kv_cache
         flat = cache.view(-1, cache.shape[-1])
         flat.index_copy_(0, batch.kv_write_index, rows.to(cache.dtype))  # write first, then read
@@ -115,11 +115,21 @@ class LatentAttention(nn.Module):
             out[start:end] = self.attend_expanded(q[start:end], latent, context)
         if batch.decode_rows:
             idx = batch.decode_tokens
-            if self.absorb:
+            if pool is not None:
+                out[idx] = self._decodes_in_pool(q[idx], rows[idx], batch, pool)
+            elif self.absorb:
                 out[idx] = self.attend_absorbed(q[idx], cache, batch.decode_block_tables, batch.decode_context_lens)
             else:
                 out[idx] = self.decode_expanded(q[idx], cache, batch.decode_block_tables, batch.decode_context_lens)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def _decodes_in_pool(self, q: torch.Tensor, rows: torch.Tensor, batch: ForwardBatch, pool: Fp8Blocks):
+        """The decode rows (q, their latent rows; one token each), absorbed, over FP8 latent
+        rows read in place through their scale, each row's own at full precision."""
+        own = rows.to(q.dtype).view(rows.shape[0], 1, -1)
+        (cache,), (scale,) = pool.tensors, pool.scales
+        return self.attend_absorbed(q, cache, batch.decode_block_tables, batch.decode_context_lens,
+                                    kv_scales=(scale, scale), last_kv=(own, own))
 
     def expand(self, latent: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached rows [n, kv_lora_rank + shared] -> K [n, heads, qk_dim], V [n, heads, v_dim]."""
