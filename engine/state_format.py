@@ -21,7 +21,7 @@ one-pass Triton store and load that CUDA runs are engine.kernels.state_round; on
 cpu_state.cpp does the same in C++.
 
 An all-decode step on Triton skips the working rows where the layer's mixer can (Mamba,
-Mamba2, Gated DeltaNet and KDA: `reads_narrow_state_in_place`): it is handed the pool itself,
+Mamba2, Gated DeltaNet, KDA and short conv: `reads_narrow_state_in_place`): it is handed the pool itself,
 and its decode kernels read each slot exactly and store it rounded as the store would, the
 same hash and bits (engine.kernels.state_round's load_state / store_state), so the step
 computes and stores what the working rows give, bit for bit (tests/test_state_format.py).

@@ -43,6 +43,7 @@ def handed(cache: NarrowCache, layer: int) -> tuple[str | None, str | None]:
     ("falcon_h1", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="float16")),  # Mamba2 beside attention
     ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="bfloat16")),  # Gated DeltaNet; gated attention
     ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),  # KDA; MLA's latent rows
+    ("lfm2", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="float16")),  # short conv; normed attention
 ])
 def test_steps_read_and_write_the_narrow_pools_in_place(family, options, model_factory, monkeypatch):
     """An all-decode step hands every narrow layer its pools (nothing loaded into working rows or

@@ -188,10 +188,9 @@ def test_a_narrow_layer_computes_and_stores_exactly_what_float32_would(family, d
     torch_dtype = getattr(torch, dtype)
     assert narrow.cache.sizes.bytes_per_slot * 2 == wide.cache.sizes.bytes_per_slot
     assert all(t.dtype == torch_dtype for _, t in narrow.cache.slot_tensors())
-    # an all-decode step on Triton hands the pool to every recurrent mixer but LFM2's short conv
-    # (its decode is torch ops: tests/test_narrow_in_place.py)
+    # an all-decode step on Triton hands every recurrent mixer its pool (tests/test_narrow_in_place.py)
     recurrent = [i for i, layer in enumerate(narrow.spec.layers) if layer.state]
-    assert all(("state" in narrow.model.in_place_readers(i)) != family.startswith("lfm2") for i in recurrent)
+    assert recurrent and all("state" in narrow.model.in_place_readers(i) for i in recurrent)
     logits = {}
     for engine in (wide, narrow):
         engine.add_request(prompt, GREEDY, request_id="r")

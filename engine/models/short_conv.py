@@ -26,6 +26,9 @@ from engine.models.ssm import decodes_in_one_call, packed_fit, varlen_causal_con
 
 class ShortConvMixer(nn.Module):
     state_kind = "short_conv"
+    # Its decode is the conv update, which takes a half-width state pool in place given the rows'
+    # positions (engine.state_format: an all-decode step on Triton skips the working rows).
+    reads_narrow_state_in_place = True
 
     def __init__(self, hidden: int, kernel: int, bias: bool):
         super().__init__()
