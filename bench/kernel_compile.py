@@ -6,7 +6,8 @@ architecture lacks, a float8 dot narrower than its MMA). This records each kerne
 engine makes it at serving sizes, from bench.kernels' cases on meta tensors (nothing is
 computed, nothing is read back) with the choices a GPU makes (tile, context splits), and
 compiles each distinct launch to a cubin with the ptxas Triton ships, for the GPUs people serve
-on: sm_90 (H100, H200) and sm_80 (A100).
+on: sm_90 (H100, H200) and sm_80 (A100). A launch whose kernel needs more shared memory than the
+architecture gives a block (it would fail with OutOfResources) fails the check too.
 
 A kernel module may say it is not for every GPU (MIN_CAPABILITY: the FP8 weight kernels, which
 run only where FP8 weights stay FP8); on a GPU below 8.9 an e4m3 cache moves as bytes
@@ -35,6 +36,8 @@ import torch
 from engine.kernels import _triton
 
 ARCHS = (90, 80)
+# the most shared memory a block may use (bytes), past which a launch fails with OutOfResources
+SHARED_BYTES = {90: 232448, 80: 166912}
 SMS = 132  # an H100 SXM's, for the context splits a GPU's decode attention picks
 AB_ONLY = {"ssd_chunk_scan", "chunk_gated_delta_rule"}  # bench.kernels cases CUDA runs as an A/B only
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
@@ -50,12 +53,14 @@ class Launch:
     name: str
     signature: tuple  # ((argument, Triton type), ...)
     constexprs: tuple  # ((argument, value), ...)
+    options: tuple = ()  # the launch's compile options: ((num_warps, n), (num_stages, n))
 
     @classmethod
     def of(cls, fn, args, kwargs) -> Launch:
         names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
         return cls(fn.__module__, fn.__name__, tuple((name, _type(fn, name, arg)) for name, arg in zip(names, args)),
-                   tuple(sorted((k, v) for k, v in kwargs.items() if k in names)))
+                   tuple(sorted((k, v) for k, v in kwargs.items() if k in names)),
+                   tuple(sorted((k, v) for k, v in kwargs.items() if k not in names)))
 
     def runs_on(self, arch: int) -> bool:
         lowest = getattr(importlib.import_module(self.module), "MIN_CAPABILITY", (0, 0))
@@ -80,14 +85,13 @@ def as_on_a_gpu(arch: int):
     context splits; below 8.9, e4m3 caches as bytes."""
     from engine.kernels import paged_attention
 
-    saved = paged_attention._default_tile, paged_attention._default_splits, os.environ.get("SPLITSERVE_FP8_AS_BYTES")
-    paged_attention._default_tile = lambda q: 64
-    paged_attention._default_splits = lambda q, programs, max_tiles: max(1, min(-(-2 * SMS // programs), max_tiles))
+    saved = paged_attention._on_gpu, paged_attention._sm_count, os.environ.get("SPLITSERVE_FP8_AS_BYTES")
+    paged_attention._on_gpu, paged_attention._sm_count = (lambda q: True), (lambda q: SMS)
     os.environ["SPLITSERVE_FP8_AS_BYTES"] = "1" if arch < 89 else "0"
     try:
         yield
     finally:
-        paged_attention._default_tile, paged_attention._default_splits, as_bytes = saved
+        paged_attention._on_gpu, paged_attention._sm_count, as_bytes = saved
         os.environ.pop("SPLITSERVE_FP8_AS_BYTES") if as_bytes is None else os.environ.update(
             SPLITSERVE_FP8_AS_BYTES=as_bytes)
 
@@ -127,7 +131,7 @@ def compile_launch(launch: Launch, arch: int):
     signature = {**dict(launch.signature), **{name: "constexpr" for name in constexprs}}
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()})
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
 
 
 def check(archs=ARCHS, everything: bool = False) -> list[tuple[str, int, float, str]]:
@@ -139,8 +143,9 @@ def check(archs=ARCHS, everything: bool = False) -> list[tuple[str, int, float, 
         for launch in record(arch, everything):
             started = time.perf_counter()
             try:
-                compile_launch(launch, arch)
-                outcome = "ok"
+                shared = compile_launch(launch, arch).metadata.shared
+                outcome = "ok" if shared <= SHARED_BYTES[arch] else \
+                    f"needs {shared} B of shared memory; sm_{arch} has {SHARED_BYTES[arch]}"
             except Exception as error:  # noqa: BLE001 - Triton's compile errors are of many kinds
                 lines = str(error).strip().splitlines() or [type(error).__name__]
                 outcome = lines[-1][:200]

@@ -441,6 +441,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s)],
     lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
+    lambda d, t, s: [attention_case(d, t, s, heads=32, kv_heads=1, head_dim=576)],  # Kimi Linear's MLA, absorbed
     lambda d, t, s: row_copy_cases(d, t, s),
     lambda d, t, s: state_round_cases(d, t, s),
     lambda d, t, s: narrow_state_cases(d, t, s),

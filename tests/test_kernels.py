@@ -128,6 +128,7 @@ def _paged_case(heads, kv_heads, head_dim, block_size, context_lens, dtype, wind
     (8, 2, 24, 4, [9, 33, 2], 6, 1, torch.float32),                  # GQA 4, odd head dim, window
     (4, 1, 16, 16, [50, 7], 20, 4, torch.float32),                   # MQA, window across splits
     (8, 4, 32, 4, [30, 3, 12], None, 2, torch.bfloat16),
+    (40, 1, 576, 16, [20, 33], None, 2, torch.float32),              # wide MLA heads: 16 query heads a program
 ])
 def test_paged_attention_kernel(kernel_mode, heads, kv_heads, head_dim, block_size, context_lens,
                                 window, splits, dtype):

@@ -12,7 +12,8 @@ step's own token at full precision, read instead of the cache's. The result is t
 over the dequantized rows, without writing them anywhere.
 
 The Triton path is flash-decoding: program (b, kv_head, split) runs an online softmax over
-its share of the context for all query heads of that KV head at once, token tiles resolved
+its share of the context for all query heads of that KV head at once (for wide heads, MLA's,
+16 of them a program), token tiles resolved
 to (block, offset) one token at a time, so tiles may straddle blocks of any size. With more
 than one split a second kernel merges the partial (max, sum, acc) triples.
 """
@@ -26,6 +27,7 @@ from engine.kernels._triton import device_function, interpreting, jit, next_powe
 from engine.kernels.float_bits import FP8_FORMATS, fp8_as_bytes, fp8_value
 
 MAX_SPLITS = 64
+WIDE_HEAD = 512  # a padded head dim from which a program takes 16 query heads (see the launch)
 
 
 def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
@@ -83,22 +85,30 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride() or out.stride(2) != 1:
         raise ValueError("q, out and the caches need a unit stride in the head dimension, "
                          "and k_cache and v_cache the same strides")
-    tile = tile or _default_tile(q)
+    group = heads // kv_heads
+    dim_pad = max(16, next_power_of_2(head_dim))
+    # A program keeps its query heads' rows [heads, DIM_PAD] and a tile of keys and values on
+    # chip. Wide heads (MLA's latent rows: 576) under many query heads would need 200-400 KB of
+    # shared memory, past an A100's 163 KB (past every GPU's at 128 heads): there a program
+    # takes 16 query heads and 16 tokens a tile, each block of heads reading the cache itself.
+    wide = dim_pad >= WIDE_HEAD
+    group_block = 16 if wide else max(16, next_power_of_2(group))
+    group_blocks = -(-group // group_block)
+    tile = tile or (16 if wide or not _on_gpu(q) else 64)
     # Without a host sync on context_lens the table width bounds every context.
     max_tiles = -(-block_tables.shape[1] * block_size // tile)
     if num_splits is None:
-        num_splits = _default_splits(q, batch * kv_heads, max_tiles)
+        num_splits = _default_splits(q, batch * kv_heads * group_blocks, max_tiles)
     num_splits = max(1, min(num_splits, max_tiles, MAX_SPLITS))
     split_len = -(-max_tiles // num_splits) * tile
-    group = heads // kv_heads
     # Triton 3.9's interpreter multiplies the raw bits of bfloat16 dot operands; upcast there.
     dot_fp32 = (q.dtype if kv_scales is not None else k_cache.dtype) == torch.float32 or interpreting()
     mantissa, min_exponent = FP8_FORMATS.get(k_cache.dtype, (0, 0))
     as_bytes = fp8_as_bytes(k_cache)
     if as_bytes:  # read as bytes, decoded in the kernel (engine.kernels.float_bits)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    meta = dict(GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
-                DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=block_size, TILE=tile,
+    meta = dict(GROUP=group, GROUP_BLOCK=group_block, GROUP_BLOCKS=group_blocks, HEAD_DIM=head_dim,
+                DIM_PAD=dim_pad, BLOCK_SIZE=block_size, TILE=tile,
                 HAS_WINDOW=sliding_window is not None, SCALED=kv_scales is not None, HAS_LAST=last_kv is not None,
                 AS_BYTES=as_bytes, MANTISSA_BITS=mantissa, MIN_EXPONENT=min_exponent,
                 DOT_FP32=dot_fp32, DOT_PRECISION="ieee" if dot_fp32 else "tf32")
@@ -109,14 +119,17 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
               q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               block_tables.stride(0), k_scale, v_scale, k_last, v_last, k_last.stride(0), k_last.stride(1),
               v_last.stride(0), v_last.stride(1))
+    # float32 dot operands, double-buffered, take 150-200 KB of shared memory at head dims of
+    # 256 and more (an A100 gives a block 163 KB); one stage takes 86-132 KB
+    meta.update(num_stages=1 if dot_fp32 and not interpreting() else 3)
     if num_splits == 1:
-        _decode_split_kernel[(batch, kv_heads, 1)](
+        _decode_split_kernel[(batch, kv_heads * group_blocks, 1)](
             *common, out, out, out, out.stride(0), out.stride(1), 0, 0, 0, SPLIT_OUT=False, **meta)
         return out
     acc = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     row_max = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     row_sum = torch.empty_like(row_max)
-    _decode_split_kernel[(batch, kv_heads, num_splits)](
+    _decode_split_kernel[(batch, kv_heads * group_blocks, num_splits)](
         *common, acc, row_max, row_sum, acc.stride(0), acc.stride(1), acc.stride(2),
         row_max.stride(0), row_max.stride(1), SPLIT_OUT=True, **meta)
     _merge_splits_kernel[(batch, heads)](
@@ -126,15 +139,18 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     return out
 
 
-def _default_tile(q):
-    return 64 if q.is_cuda else 16
+def _on_gpu(q) -> bool:
+    return q.is_cuda
+
+
+def _sm_count(q) -> int:
+    return torch.cuda.get_device_properties(q.device).multi_processor_count
 
 
 def _default_splits(q, programs, max_tiles):
-    if not q.is_cuda:
+    if not _on_gpu(q):
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    return max(1, min(-(-2 * sms // programs), max_tiles))
+    return max(1, min(-(-2 * _sm_count(q) // programs), max_tiles))
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens, kv_scales=None, last_kv=None):
@@ -185,15 +201,16 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
                          v_last_stride_b, v_last_stride_h,
                          out_ptr, max_ptr, sum_ptr, out_stride_b, out_stride_h, out_stride_split,
                          stat_stride_b, stat_stride_h,
-                         SPLIT_OUT: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         SPLIT_OUT: tl.constexpr, GROUP: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+                         GROUP_BLOCKS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, SCALED: tl.constexpr,
                          HAS_LAST: tl.constexpr, AS_BYTES: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                          MIN_EXPONENT: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     b = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // GROUP_BLOCKS
+    g = (tl.program_id(1) % GROUP_BLOCKS) * GROUP_BLOCK + tl.arange(0, GROUP_BLOCK)  # this block's query heads
     split = tl.program_id(2)
-    g = tl.arange(0, GROUP_PAD)
     dim = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
     g_ok = g < GROUP
@@ -220,9 +237,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
     if HAS_WINDOW:
         first = tl.maximum(first, context - window)
     last = tl.minimum(context, (split + 1) * split_len)
-    row_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    row_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    row_max = tl.full([GROUP_BLOCK], float("-inf"), tl.float32)
+    row_sum = tl.zeros([GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([GROUP_BLOCK, DIM_PAD], tl.float32)
     # Every tile starts below `last`, so it holds a visible key and row_max becomes finite.
     for start in range(first, last, TILE):
         pos = start + tl.arange(0, TILE)
@@ -235,7 +252,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, scale, windo
         is_own = pos == context - 1
         k = _tile_values(k_ptr, offsets, kv_mask, k_scale, k_own, is_own, q, q_ptr, SCALED, HAS_LAST, AS_BYTES,
                          MANTISSA_BITS, MIN_EXPONENT)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_BLOCK, TILE]
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         p = tl.exp(scores - new_max[:, None])
