@@ -82,7 +82,6 @@ class NarrowCache:
         # What a layer is handed: the working caches, with its own entries set per step by `load`
         # (its working rows, or its pools where it reads them in place).
         self.handed = LayerCaches(list(kv), list(state))
-        self.pool = pool
 
     @classmethod
     def of(cls, pool: LayerCaches, spec: ModelSpec, num_block_rows: int, num_slot_rows: int,

@@ -9,8 +9,8 @@ as vLLM's and llm-compressor's FP8 checkpoints do): one number, or one per KV he
 `kv_cache_scheme` must carry them for every attention layer. Scales per head are not taken
 with tensor parallelism (each rank would hold its heads' share; refused at load).
 
-As for narrow recurrent state (engine.state_format), the attention layers do not change: around
-each such layer's forward, NarrowKV dequantizes the blocks the step's rows read into working
+As for narrow recurrent state (engine.state_format), on the CPU the attention layers do not
+change: around each such layer's forward, NarrowKV dequantizes the blocks the step's rows read into working
 rows in the compute dtype (one layer at a time: every layer of the same row shape shares
 them), the layer runs on those, and the rows it wrote go back quantized (where Triton runs, one
 pass each of engine.kernels.kv_fp8). A step's own tokens therefore attend to each other at
@@ -186,7 +186,7 @@ class NarrowKV:
         Triton runs, an Fp8Blocks: an all-decode step's loads nothing; a step that prefills loads
         its prefill rows' blocks into the working rows beside it. Else the working rows, with
         every block the step's rows read (their whole tables) dequantized into them."""
-        in_place = pool_ok and uses_triton(self.pool.kv[layer][0])
+        in_place = self._reads_pool(layer, pool_ok)
         if in_place and not batch.prefill_rows:
             return self.in_place[layer]
         blocks = self._blocks_of(batch, prefill_only=in_place)
@@ -198,6 +198,11 @@ class NarrowKV:
             rows = stored.view(torch.uint8).index_select(0, blocks).view(stored.dtype)
             working.index_copy_(0, blocks, dequantize(rows, scale, self.dtype))
         return self.beside[layer] if in_place else self.working[layer]
+
+    def _reads_pool(self, layer: int, pool_ok: bool) -> bool:
+        """Whether the layer's decode rows read its pool in place: it may be handed it (`pool_ok`)
+        and Triton runs (the paged decode kernel that reads FP8 blocks)."""
+        return pool_ok and uses_triton(self.pool.kv[layer][0])
 
     def _blocks_of(self, batch: ForwardBatch, prefill_only: bool) -> torch.Tensor:
         """The blocks a step loads: every row's table, or its prefill rows' (once per step; a
@@ -215,7 +220,7 @@ class NarrowKV:
     def store(self, layer: int, batch: ForwardBatch, pool_ok: bool) -> None:
         """The rows the step wrote (its tokens' K and V), quantized into the pool; nothing after
         an all-decode step whose layer stored them itself (`load` handed it the pool alone)."""
-        if pool_ok and not batch.prefill_rows and uses_triton(self.pool.kv[layer][0]):
+        if self._reads_pool(layer, pool_ok) and not batch.prefill_rows:
             return
         written = batch.kv_write_index
         for working, stored, scale in zip(self.working[layer], self.pool.kv[layer], self.scales[layer]):

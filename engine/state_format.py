@@ -3,7 +3,7 @@
 A recurrent layer computes its state in float32 and, by default, the cache keeps it so. With
 `mamba_state_dtype` bfloat16 or float16 the cache keeps every recurrent layer's state tensors
 at half width: half the bytes per sequence on a decode worker, in a hand-off and in a prefix
-cache entry. The layers themselves do not change: around each such layer's forward,
+cache entry. On the CPU the layers themselves do not change: around each such layer's forward,
 NarrowState loads the step's slots from the narrow pool into one float32 working buffer,
 the layer runs on it exactly as on a float32 pool, and the rows go back rounded. The working
 buffer holds one layer at a time (every layer of the same state shape shares it), so the
@@ -125,7 +125,7 @@ class NarrowState:
         kernels read and round the half-width slots themselves."""
         return pool_ok and not batch.prefill_rows and uses_triton(self.pool.state[layer][0])
 
-    def load(self, layer: int, batch: ForwardBatch, pool_ok: bool = False) -> tuple[torch.Tensor, ...]:
+    def load(self, layer: int, batch: ForwardBatch, pool_ok: bool) -> tuple[torch.Tensor, ...]:
         """What layer `layer` is handed this step: the pool itself (see _in_place), or the
         working rows with the step's slots loaded into them."""
         if self._in_place(layer, batch, pool_ok):
@@ -141,7 +141,7 @@ class NarrowState:
                 working.index_copy_(0, rows, stored.index_select(0, rows).float())
         return self.working[layer]
 
-    def store(self, layer: int, batch: ForwardBatch, pool_ok: bool = False) -> None:
+    def store(self, layer: int, batch: ForwardBatch, pool_ok: bool) -> None:
         """The step's slots of `layer` back into the pool, stochastically rounded (nothing where
         the layer had the pool in place)."""
         if self._in_place(layer, batch, pool_ok):

@@ -32,7 +32,7 @@ def handed(cache: NarrowCache, layer: int) -> tuple[str | None, str | None]:
         given = cache.handed.kv[layer]
         kv = "working" if not isinstance(given, Fp8Blocks) else "pool" if given.working is None else "beside"
     if cache.state is not None and cache.state.holds(layer):
-        state = "pool" if cache.handed.state[layer] is cache.pool.state[layer] else "working"
+        state = "pool" if cache.handed.state[layer] is cache.state.pool.state[layer] else "working"
     return kv, state
 
 

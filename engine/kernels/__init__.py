@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from engine.kernels import _triton, cpu, fla_rule
+from engine.kernels import _triton, cpu, fla_rule, state_round
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
 from engine.kernels.gdn_triton import chunk_gated_delta_rule_triton, gated_delta_scan_triton, gated_delta_step_triton
@@ -77,7 +77,7 @@ def uses_cpu_kernel(tensor: torch.Tensor) -> bool:
 def _narrow(state: torch.Tensor, positions) -> dict:
     """The positions argument for a half-width state pool updated in place (engine.state_format:
     an all-decode step on Triton); none for a float32 pool, whose CPU kernels take none."""
-    return {"positions": positions} if state.dtype in (torch.bfloat16, torch.float16) else {}
+    return {"positions": positions} if state.dtype in state_round.HALF else {}
 
 
 def _pick(tensor: torch.Tensor, triton_impl, cpu_impl, ref_impl):

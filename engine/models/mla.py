@@ -89,7 +89,7 @@ class LatentAttention(nn.Module):
 
     @property
     def reads_fp8_in_place(self) -> bool:
-        """An all-decode step may hand this layer its FP8 latent rows in place (engine.models.batch.
+        """A step on Triton may hand this layer its FP8 latent rows in place (engine.models.batch.
         Fp8Blocks) when decode runs absorbed: the paged kernel then reads them through their scale."""
         return self.absorb
 
