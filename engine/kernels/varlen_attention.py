@@ -81,7 +81,10 @@ def _torch_varlen():
     return varlen_attn if {"block_table", "seqused_k", "enable_gqa", "window_size", "scale"} <= takes else None
 
 
-_kernel = _torch_varlen()
+_UNRESOLVED = object()
+# Resolved at the first CUDA check, not at import: importing torch's varlen module imports
+# torch._dynamo, about a second of every worker process's start where nothing will call it.
+_kernel = _UNRESOLVED
 _refused: dict[tuple, str] = {}  # (device, dtype, block size, head dim) -> why the kernel turned it down
 
 
@@ -109,8 +112,15 @@ def varlen_attention_ref(q, k_cache, v_cache, rows: VarlenRows, scale: float, wi
 
 def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the one-call path runs for these queries and this pool (the caller's cheap check)."""
-    return (_kernel is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
-            and k_cache.dtype == q.dtype and _key(q, k_cache) not in _refused)
+    return (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and k_cache.dtype == q.dtype
+            and _resolved_kernel() is not None and _key(q, k_cache) not in _refused)
+
+
+def _resolved_kernel():
+    global _kernel
+    if _kernel is _UNRESOLVED:
+        _kernel = _torch_varlen()
+    return _kernel
 
 
 def _key(q, k_cache) -> tuple:
