@@ -32,6 +32,7 @@ def same_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, 
     (5, 256, 128, torch.float32), (3, 80, 32, torch.bfloat16),  # 80: the last group 16 wide
     (7, 2048, 2048, torch.bfloat16), (4, 100, 128, torch.float16),  # a scale per row; one group shorter than cols
     (2, 100, 48, torch.float32),  # groups narrower than the kernel's power-of-two block
+    (37, 256, 128, torch.bfloat16),  # several programs' blocks of rows, the last one partial
     (0, 64, 32, torch.float32)])
 def test_rounding_to_fp8_is_the_reference_bit_for_bit(kernel_mode, rows, cols_total, cols, dtype):
     """Rows whose magnitudes span 10^-4 .. 10^3, a group of zeros (the scale's floor), and a

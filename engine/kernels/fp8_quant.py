@@ -28,6 +28,7 @@ from engine.kernels.float_bits import round_to_fp8_grid
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 TINY = torch.finfo(torch.float32).tiny
+TILE_VALUES = 2048  # a program rounds about this many values: several rows where a group is narrow
 MIN_CAPABILITY = (8, 9)  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
 
 
@@ -56,8 +57,8 @@ def quantize_scaled_triton(rows: torch.Tensor, scale: torch.Tensor) -> torch.Ten
 
 
 def _launch(rows: torch.Tensor, cols: int, scale: torch.Tensor, static: bool) -> torch.Tensor:
-    """The kernel over (row, group): `scale` written (dynamic) or read (static: one for all rows,
-    or one per row)."""
+    """The kernel over (block of rows, group): `scale` written (dynamic) or read (static: one for
+    all rows, or one per row)."""
     m, k = rows.shape
     quantized = torch.empty(m, k, dtype=FP8, device=rows.device)
     if m == 0 or k == 0:
@@ -65,26 +66,30 @@ def _launch(rows: torch.Tensor, cols: int, scale: torch.Tensor, static: bool) ->
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     block, groups = next_power_of_2(cols), -(-k // cols)
-    _quantize_groups_kernel[(m, groups)](
-        rows, quantized, scale, k, groups, rows.stride(0), 1 if scale.numel() == m and m > 1 else 0, FP8_MAX, TINY,
-        COLS=cols, BLOCK=block, STATIC=static, num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+    row_block = max(1, min(next_power_of_2(m), TILE_VALUES // block))
+    values = row_block * block
+    _quantize_groups_kernel[(-(-m // row_block), groups)](
+        rows, quantized, scale, m, k, groups, rows.stride(0), 1 if scale.numel() == m and m > 1 else 0, FP8_MAX, TINY,
+        COLS=cols, BLOCK=block, ROWS=row_block, STATIC=static,
+        num_warps=4 if values <= 1024 else 8 if values <= 4096 else 16,
     )
     return quantized
 
 
 @jit
-def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, K, GROUPS, stride_x, static_stride, fp8_max, tiny,
-                            COLS: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _quantize_groups_kernel(x_ptr, q_ptr, scale_ptr, M, K, GROUPS, stride_x, static_stride, fp8_max, tiny,
+                            COLS: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, STATIC: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     group = tl.program_id(1)
     offsets = tl.arange(0, BLOCK)
     cols = group * COLS + offsets
-    ok = (offsets < COLS) & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    row_ok = rows < M
+    ok = row_ok[:, None] & ((offsets < COLS) & (cols < K))[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if STATIC:
-        scale = tl.load(scale_ptr + row * static_stride)
+        scale = tl.load(scale_ptr + rows * static_stride, mask=row_ok, other=1.0)
     else:
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), tiny)
-        tl.store(scale_ptr + row * GROUPS + group, scale)
-    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
-    tl.store(q_ptr + row * K + cols, round_to_fp8_grid(v, 3, -6).to(q_ptr.dtype.element_ty), mask=ok)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=1), fp8_max), tiny)
+        tl.store(scale_ptr + rows * GROUPS + group, scale, mask=row_ok)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -fp8_max), fp8_max)
+    tl.store(q_ptr + rows[:, None] * K + cols[None, :], round_to_fp8_grid(v, 3, -6).to(q_ptr.dtype.element_ty), mask=ok)
