@@ -77,16 +77,22 @@ PROMPTS = [[5, 6, 7], [9], list(range(3, 14))]
 
 
 def cuda_like_engine(path, monkeypatch, static: bool = True, **options) -> LLM:
-    """An engine that runs as on CUDA: Triton kernels, no C++ CPU kernels, MoE without the
-    per-expert loop; its decode steps on the static path unless `static` is False."""
-    enter_kernel_mode()
-    monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")
-    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
-    monkeypatch.setenv(STATIC_ENV, "1")
+    """An engine that runs as on CUDA (run_as_on_cuda); its decode steps on the static path
+    unless `static` is False."""
+    run_as_on_cuda(monkeypatch)
     llm = LLM(str(path), block_size=4, max_num_seqs=4, num_kv_blocks=48, **options)
     if static:
         llm.engine.runner.use_static_decode(capture=False)
     return llm
+
+
+def run_as_on_cuda(monkeypatch) -> None:
+    """Engines built after this run as on CUDA: Triton kernels, no C++ CPU kernels, MoE without
+    the per-expert loop."""
+    enter_kernel_mode()
+    monkeypatch.setenv("SPLITSERVE_FORCE_TRITON", "1")
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setenv(STATIC_ENV, "1")
 
 
 def decode_guarded(llm: LLM, monkeypatch) -> list[list[int]]:

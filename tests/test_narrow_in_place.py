@@ -16,7 +16,8 @@ from engine import SamplingParams
 from engine.cache_formats import NarrowCache
 from engine.models.batch import Fp8Blocks
 from engine.models.hybrid import HybridLM
-from tests.test_decode_host_reads import cuda_like_engine
+from tests.test_decode_host_reads import cuda_like_engine, run_as_on_cuda
+from tests.test_static_decode import cache_tensors, decode_step, decoding_engine
 
 FEW = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 # With 8 tokens a step the long prompt is prefilled in chunks while the short one decodes:
@@ -94,3 +95,36 @@ def test_steps_read_and_write_the_narrow_pools_in_place(family, options, model_f
     for step, (got, want) in enumerate(zip(steps, steps_ref)):
         assert torch.equal(got, want), f"step {step}"
     assert all(torch.equal(a, b) for a, b in zip(pools, pools_ref))
+
+
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("family, options", [
+    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),
+    ("kimi_linear", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16")),
+])
+def test_the_static_decode_step_reads_and_writes_the_pools_as_the_eager_one(family, options, model_factory,
+                                                                            monkeypatch):
+    """The forward a CUDA graph captures (engine.cuda_graphs.StaticDecode, run uncaptured) on
+    narrow pools, from the same cache contents as the eager step: the same logits and the same
+    bytes in every pool row. Eight requests fill the padded batch: a CPU GEMM over five rows
+    rounds otherwise than over eight, and padded rows are tests/test_static_decode.py's (which
+    captures this step on CUDA)."""
+    path, _ = model_factory(family)
+    run_as_on_cuda(monkeypatch)
+    llm = decoding_engine(path, 8, device=DEVICE, **options)
+    llm.engine.runner.use_static_decode(capture=False)
+    plan = llm.engine.scheduler.schedule()
+    assert len(plan.seqs) == 8 and 8 in llm.engine.runner.static.sizes
+    snapshot = [t.clone() for t in cache_tensors(llm)]
+    eager_logits, eager_cache = decode_step(llm, plan.seqs, snapshot, None)
+    static_logits, static_cache = decode_step(llm, plan.seqs, snapshot, llm.engine.runner.static)
+    assert torch.equal(static_logits, eager_logits)
+    written = 0
+    for before, eager, static in zip(snapshot, eager_cache, static_cache):
+        assert before.dtype in NARROW and torch.equal(static[:-1].view(torch.uint8), eager[:-1].view(torch.uint8))
+        written += not torch.equal(before.view(torch.uint8), eager.view(torch.uint8))
+    assert written == len(snapshot)  # every pool took the step's token or state
+
+
+NARROW = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16)

@@ -304,6 +304,31 @@ def test_graph_replay_equals_eager_on_cuda(model_factory, name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name, options", [
+    ("jamba", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),
+    ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16")),
+    ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3", mamba_state_dtype="bfloat16")),
+])
+def test_graph_replay_reads_and_writes_narrow_pools_as_eager_on_cuda(model_factory, name, options):
+    """An all-decode step hands narrow layers their pools in place (tests/test_narrow_in_place.py):
+    captured, the FP8 blocks' reads and quantized stores and the half-width state's rounded
+    stores replay as the eager step runs them, logits and every pool byte equal."""
+    path, _ = model_factory(name)
+    llm = decoding_engine(path, 5, device="cuda", **options)
+    static = llm.engine.runner.static
+    assert static.eager_reason is None and sorted(static.graphs) == static.sizes
+    plan = llm.engine.scheduler.schedule()
+    snapshot = [t.clone() for t in cache_tensors(llm)]
+    assert any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in snapshot)
+    eager_logits, eager_cache = decode_step(llm, plan.seqs, snapshot, None)
+    graph_logits, graph_cache = decode_step(llm, plan.seqs, snapshot, static)
+    assert torch.equal(graph_logits, eager_logits)
+    for eager, graph in zip(eager_cache, graph_cache):
+        assert torch.equal(graph[:-1].view(torch.uint8), eager[:-1].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_uncapturable_model_decodes_eagerly_on_cuda(model_factory, monkeypatch):
     path, hf = model_factory("jamba")  # attention on the torch reference: refused with a reason, never crashes
     monkeypatch.setenv("SPLITSERVE_DISABLE_TRITON", "1")
