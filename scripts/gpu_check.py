@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMITS_S = {"env": 60, "engine": 150, "handoff": 100, "graphs": 100, "kernels": 200, "speed": 130}
+LIMITS_S = {"env": 60, "engine": 150, "handoff": 100, "graphs": 130, "kernels": 200, "speed": 130}
 
 
 def main(argv=None) -> int:

@@ -296,7 +296,7 @@ def step_graphs(dry_run: bool) -> dict:
     from tests import oracle
 
     tests_ok, tests = (True, "not run (CUDA only)") if dry_run else _pytest(
-        ["tests/test_static_decode.py"], "gpu", 70)
+        ["tests/test_static_decode.py"], "gpu", 100)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     rows, failed = [], []
     with tempfile.TemporaryDirectory() as tmp:
