@@ -400,18 +400,22 @@ def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
 
 def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, intermediate=512):
     """Qwen3-Next-80B-A3B-FP8's experts (128x128 blocks): gate_up and down at a batch-64 decode
-    step, gate_up at a 2048-token prefill; the fused kernel against the split products."""
+    step, gate_up at a 2048-token prefill, and one rank's down at tensor-parallel 8 (64 input
+    columns: half of each block, kept in 64-column groups, Fp8Experts.tp_take); the fused
+    kernel against the split products."""
     if dtype != torch.bfloat16 or (device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
         return []  # the serving dtype only; FP8 needs the units
     experts = max(2, experts // scale)
     top_k = min(top_k, max(1, experts // 4))
     hidden, intermediate = max(32, hidden // scale), max(16, intermediate // scale)
-    block = (min(128, 2 * intermediate), min(128, hidden, intermediate))
+    whole = (min(128, 2 * intermediate), min(128, hidden, intermediate))
     # drawn where they are used (GBs at these sizes); meta tensors (bench.kernel_compile) draw nothing
     generator = None if device.type == "meta" else torch.Generator(device).manual_seed(0)
     cases = []
-    for name, tokens, out, inputs in (("gate_up", 64, 2 * intermediate, hidden), ("down", 64, hidden, intermediate),
-                                      ("gate_up", 2048, 2 * intermediate, hidden)):
+    shard = (whole[0], max(16, whole[1] // 2))
+    for name, tokens, out, inputs, block in (
+            ("gate_up", 64, 2 * intermediate, hidden, whole), ("down", 64, hidden, intermediate, whole),
+            ("gate_up", 2048, 2 * intermediate, hidden, whole), ("down TP8", 64, hidden, shard[1], shard)):
         tokens = max(1, tokens // scale)
         picks = torch.rand(tokens, experts, device=device, generator=generator).topk(top_k, dim=1).indices.flatten()
         counts = torch.zeros(experts, dtype=torch.long, device=device).index_add_(0, picks, torch.ones_like(picks))

@@ -23,7 +23,7 @@ from engine import LLM
 from engine.kernels import _triton
 from engine.kernels.fp8_moe import grouped_block_fp8_triton
 from engine.models import fp8_experts
-from engine.models.fp8_experts import Fp8Experts, grouped_fits, kernel_for, reference_grouped
+from engine.models.fp8_experts import Fp8Experts, grouped_fits, kernel_for, narrower_groups, reference_grouped
 from engine.models.fp8_linear import FP8, FP8_MAX
 from tests import oracle
 from tests.test_fp8 import fp8_checkpoint
@@ -212,6 +212,44 @@ def test_tensor_parallel_shards_keep_fp8_where_their_products_stay_the_same(dim,
                                    rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("positions, width", [
+    (list(range(16, 48)), 16),  # the second half of one 32-column block and the first of the next
+    (list(range(32, 48)) + list(range(64, 80)), 16),
+    (list(range(0, 80)), 16),  # two whole blocks, then half of one
+    (list(range(8, 40)), None)])  # 8-column pieces: narrower than the grouped GEMM takes
+@pytest.mark.parametrize("fused", [False, True])
+def test_input_shards_that_cut_blocks_keep_fp8_in_narrower_groups(positions, width, fused, request):
+    """Input columns that cut 32-column blocks (Qwen3-Next's 128-column blocks at TP 8 are cut
+    the same way): the shard keeps FP8 in `width`-column groups, each with its block's weight
+    scale, its weights and the product from them those of the columns taken; its input rounds
+    per narrower group, so against the un-sharded weight's partial product over those columns
+    it differs by FP8 rounding of the input alone."""
+    if fused:
+        request.getfixturevalue("triton_runs")
+    stacked = random_experts(2, 48, 112, (16, 32))  # the last block 16 wide
+    shard = stacked.tp_take(2, positions)
+    index = torch.tensor(positions)
+    assert torch.equal(shard[:], stacked[:].index_select(2, index))
+    assert shard.kept == (width is not None)
+    if width is None:
+        return
+    assert shard.block == (16, width) and shard.fused == fused and shard.weight_scale.shape == (2, 3, len(positions) // width)
+    rows = torch.randn(6, len(positions))
+    ends = torch.tensor([2, 6], dtype=torch.int32)
+    got = shard.grouped_product(rows, ends)
+    torch.testing.assert_close(got, reference(shard, rows, [2, 4]), rtol=1e-5, atol=1e-4)
+    exact_input = torch.cat([F.linear(rows[:2], stacked[0][:, index]), F.linear(rows[2:], stacked[1][:, index])])
+    assert float((got - exact_input).abs().max()) <= 0.07 * float(exact_input.abs().max())  # e4m3: 2^-4 a value
+
+
+def test_narrower_groups_are_the_widest_the_columns_are_whole_groups_of():
+    assert narrower_groups(list(range(192, 256)), 512, 128) == (64, [3])  # Qwen3-Next's experts, rank 3 of 8
+    assert narrower_groups(list(range(32, 64)) + list(range(96, 128)), 256, 128) == (32, [1, 3])
+    assert narrower_groups(list(range(0, 80)), 112, 32) == (16, [0, 1, 2, 3, 4])
+    assert narrower_groups(list(range(8, 40)), 64, 32) is None  # 8 wide: under the grouped GEMM's 16
+    assert narrower_groups(list(range(0, 48)), 96, 96) == (48, [0])  # a width off the powers of two
+
+
 @pytest.mark.parametrize("dim, positions", [(None, None), (1, list(range(16, 48))), (2, list(range(16, 48)))])
 def test_static_scales_round_each_row_by_its_expert_whole_or_sharded(dim, positions):
     """Two experts with static activation scales 0.013 and 0.021: each row is rounded by its own
@@ -247,6 +285,43 @@ def test_tensor_parallel_ranks_keep_fp8_experts_and_match_the_unsharded_model(ke
                                               if isinstance(m, Fp8Experts)])
     for kept in shards:
         assert kept and all(m.kept and m.block == (16, 16) and m.shape[1:] in ((96, 64), (64, 48)) for m in kept), kept
+
+
+def test_two_input_shards_sum_to_the_whole_weights_product_in_their_groups():
+    """The down projection's two rank shards (48 of 96 columns each: a whole 32-column block and
+    half of one) add up to the un-sharded experts' product with the input rounded per 16
+    columns, the weight's scales each its block's."""
+    stacked = random_experts(2, 48, 96, (16, 32))
+    shards = [stacked.tp_take(2, range(0, 48)), stacked.tp_take(2, range(48, 96))]
+    assert all(shard.kept and shard.block == (16, 16) for shard in shards)
+    finer = copy.deepcopy(stacked)
+    finer.load_float8(stacked.qweight.data, stacked.weight_scale.repeat_interleave(2, 2), (16, 16))
+    rows = torch.randn(7, 96)
+    ends = torch.tensor([3, 7], dtype=torch.int32)
+    total = shards[0].grouped_product(rows[:, :48], ends) + shards[1].grouped_product(rows[:, 48:], ends)
+    torch.testing.assert_close(total, finer.grouped_product(rows, ends), rtol=1e-5, atol=1e-4)
+
+
+def test_ranks_keep_fp8_experts_whose_input_columns_cut_blocks(keeps_float8, model_factory, tmp_path, monkeypatch):
+    """Jamba's experts quantized in 32x32 blocks, sharded over two ranks as served: each rank's
+    48 columns of the down projection (a whole block and half of one) stay FP8 in 16-column
+    groups, its 48 rows of gate and up (half a block) with a scale per row."""
+    import tests.test_fp8 as test_fp8
+    from engine.models import load_model
+    from engine.tp import run_in_threads
+    from engine.tp.shard import shard_model
+
+    monkeypatch.setattr(test_fp8, "BLOCK", (32, 32))
+    monkeypatch.setitem(test_fp8.SCHEMES["block"], "weight_block_size", [32, 32])
+    path, _ = model_factory("jamba")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    full = load_model(tmp_path / "fp8")
+    assert any(isinstance(m, Fp8Experts) and m.kept and m.block == (32, 32) for m in full.modules())
+    shards = run_in_threads(2, lambda group: [m for m in shard_model(copy.deepcopy(full), group).modules()
+                                              if isinstance(m, Fp8Experts)])
+    for experts in shards:
+        assert experts and all(m.kept and m.dense is None for m in experts)
+        assert {(m.block, m.shape[1:]) for m in experts} == {((1, 32), (96, 64)), ((32, 16), (64, 48))}
 
 
 def emulated_kernel(kind: str):

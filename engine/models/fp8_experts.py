@@ -33,8 +33,8 @@ an up projection read the same input, so calibration gives them the same scale);
 differ, or beside block-wise weights, the experts are dequantized. Which experts keep FP8 is decided
 on the meta model (engine.models.fp8_experts_loading), after the device's kernel is checked once per shape
 against the same product from dequantized operands (`kernel_for`): experts that no kernel
-computes load dense. A tensor-parallel shard that cuts a block of input columns is
-dequantized (its rows may cut blocks: they then keep a scale per row).
+computes load dense. A tensor-parallel shard whose rows cut blocks keeps a scale per row; one
+whose input columns cut blocks keeps FP8 in narrower groups where it can (`tp_take`).
 On a CPU (tests set the policy) `reference_grouped` stands in for torch's kernel with the same
 arguments, so the rounding, the group split and the scale layout run here too; the Triton
 kernel runs here under TRITON_INTERPRET=1 where a test says Triton is used.
@@ -137,8 +137,13 @@ class Fp8Experts(nn.Module):
     def tp_take(self, dim: int, positions) -> Fp8Experts:
         """A tensor-parallel shard: `positions` along dim 1 (output channels) or 2 (input
         channels), with their scales. Output channels that cut a weight block keep a scale per
-        row (the grouped GEMMs take any rows); input channels that cut one are dequantized (the
-        shard's own column groups would round its input otherwise than the whole weight's)."""
+        row (the grouped GEMMs take any rows). Input channels that cut one keep FP8 in the
+        widest narrower groups they are whole groups of (`narrower_groups`: Qwen3-Next's
+        512-wide experts at TP 8 are 64 columns a rank, half of each 128-column block), each
+        group's weight scale its block's; the shard then rounds its input per group of that
+        width, finer than the whole weight's, so its product differs from the un-sharded one's
+        by FP8 rounding, as a row-parallel shard's own per-token scales do. Where no such width
+        is 16 or more (the grouped GEMM's rule), the shard is dequantized."""
         positions = list(positions)
         index = torch.as_tensor(positions, dtype=torch.long, device=self.qweight.device)
         shape = list(self.qweight.shape)
@@ -148,8 +153,16 @@ class Fp8Experts(nn.Module):
         shard.block, shard.input_scale, scale = self.block, self.input_scale, self.weight_scale
         blocks = None if self.block is None else whole_blocks(positions, self.qweight.shape[dim],
                                                               self.block[dim - 1])
-        if self.dense is not None or (self.block is not None and blocks is None and dim == 2):
+        cuts_columns = self.block is not None and blocks is None and dim == 2
+        narrower = (narrower_groups(positions, self.qweight.shape[2], self.block[1])
+                    if cuts_columns and self.dense is None else None)
+        if self.dense is not None or (cuts_columns and narrower is None):
             shard.dense = self[:].index_select(dim, index)
+        elif narrower is not None:  # each narrower group's scale its block's, then the shard's groups
+            width, groups = narrower
+            shard.block = (self.block[0], width)
+            fine = scale.repeat_interleave(self.block[1] // width, 2)[:, :, :-(-self.qweight.shape[2] // width)]
+            scale = fine[:, :, groups]
         elif self.block is not None and blocks is None:  # per row: each row's block scale, then the kept rows
             shard.block = (1, self.block[1])
             scale = scale.repeat_interleave(self.block[0], 1)[:, :self.qweight.shape[1]].index_select(1, index)
@@ -183,6 +196,16 @@ class Fp8Experts(nn.Module):
         way = ", fused" if self.fused else "" if self.kept else ", dequantized"
         static = ", static input scales" if self.input_scale is not None else ""
         return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{static}{way}"
+
+
+def narrower_groups(columns: list[int], size: int, block: int) -> tuple[int, list[int]] | None:
+    """The widest group width below `block` that divides it, is a multiple of 16, and of whose
+    groups `columns` (of `size`) are whole ones, with those groups in order; None where none is."""
+    for width in range(block - GEMM_MULTIPLE, GEMM_MULTIPLE - 1, -GEMM_MULTIPLE):
+        groups = whole_blocks(columns, size, width) if block % width == 0 else None
+        if groups is not None:
+            return width, groups
+    return None
 
 
 def expert_of_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:
