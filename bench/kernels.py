@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_update_triton
+from engine.kernels.float_bits import FP8_CAPABILITY
 from engine.kernels.fp8_quant import quantize_groups_ref, quantize_groups_triton
 from engine.kernels.kv_fp8 import kv_load_triton, kv_store_rows_triton, kv_store_triton
 from engine.kernels.gdn_scan import chunk_gated_delta_rule_ref, gated_delta_step_ref
@@ -381,11 +382,17 @@ def fp8_attention_case(device, dtype, scale=1, batch=64, context=1024, heads=32,
                  nbytes, in_place, working_rows, pools)]
 
 
+def _fp8_units(device) -> bool:
+    """Whether FP8 weights stay FP8 on `device` (their kernels' MIN_CAPABILITY); a CPU's and meta
+    tensors run them all (the interpreter, bench.kernel_compile)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
+
+
 def fp8_quant_cases(device, dtype, scale=1, hidden=2048):
     """Rounding a decode step's and a prefill's rows to FP8 per 128 columns, as every FP8
     linear and expert does before its product."""
-    if dtype != torch.bfloat16:
-        return []  # the serving dtype only
+    if dtype != torch.bfloat16 or not _fp8_units(device):
+        return []  # the serving dtype only; FP8 needs the units
     hidden, cases = max(32, hidden // scale), []
     cols = min(128, hidden)
     for tokens in (64, 8192):
@@ -403,7 +410,7 @@ def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, in
     step, gate_up at a 2048-token prefill, and one rank's down at tensor-parallel 8 (64 input
     columns: half of each block, kept in 64-column groups, Fp8Experts.tp_take); the fused
     kernel against the split products."""
-    if dtype != torch.bfloat16 or (device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)):
+    if dtype != torch.bfloat16 or not _fp8_units(device):
         return []  # the serving dtype only; FP8 needs the units
     experts = max(2, experts // scale)
     top_k = min(top_k, max(1, experts // 4))

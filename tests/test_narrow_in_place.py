@@ -23,6 +23,7 @@ FEW = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 # With 8 tokens a step the long prompt is prefilled in chunks while the short one decodes:
 # steps that mix prefill and decode rows, then all-decode steps.
 PROMPTS = [[5, 6, 7], list(range(3, 23))]
+NARROW = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16)
 
 
 def handed(cache: NarrowCache, layer: int) -> tuple[str | None, str | None]:
@@ -126,5 +127,3 @@ def test_the_static_decode_step_reads_and_writes_the_pools_as_the_eager_one(fami
         written += not torch.equal(before.view(torch.uint8), eager.view(torch.uint8))
     assert written == len(snapshot)  # every pool took the step's token or state
 
-
-NARROW = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16)

@@ -20,6 +20,8 @@ import torch
 
 from engine.kernels._triton import device_function, tl
 
+# From compute capability 8.9 on a GPU has FP8 units, and Triton its e4m3 type (fp8e4nv).
+FP8_CAPABILITY = (8, 9)
 # the float8 formats: (mantissa bits, smallest normal exponent)
 FP8_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
@@ -34,7 +36,7 @@ def fp8_as_bytes(tensor: torch.Tensor) -> bool:
     if os.environ.get("SPLITSERVE_FP8_AS_BYTES", "0") not in ("", "0"):
         return True
     return (tensor.dtype == torch.float8_e4m3fn and tensor.is_cuda
-            and torch.cuda.get_device_capability(tensor.device) < (8, 9))
+            and torch.cuda.get_device_capability(tensor.device) < FP8_CAPABILITY)
 
 
 @device_function

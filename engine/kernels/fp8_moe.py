@@ -28,10 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl
+from engine.kernels.float_bits import FP8_CAPABILITY
 
 MIN_TILE = 16  # tl.dot's smallest tile side
 MIN_DOT_K = 32  # ... and on float8 operands its smallest K (the MMA's): a narrower group is read that wide, masked
-MIN_CAPABILITY = (8, 9)  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
+MIN_CAPABILITY = FP8_CAPABILITY  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
 
 
 def grouped_block_fp8_ref(quantized: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor,

@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl
-from engine.kernels.float_bits import round_to_fp8_grid
+from engine.kernels.float_bits import FP8_CAPABILITY, round_to_fp8_grid
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 TINY = torch.finfo(torch.float32).tiny
 TILE_VALUES = 2048  # a program rounds about this many values: several rows where a group is narrow
-MIN_CAPABILITY = (8, 9)  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
+MIN_CAPABILITY = FP8_CAPABILITY  # FP8 weights stay FP8 from there on (engine.models.fp8_linear.keeps_float8)
 
 
 def quantize_groups_ref(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,8 @@ which Triton's interpreter rounds otherwise).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine.kernels._triton import device_function, jit, tl
@@ -61,8 +63,7 @@ def state_store_triton(working: torch.Tensor, pool: torch.Tensor, slots: torch.T
     row_numel = _check(working, pool, slots)
     if slots.numel() and row_numel:
         _state_store_kernel[(slots.numel(), -(-row_numel // BLOCK))](
-            working, pool.view(torch.int16), slots, positions, row_numel,
-            FLOAT16=pool.dtype == torch.float16, BLOCK=BLOCK)
+            working, pool.view(torch.int16), slots, positions, row_numel, HALF=HALF[pool.dtype], BLOCK=BLOCK)
 
 
 def state_load_triton(pool: torch.Tensor, working: torch.Tensor, slots: torch.Tensor) -> None:
@@ -70,7 +71,7 @@ def state_load_triton(pool: torch.Tensor, working: torch.Tensor, slots: torch.Te
     row_numel = _check(working, pool, slots)
     if slots.numel() and row_numel:
         _state_load_kernel[(slots.numel(), -(-row_numel // BLOCK))](
-            pool.view(torch.int16), working, slots, row_numel, FLOAT16=pool.dtype == torch.float16, BLOCK=BLOCK)
+            pool.view(torch.int16), working, slots, row_numel, HALF=HALF[pool.dtype], BLOCK=BLOCK)
 
 
 HALF = {torch.bfloat16: 1, torch.float16: 2}  # a half-width pool's code in load_state / store_state
@@ -93,12 +94,12 @@ def store_slots(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, pos
     if pool.dtype not in HALF:
         pool.index_copy_(0, slots, rows.to(pool.dtype))
         return
-    elements = torch.arange(rows[0].numel(), device=rows.device).view(rows.shape[1:])
+    elements = torch.arange(math.prod(rows.shape[1:]), device=rows.device).view(rows.shape[1:])
     pool.index_copy_(0, slots, stochastic_round(rows, pool.dtype, positions, elements))
 
 
 def _check(working: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> int:
-    if working.dtype != torch.float32 or pool.dtype not in (torch.bfloat16, torch.float16):
+    if working.dtype != torch.float32 or pool.dtype not in HALF:
         raise ValueError(f"float32 working rows and a bfloat16 or float16 pool, got {working.dtype} and {pool.dtype}")
     if working.shape[1:] != pool.shape[1:] or not (working.is_contiguous() and pool.is_contiguous()):
         raise ValueError(f"contiguous rows of one shape, got {tuple(working.shape)} and {tuple(pool.shape)}")
@@ -167,14 +168,13 @@ def store_state(pointers, values, mask, position, elements, HALF: tl.constexpr):
 
 @jit
 def _state_store_kernel(working_ptr, pool_ptr, slots_ptr, positions_ptr, row_numel,
-                        FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+                        HALF: tl.constexpr, BLOCK: tl.constexpr):
     offsets, elements, ok = indexed_row(slots_ptr, row_numel, BLOCK)
     v = tl.load(working_ptr + offsets, mask=ok, other=0.0)
-    tl.store(pool_ptr + offsets, round_half(v, tl.load(positions_ptr + tl.program_id(0)), elements, FLOAT16), mask=ok)
+    store_state(pool_ptr + offsets, v, ok, tl.load(positions_ptr + tl.program_id(0)), elements, HALF)
 
 
 @jit
-def _state_load_kernel(pool_ptr, working_ptr, slots_ptr, row_numel, FLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+def _state_load_kernel(pool_ptr, working_ptr, slots_ptr, row_numel, HALF: tl.constexpr, BLOCK: tl.constexpr):
     offsets, _, ok = indexed_row(slots_ptr, row_numel, BLOCK)
-    h = tl.load(pool_ptr + offsets, mask=ok, other=0).to(tl.uint32) & 0xFFFF
-    tl.store(working_ptr + offsets, half_value(h, FLOAT16), mask=ok)
+    tl.store(working_ptr + offsets, load_state(pool_ptr + offsets, ok, HALF), mask=ok)

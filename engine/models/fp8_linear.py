@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.float_bits import FP8_CAPABILITY
 from engine.models import fp8_blocks
 from engine.models.fp8 import expand_blocks
 
@@ -44,7 +45,7 @@ GEMM_MULTIPLE = 16  # the scaled matmul's rule for K and N on a GPU, kept everyw
 
 def keeps_float8(device: torch.device) -> bool:
     """Whether a linear on `device` keeps FP8 weights (else: dequantized at load)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
 def runs_scaled(device: torch.device, dtype: torch.dtype, rowwise: bool, block: tuple | None = None) -> bool:
