@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernel_support import DEVICE, kernel_mode, requires_triton  # noqa: F401 (kernel_mode: a fixture) - first: it sets Triton's mode
-from engine.kernels.fp8_moe import grouped_block_fp8_ref, grouped_block_fp8_triton, tile_schedule
+from engine.kernels.fp8_moe import block_fp8_linear_triton, grouped_block_fp8_ref, grouped_block_fp8_triton, tile_schedule
 from engine.kernels.fp8_quant import (quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
                                       quantize_scaled_triton)
 from engine.models import fp8_blocks
@@ -133,6 +133,25 @@ def test_the_fused_kernel_is_the_block_wise_product(kernel_mode, counts, out, in
     # float32 accumulation both ways, in another order; bfloat16 output rounds to 2^-8 relative
     rtol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
     torch.testing.assert_close(got.float(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
+
+
+@pytest.mark.triton
+@requires_triton
+@pytest.mark.parametrize("rows, out, inputs, block", [
+    (1, 96, 128, (32, 32)),  # a decode row: the 16-row tile
+    (37, 80, 96, (64, 32)),  # the 64-row tile, partial; 80 outputs end inside a block
+    (70, 40, 64, (1, 32)),  # a scale per output row (a tensor-parallel shard that cuts blocks)
+    (5, 384, 256, (128, 64)),  # 64-column groups of 128-row blocks (an input shard in narrower groups)
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_linear_form_is_the_one_expert_product(kernel_mode, rows, out, inputs, block, out_dtype):
+    quantized, scale, weight, weight_scale, ends = operands([rows], out, inputs, block)
+    got = block_fp8_linear_triton(quantized, scale, weight[0], weight_scale[0], block, out_dtype)
+    want = grouped_block_fp8_ref(quantized, scale, weight, weight_scale, block, ends, torch.float32)
+    rtol = 1e-5 if out_dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, rtol=rtol, atol=rtol * float(want.abs().max()))
+    assert block_fp8_linear_triton(quantized[:0], scale[:0], weight[0], weight_scale[0], block,
+                                   out_dtype).shape == (0, out)
 
 
 @pytest.mark.triton

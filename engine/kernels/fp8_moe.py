@@ -1,5 +1,5 @@
 """Block-wise FP8 grouped GEMM: token rows sorted by expert, each times its expert's float8
-weight, in one launch.
+weight, in one launch; and a block-wise FP8 linear, the one-expert case.
 
     y[m, n] = sum_g scale_x[m, g] * scale_w[e(m), n // rows, g] * sum_{k in g} xq[m, k] * wq[e(m), n, k]
 
@@ -20,6 +20,12 @@ each group's float32 partial product by its two scales, so the whole sum stays i
 The tile schedule is built on the device from `ends`: an expert with c rows gets ceil(c / BM)
 tiles; the grid is an upper bound on the tile count that depends on shapes alone (M and E),
 and programs past the last tile return at once.
+
+A linear (`block_fp8_linear_triton`: qweight [N, K], weight_scale [ceil(N / rows), ceil(K /
+cols)]) is the same kernel compiled with ONE_EXPERT: every row is expert 0's and tile t is
+rows t * BM onwards, so it builds no schedule and reads no `ends`. It computes the block-wise
+products torch's scaled matmul does not take: blocks other than 128x128 (a tensor-parallel
+shard's per-row scales or narrower groups), and GPUs of compute capability 8.9.
 """
 
 from __future__ import annotations
@@ -64,17 +70,43 @@ def grouped_block_fp8_triton(quantized: torch.Tensor, scale: torch.Tensor, qweig
         return out
     # decode steps give most experts one or two rows: the smallest tile wastes least
     block_m = MIN_TILE if m <= MIN_TILE * experts else 64
-    block_n = min(128, max(MIN_TILE, next_power_of_2(n)))
     tile_expert, tile_row = tile_schedule(ends, m, block_m)
+    _launch(quantized, scale, qweight, weight_scale, block, out, block_m, ends, tile_expert, tile_row)
+    return out
+
+
+def block_fp8_linear_triton(quantized: torch.Tensor, scale: torch.Tensor, qweight: torch.Tensor,
+                            weight_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """quantized [M, K] (scale [M, ceil(K / cols)]) times qweight [N, K] (weight_scale
+    [ceil(N / rows), ceil(K / cols)]): one expert of grouped_block_fp8_triton, without its schedule."""
+    m = quantized.shape[0]
+    ends = torch.empty(1, dtype=torch.int32, device=quantized.device)  # not read: the shapes check it
+    _check(quantized, scale, qweight[None], weight_scale[None], block, ends)
+    out = torch.empty(m, qweight.shape[0], dtype=out_dtype, device=quantized.device)
+    if m == 0 or qweight.shape[0] == 0:
+        return out
+    block_m = MIN_TILE if m <= MIN_TILE else 64
+    _launch(quantized, scale, qweight[None], weight_scale[None], block, out, block_m)
+    return out
+
+
+def _launch(quantized, scale, qweight, weight_scale, block, out, block_m, ends=None, tile_expert=None, tile_row=None):
+    """Tiles of `block_m` rows by up to 128 output channels; with no schedule, one expert's rows in order."""
+    m, k = quantized.shape
+    experts, n, _ = qweight.shape
+    block_n = min(128, max(MIN_TILE, next_power_of_2(n)))
+    one_expert = tile_expert is None
+    tiles = -(-m // block_m) if one_expert else tile_expert.shape[0]
     quantized, scale = quantized.contiguous(), scale.contiguous()
     qweight, weight_scale = qweight.contiguous(), weight_scale.contiguous()
-    _grouped_block_fp8_kernel[(tile_expert.shape[0], -(-n // block_n))](
+    if one_expert:  # unread pointers: the kernel's ONE_EXPERT branch takes rows from the grid
+        ends = tile_expert = tile_row = scale
+    _grouped_block_fp8_kernel[(tiles, -(-n // block_n))](
         quantized, scale, qweight, weight_scale, ends, tile_expert, tile_row, out,
-        experts, n, k, scale.shape[1], weight_scale.shape[1],
+        experts, m, n, k, scale.shape[1], weight_scale.shape[1],
         SCALE_ROWS=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1], DOT_K=max(block[1], MIN_DOT_K),
-        num_warps=4, num_stages=3,
+        ONE_EXPERT=one_expert, num_warps=4, num_stages=3,
     )
-    return out
 
 
 def tile_schedule(ends: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,22 +143,27 @@ def _check(quantized, scale, qweight, weight_scale, block, ends) -> None:
 
 @jit
 def _grouped_block_fp8_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, ends_ptr, tile_expert_ptr, tile_row_ptr,
-                              out_ptr, NUM_EXPERTS, N, K, K_GROUPS, N_SCALES, SCALE_ROWS: tl.constexpr,
-                              BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr):
+                              out_ptr, NUM_EXPERTS, M, N, K, K_GROUPS, N_SCALES, SCALE_ROWS: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              DOT_K: tl.constexpr, ONE_EXPERT: tl.constexpr):
     tile = tl.program_id(0)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= NUM_EXPERTS:
-        return
-    first = tl.load(tile_row_ptr + tile)
-    end = tl.load(ends_ptr + expert)
+    if ONE_EXPERT:  # a linear: tile t is rows t * BLOCK_M onwards, of M
+        expert = 0
+        first = tile * BLOCK_M
+        end = M
+    else:
+        expert = tl.load(tile_expert_ptr + tile)
+        if expert >= NUM_EXPERTS:
+            return
+        first = tl.load(tile_row_ptr + tile)
+        end = tl.load(ends_ptr + expert)
     rows = first + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     offsets = tl.arange(0, DOT_K)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * K
-    w_cols = w_ptr + expert.to(tl.int64) * N * K + cols.to(tl.int64)[None, :] * K
+    w_cols = w_ptr + (expert * N).to(tl.int64) * K + cols.to(tl.int64)[None, :] * K
     w_scales = w_scale_ptr + (expert * N_SCALES + cols // SCALE_ROWS) * K_GROUPS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for group in range(0, K_GROUPS):
