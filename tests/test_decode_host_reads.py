@@ -42,7 +42,7 @@ def test_the_decode_forward_reads_nothing_on_the_host(model_factory, monkeypatch
     ("qwen3_next", dict(kv_cache_dtype="fp8_e5m2", mamba_state_dtype="float16"), None),
     ("kimi_linear", dict(kv_cache_dtype="fp8_e4m3"), None),
     ("llama", {}, "per_channel"),
-    ("qwen3_next", {}, "block"),  # the fused MoE kernel and the rounding kernel
+    ("qwen3_next", {}, "block"),  # the fused MoE kernel, its linear form and the rounding kernel
     ("qwen3_next", {}, "per_tensor"),  # static scales: each row's found on the device
 ])
 def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, monkeypatch, tmp_path, name, options,
@@ -66,7 +66,8 @@ def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, 
     assert decode_guarded(llm, monkeypatch) == expected
     if fp8_scheme is not None:
         modules = list(llm.engine.model.modules())
-        assert any(isinstance(m, fp8_linear.Fp8Linear) for m in modules)
+        linears = [m for m in modules if isinstance(m, fp8_linear.Fp8Linear)]
+        assert linears and all(m.fused == (fp8_scheme == "block") for m in linears)
         experts = [m for m in modules if isinstance(m, Fp8Experts)]
         assert (name == "llama") != bool(experts) and all(m.kept for m in experts)
         assert all(m.fused == (fp8_scheme == "block") and (m.input_scale is not None) == (fp8_scheme == "per_tensor")

@@ -370,6 +370,21 @@ def test_the_fused_kernel_takes_what_the_split_gemms_refuse(triton_runs):
     assert kernel_for(torch.device("cpu"), torch.float32, 48, 80, (16, 24)) == "split"  # groups not a power of 2
 
 
+@pytest.mark.parametrize("scheme", ["block", "per_channel"])
+def test_where_torchs_scaled_gemms_take_no_scale_per_row_block_wise_experts_keep_fp8_fused(
+        scheme, keeps_float8, triton_runs, model_factory, tmp_path, monkeypatch):
+    """As on a GPU of compute capability 8.9, or with a float16 serving dtype: block-wise experts
+    keep FP8 on the fused Triton kernel; per-channel ones, which only torch's grouped GEMM
+    computes, are dequantized."""
+    from engine.models import fp8_experts_loading
+
+    monkeypatch.setattr(fp8_experts_loading, "runs_scaled", lambda device, dtype, rowwise, block=None: False)
+    path, _ = model_factory("qwen3_next")
+    fp8_checkpoint(path, tmp_path / "fp8", scheme)
+    experts = kept_experts(LLM(str(tmp_path / "fp8"), block_size=4))
+    assert bool(experts) == (scheme == "block") and all(m.kept and m.fused for m in experts.values())
+
+
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2_moe"])
 def test_fused_block_wise_experts_serve_as_transformers_runs_them(name, keeps_float8, triton_runs, model_factory,
                                                                   tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 import engine.models.fp8_linear as fp8_linear
 from engine import LLM, SamplingParams
+from engine.kernels import _triton
 from engine.models import FAMILIES, fp8_blocks
 from engine.models.fp8_experts import Fp8Experts
 from engine.models.fp8_linear import FP8, FP8_MAX, Fp8Linear
@@ -47,6 +48,16 @@ def fake_quantized(x: torch.Tensor, static_scale: torch.Tensor | None, group: in
 @pytest.fixture
 def keeps_float8(monkeypatch):
     monkeypatch.setattr(fp8_linear, "keeps_float8", lambda device: True)
+
+
+@pytest.fixture
+def triton_runs(monkeypatch):
+    """Block-wise linears pick their kernel as where Triton runs (CUDA): the Triton kernel,
+    torch's scaled matmul being off the GPU; nothing probed before counts."""
+    if not _triton.available():
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: True)
+    monkeypatch.setattr(fp8_blocks, "_fused", {})
 
 
 @pytest.mark.parametrize("weight_scale, static", [("tensor", True), ("tensor", False), ("channel", False),
@@ -166,12 +177,18 @@ def static_expert_scales(experts: dict[str, Fp8Experts]) -> list:
 @pytest.mark.parametrize("name, scheme", [("llama", "per_tensor"), ("jamba", "per_channel"),
                                           ("bamba", "per_channel"), ("kimi_linear", "per_tensor"),
                                           ("qwen3_next", "per_channel"), ("llama", "block"),
-                                          ("qwen3_next", "block"), ("kimi_linear", "block")])
+                                          ("qwen3_next", "block"), ("kimi_linear", "block"),
+                                          ("llama", "block on Triton"), ("qwen3_next", "block on Triton")])
 def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, keeps_float8, model_factory,
-                                                                  tmp_path):
+                                                                  tmp_path, request):
     """MoE families keep their experts' FP8 too (engine.models.fp8_experts), and the oracle
     rounds their inputs the same way: per token, per token and block of columns, or by each
-    expert projection's static scale."""
+    expert projection's static scale. "on Triton": the block-wise linears run the Triton
+    kernel, as where torch's scaled matmul does not take their blocks."""
+    fused = scheme == "block on Triton"
+    if fused:
+        request.getfixturevalue("triton_runs")
+        scheme = "block"
     path, _ = model_factory(name)
     hf = fp8_checkpoint(path, tmp_path / "fp8", scheme)
     llm = LLM(str(tmp_path / "fp8"), block_size=4)
@@ -196,7 +213,7 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
         assert linear.qweight.dtype == FP8 and torch.equal(linear.qweight.view(torch.uint8),
                                                            stored[source].view(torch.uint8))
         assert (linear.input_scale is not None) == (scheme == "per_tensor")
-        assert (linear.block is not None) == (scheme == "block")
+        assert (linear.block is not None) == (scheme == "block") and linear.fused == fused
     judge = oracle_with_fp8_inputs(hf, model_type, kept)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (4, 19)]
@@ -211,6 +228,23 @@ def test_fp8_linears_serve_as_transformers_runs_the_fp8_products(name, scheme, k
         gaps += [abs(scored[p]["token"] - float(logprobs[p - 1, tokens[p]])) for p in range(1, len(tokens))]
     assert max(gaps) <= FP8_TIE_TOLERANCE, max(gaps)
     assert sorted(gaps)[len(gaps) // 2] <= 1e-4, gaps  # most positions: the same products, to float32
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_blocks_torchs_scaled_matmul_refuses_keep_fp8_where_triton_runs(triton, keeps_float8, model_factory,
+                                                                        tmp_path, monkeypatch, request):
+    """As on a GPU of compute capability 8.9, or with a float16 serving dtype, where torch's
+    scaled matmul takes no block-wise scales: the block-wise linears keep FP8 on the Triton
+    kernel where Triton runs, and are dequantized where it does not."""
+    if triton:
+        request.getfixturevalue("triton_runs")
+    else:
+        monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: False)
+    monkeypatch.setattr(fp8_linear, "runs_scaled", lambda device, dtype, rowwise, block=None: block is None)
+    path, _ = model_factory("llama")
+    fp8_checkpoint(path, tmp_path / "fp8", "block")
+    kept = kept_linears(LLM(str(tmp_path / "fp8"), block_size=4))
+    assert bool(kept) == triton and all(m.fused and m.dense is None for m in kept.values())
 
 
 class _AsStored:
@@ -334,15 +368,24 @@ def test_tensor_parallel_shards_of_an_fp8_linear_keep_its_products(per_channel, 
                                                             full.weight[:, :24], full.bias), rtol=1e-5, atol=1e-4)
 
 
-def test_tensor_parallel_shards_of_a_block_wise_linear_keep_whole_blocks():
+@pytest.mark.parametrize("fused", [False, True])
+def test_tensor_parallel_shards_of_a_block_wise_linear_keep_fp8(fused, request):
     """Shards of whole blocks keep FP8 and their blocks' scales: rows give the linear's rows
     exactly; columns round the input in the un-sharded linear's groups, so the partial sums
-    add up to its output. A shard that cuts a block is dequantized, its input rounded in groups
-    of its own columns."""
+    add up to its output. Rows that cut blocks keep a scale per row, each its block's: the
+    linear's rows again. Columns that cut blocks keep FP8 in the widest narrower groups they
+    are whole groups of, the shard's input rounded per such group; where there is none (16
+    columns at least), the shard is dequantized, its input rounded in groups of its own
+    columns. Where Triton runs (`fused`), every kept linear and shard runs the block-wise
+    Triton kernel (here interpreted): the same sums in another order."""
     from engine.tp.group import SingleRank
     from engine.tp.parallel import RowParallelLinear, keep_rows
 
+    if fused:
+        request.getfixturevalue("triton_runs")
+    same = dict(rtol=1e-6, atol=1e-5) if fused else dict(rtol=0, atol=0)
     full = random_block_linear(64, 48)
+    assert full.fused == fused and full.dense is None
     x = torch.randn(5, 64)
     with torch.inference_mode():
         want = full(x)
@@ -350,9 +393,9 @@ def test_tensor_parallel_shards_of_a_block_wise_linear_keep_whole_blocks():
         for rows in (range(0, 16), range(16, 48)):
             part = random_block_linear(64, 48)
             keep_rows(part, rows)
-            assert part.dense is None and part.weight_scale.shape == (len(rows) // 16, 4)
+            assert part.dense is None and part.fused == fused and part.weight_scale.shape == (len(rows) // 16, 4)
             parts.append(part(x))
-        torch.testing.assert_close(torch.cat(parts, 1), want, rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat(parts, 1), want, **same)
 
         partial = torch.zeros_like(want)
         for rank, cols in enumerate((range(0, 32), range(32, 64))):
@@ -365,10 +408,18 @@ def test_tensor_parallel_shards_of_a_block_wise_linear_keep_whole_blocks():
 
         cut = random_block_linear(64, 48)
         keep_rows(cut, range(8, 40))  # halves of two blocks
-        assert cut.dense is not None
-        torch.testing.assert_close(cut(x), want[:, 8:40], rtol=0, atol=0)
-        odd = RowParallelLinear.of(full, range(8, 40), SingleRank(), False, "the linear")
-        assert odd.dense is not None
+        assert cut.dense is None and cut.fused == fused and cut.block == (1, 16) and cut.weight_scale.shape == (32, 4)
+        torch.testing.assert_close(cut(x), want[:, 8:40], **same)
+
+        wide = random_block_linear(64, 48, block=(16, 32))
+        narrow = RowParallelLinear.of(wide, range(16, 48), SingleRank(), False, "the linear")  # halves of two
+        assert narrow.dense is None and narrow.fused == fused and narrow.block == (16, 16)
+        torch.testing.assert_close(narrow(x[:, 16:48]), F.linear(fake_quantized(x[:, 16:48], None, 16),
+                                                                 block_weight(wide)[:, 16:48], wide.bias),
+                                   rtol=1e-5, atol=1e-4)
+
+        odd = RowParallelLinear.of(full, range(8, 40), SingleRank(), False, "the linear")  # no group of 16
+        assert odd.dense is not None and not odd.fused
         torch.testing.assert_close(odd(x[:, 8:40]), F.linear(fake_quantized(x[:, 8:40], None, 16),
                                                              block_weight(full)[:, 8:40], full.bias),
                                    rtol=1e-5, atol=1e-4)
@@ -511,3 +562,37 @@ def test_the_gpu_block_wise_product_is_the_fp8_rounded_product():
     weight = qweight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
     expected = F.linear(fake_quantized(x.float(), None, 128), weight)
     torch.testing.assert_close(y.float(), expected, rtol=1.6e-2, atol=1e-2)  # a bf16 output's rounding
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA device of compute capability 8.9 or above")
+def test_the_gpu_triton_kernel_keeps_what_torchs_scaled_matmul_does_not():
+    """Shards that cut 128x128 blocks (rows: a scale per row; columns: 64-column groups) and a
+    float16 output: the block-wise Triton kernel runs them, and they are the FP8-rounded product."""
+    from engine.tp.group import SingleRank
+    from engine.tp.parallel import RowParallelLinear, keep_rows
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    out_features, in_features = 384, 512
+    qweight = (torch.randn(out_features, in_features, device=device) * 60).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = torch.rand(3, 4, device=device) * 0.01 + 0.001
+    weight = qweight.float() * scale.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    x = torch.randn(37, in_features, device=device, dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float16):
+        linear = Fp8Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+        linear.load_float8(qweight, scale, None, (128, 128))
+        rows = Fp8Linear(in_features, out_features, bias=False, dtype=dtype, device=device)
+        rows.load_float8(qweight, scale, None, (128, 128))
+        keep_rows(rows, range(64, 320))  # halves of the first and last blocks
+        columns = RowParallelLinear.of(linear, range(64, 192), SingleRank(), False, "the linear")
+        assert rows.fused and rows.block == (1, 128) and columns.fused and columns.block == (128, 64), \
+            "the Triton kernel did not take these shards (the warning logged says which shape)"
+        torch_takes = dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+        assert linear.fused != torch_takes, "torch's block-wise scaled matmul: Hopper and bf16 (and the probe's layout)"
+        xd = x.to(dtype)
+        for got, expected in ((rows(xd), F.linear(fake_quantized(xd.float(), None, 128), weight[64:320])),
+                              (columns(xd[:, 64:192]), F.linear(fake_quantized(xd[:, 64:192].float(), None, 64),
+                                                                weight[:, 64:192]))):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=1e-2)  # the output's rounding

@@ -14,7 +14,7 @@ source reads it (engine.models.checkpoint.WeightFiles), so every family's loader
 experts included, sees plain weights. Activation scales have no use once the weights are
 dequantized: the forward runs in the serving dtype. On a GPU with FP8 units the linears'
 weights of both formats stay FP8 instead (engine.models.fp8_linear, through
-WeightFiles.get_float8); stacked MoE experts are dequantized everywhere.
+WeightFiles.get_float8), and so do stacked MoE experts (engine.models.fp8_experts).
 """
 
 from __future__ import annotations

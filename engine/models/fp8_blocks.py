@@ -12,9 +12,15 @@ That call's rules for the scales' memory layout have changed between torch relea
 scale in the wrong layout gives wrong numbers, not an error. So no layout is assumed:
 `gemm_layout` tries each known one on the device once per weight shape, on random float8
 values with a different scale per block, and keeps the first whose product matches
-`reference_product` (the same product from dequantized operands, in float32); where none
-does, the linear dequantizes its weight once (engine.models.fp8_linear). On a CPU, where torch
-has no block-wise scaled matmul, `reference_product` is the forward (tests run it there).
+`reference_product` (the same product from dequantized operands, in float32).
+
+Where that call does not apply (blocks other than 128x128, as a tensor-parallel shard that cuts
+blocks keeps; a GPU of compute capability 8.9; a float16 output) or no layout matches, the
+product runs as one launch of the block-wise Triton kernel (engine.kernels.fp8_moe's linear
+form), checked on the device the same way (`fused_fits`); where that fails too, the linear
+dequantizes its weight once (engine.models.fp8_linear). On a CPU, where torch has no
+block-wise scaled matmul, `reference_product` is the forward (tests run it there, and the
+Triton kernel under TRITON_INTERPRET=1 where a test says Triton runs).
 """
 
 from __future__ import annotations
@@ -25,15 +31,18 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import uses_triton
+from engine.kernels.fp8_moe import MIN_TILE, block_fp8_linear_triton
 from engine.kernels.fp8_quant import (FP8, FP8_MAX, quantize_groups_ref, quantize_groups_triton, quantize_scaled_ref,
                                       quantize_scaled_triton)
 from engine.models.fp8 import expand_blocks
 
 GEMM_BLOCK = (128, 128)  # the only weight block torch's scaled matmul takes
+GEMM_MULTIPLE = 16  # the scaled matmuls' rule for K and N on a GPU (and the narrowest group kept)
 LAYOUTS = ("contiguous", "padded")  # the weight scale's rows as stored, or padded to 4 (some torch releases)
 PROBE_TOLERANCE = 1e-2  # relative error of a probe's product: bfloat16 output rounding is 2^-8
 log = logging.getLogger(__name__)
 _layouts: dict[tuple, str | None] = {}  # (device, dtype, out, in) -> the layout that matched
+_fused: dict[tuple, bool] = {}  # (device, dtype, out, in, block) -> the Triton kernel computes it there
 
 
 def quantize_groups(rows: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,34 +95,66 @@ def gemm_layout(device: torch.device, dtype: torch.dtype, out_features: int, in_
     once per shape; None where none does (or raises)."""
     key = (str(device), dtype, out_features, in_features)
     if key not in _layouts:
-        _layouts[key] = _probe(device, dtype, out_features, in_features)
+        _layouts[key] = None
+        for layout in LAYOUTS:
+            error = _mismatch(device, dtype, out_features, in_features, GEMM_BLOCK,
+                              lambda q, s, w, ws, layout=layout: scaled_product(q, s, w, gemm_scale(ws, layout), dtype))
+            if error is None:
+                _layouts[key] = layout
+                break
+            log.info("block-wise scaled matmul, %s weight scale, [%d, %d] on %s: %s", layout, out_features,
+                     in_features, device, error)
         if _layouts[key] is None:
             log.warning("torch's scaled matmul does not compute 128x128 block-wise FP8 products of [%d, %d] "
-                        "weights on %s; those linears are dequantized", out_features, in_features, device)
+                        "weights on %s; those linears take the block-wise Triton kernel where it does, else are "
+                        "dequantized", out_features, in_features, device)
     return _layouts[key]
 
 
-def _probe(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str | None:
+def fused_runs(device: torch.device, block: tuple[int, int]) -> bool:
+    """Whether the block-wise Triton kernel can take `block` on `device` (before any probe):
+    Triton runs there, and the kernel steps through input groups of a power of two >= 16."""
+    cols = block[1]
+    return cols >= MIN_TILE and not cols & (cols - 1) and uses_triton(torch.empty(0, device=device))
+
+
+def fused_fits(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+               block: tuple[int, int]) -> bool:
+    """Whether the block-wise Triton kernel computes an [out, in] weight's product with `block`
+    scales on `device` with `dtype` output, checked against reference_product once per shape
+    (where `fused_runs`)."""
+    key = (str(device), dtype, out_features, in_features, tuple(block))
+    if key not in _fused:
+        error = _mismatch(device, dtype, out_features, in_features, block,
+                          lambda q, s, w, ws: block_fp8_linear_triton(q, s, w, ws, block, dtype))
+        _fused[key] = error is None
+        if error is not None:
+            log.warning("the block-wise FP8 Triton kernel does not compute [%d, %d] weights per %dx%d block on %s: "
+                        "%s; those linears are dequantized", out_features, in_features, *block, device, error)
+    return _fused[key]
+
+
+def _mismatch(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int,
+              block: tuple[int, int], product) -> str | None:
+    """Why `product(quantized, scale, qweight, weight_scale)` on `device` is not the block-wise
+    product of random float8 values with a different scale per block; None where it is."""
     generator = torch.Generator().manual_seed(0)
-    rows, cols = GEMM_BLOCK
+    rows, cols = block
     qweight = (torch.randn(out_features, in_features, generator=generator) * 64).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     # scales 2^-12 .. 2^-6, different per block: a scale read from the wrong block shows
     weight_scale = torch.exp2(-12 + 6 * torch.rand(-(-out_features // rows), -(-in_features // cols),
                                                    generator=generator))
     qweight, weight_scale = qweight.to(device), weight_scale.to(device)
-    for layout in LAYOUTS:
-        try:
-            for tokens in (1, 33):  # a decode row, and a count no tile size divides
-                x = torch.randn(tokens, in_features, generator=generator).to(device, dtype)
-                quantized, scale = quantize_groups(x, cols)
-                got = scaled_product(quantized, scale, qweight, gemm_scale(weight_scale, layout), dtype).float()
-                want = reference_product(quantized, scale, qweight, weight_scale, GEMM_BLOCK)
-                if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
-                    raise ValueError(f"relative error {float((got - want).norm() / want.norm()):.3g}")
-            return layout
-        except (RuntimeError, TypeError, ValueError) as why:
-            log.info("block-wise scaled matmul, %s weight scale, [%d, %d] on %s: %s", layout, out_features,
-                     in_features, device, why)
+    try:
+        for tokens in (1, 33):  # a decode row, and a count no tile size divides
+            x = torch.randn(tokens, in_features, generator=generator).to(device, dtype)
+            quantized, scale = quantize_groups(x, cols)
+            got = product(quantized, scale, qweight, weight_scale).float()
+            want = reference_product(quantized, scale, qweight, weight_scale, block)
+            if not (got - want).norm() <= PROBE_TOLERANCE * want.norm():
+                return f"relative error {float((got - want).norm() / want.norm()):.3g} at {tokens} tokens"
+    except Exception as why:  # noqa: BLE001 - torch's refusals and Triton's compile errors alike
+        return f"{type(why).__name__}: {why}"
     return None
 
 
@@ -129,3 +170,20 @@ def whole_blocks(indices: list[int], size: int, block: int) -> list[int] | None:
         blocks.append(first // block)
         i += span
     return blocks
+
+
+def narrower_groups(columns: list[int], size: int, block: int) -> tuple[int, list[int]] | None:
+    """The widest group width below `block` that divides it, is a multiple of 16, and of whose
+    groups `columns` (of `size`) are whole ones, with those groups in order; None where none is."""
+    for width in range(block - GEMM_MULTIPLE, GEMM_MULTIPLE - 1, -GEMM_MULTIPLE):
+        groups = whole_blocks(columns, size, width) if block % width == 0 else None
+        if groups is not None:
+            return width, groups
+    return None
+
+
+def narrower_scale(scale: torch.Tensor, cols: int, width: int, columns: int, groups: list[int]) -> torch.Tensor:
+    """A weight scale [..., groups of `cols`] of `columns` input columns as one per `width`-wide
+    group (each its block's), then only `groups` of those."""
+    fine = scale.repeat_interleave(cols // width, -1)[..., :-(-columns // width)]
+    return fine[..., groups]

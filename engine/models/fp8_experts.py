@@ -50,8 +50,9 @@ from torch import nn
 from engine.kernels import uses_triton
 from engine.kernels.fp8_moe import MIN_TILE, grouped_block_fp8_triton
 from engine.models.fp8 import expand_blocks
-from engine.models.fp8_blocks import PROBE_TOLERANCE, dequantize_groups, quantize_groups, quantize_scaled, whole_blocks
-from engine.models.fp8_linear import FP8, FP8_MAX, GEMM_MULTIPLE
+from engine.models.fp8_blocks import (GEMM_MULTIPLE, PROBE_TOLERANCE, dequantize_groups, narrower_groups, narrower_scale,
+                                      quantize_groups, quantize_scaled, whole_blocks)
+from engine.models.fp8_linear import FP8, FP8_MAX
 
 log = logging.getLogger(__name__)
 _fits: dict[tuple, bool] = {}  # (kernel, device, dtype, out, in, block) -> the kernel computes it there
@@ -161,8 +162,7 @@ class Fp8Experts(nn.Module):
         elif narrower is not None:  # each narrower group's scale its block's, then the shard's groups
             width, groups = narrower
             shard.block = (self.block[0], width)
-            fine = scale.repeat_interleave(self.block[1] // width, 2)[:, :, :-(-self.qweight.shape[2] // width)]
-            scale = fine[:, :, groups]
+            scale = narrower_scale(scale, self.block[1], width, self.qweight.shape[2], groups)
         elif self.block is not None and blocks is None:  # per row: each row's block scale, then the kept rows
             shard.block = (1, self.block[1])
             scale = scale.repeat_interleave(self.block[0], 1)[:, :self.qweight.shape[1]].index_select(1, index)
@@ -196,16 +196,6 @@ class Fp8Experts(nn.Module):
         way = ", fused" if self.fused else "" if self.kept else ", dequantized"
         static = ", static input scales" if self.input_scale is not None else ""
         return f"{tuple(self.qweight.shape)}, float8_e4m3fn, scaled {kind}{static}{way}"
-
-
-def narrower_groups(columns: list[int], size: int, block: int) -> tuple[int, list[int]] | None:
-    """The widest group width below `block` that divides it, is a multiple of 16, and of whose
-    groups `columns` (of `size`) are whole ones, with those groups in order; None where none is."""
-    for width in range(block - GEMM_MULTIPLE, GEMM_MULTIPLE - 1, -GEMM_MULTIPLE):
-        groups = whole_blocks(columns, size, width) if block % width == 0 else None
-        if groups is not None:
-            return width, groups
-    return None
 
 
 def expert_of_rows(ends: torch.Tensor, rows: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ from torch import nn
 
 from engine.models import fp8_experts, fp8_linear
 from engine.models.fp8_experts import Fp8Experts
-from engine.models.fp8_linear import GEMM_MULTIPLE, runs_scaled
+from engine.models.fp8_blocks import GEMM_MULTIPLE
+from engine.models.fp8_linear import runs_scaled
 
 
 def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
@@ -28,7 +29,9 @@ def use_float8_experts(model: nn.Module, name_map, weights, device: torch.device
     fp8 = weights.fp8
     if fp8 is None or not fp8_linear.keeps_float8(device):
         return 0
-    if not runs_scaled(device, dtype, rowwise=True) or (fp8.block is not None and fp8.block[1] % GEMM_MULTIPLE):
+    if fp8.block is None and not runs_scaled(device, dtype, rowwise=True):
+        return 0  # per channel: torch's grouped GEMM alone computes them (block-wise: `kernel_for` per shape)
+    if fp8.block is not None and fp8.block[1] % GEMM_MULTIPLE:
         return 0
     count = 0
     for name, module in list(model.named_modules()):

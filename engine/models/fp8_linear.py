@@ -11,7 +11,10 @@ scalings:
 
 - the fine-grained format's (a weight scale per 128x128 block, dynamic activations): the
   input with a scale per token and 128 columns (engine.models.fp8_blocks, which also checks
-  on the device that torch's scaled matmul computes it, once per weight shape).
+  on the device that torch's scaled matmul computes it, once per weight shape). Where torch's
+  call does not take the blocks (a tensor-parallel shard's, a GPU of compute capability 8.9,
+  a float16 output), one launch of the block-wise Triton kernel computes the same sum
+  (`fused`), checked on the device the same way.
 
 Which linears keep FP8 is decided on the meta model, before any storage exists (an FP8 model
 that fits a GPU only as FP8 must never be materialized dense): a plain nn.Linear whose weight
@@ -21,8 +24,9 @@ as a weight instead of calling it (`reads_weights`: MLA's absorbed kv_b_proj). S
 experts keep FP8 through engine.models.fp8_experts; every other FP8 weight is dequantized at
 load (engine.models.fp8).
 
-`keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (scales per
-row or per block need 9.0 and a bfloat16 output). On a CPU the weights are dequantized: the
+`keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (torch's scales
+per row need 9.0 and a bfloat16 output; block-wise weights run there or on the Triton kernel).
+On a CPU the weights are dequantized: the
 engine's own float32 kernels beat a float8 matmul there. Tests run this same module on a CPU
 by setting the policy: torch's CPU scaled matmul takes the per-tensor and per-row scalings,
 and block-wise products run as engine.models.fp8_blocks.reference_product.
@@ -35,12 +39,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.float_bits import FP8_CAPABILITY
+from engine.kernels.fp8_moe import block_fp8_linear_triton
 from engine.models import fp8_blocks
 from engine.models.fp8 import expand_blocks
+from engine.models.fp8_blocks import GEMM_MULTIPLE  # noqa: F401 - kept everywhere, and named here by its users
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-GEMM_MULTIPLE = 16  # the scaled matmul's rule for K and N on a GPU, kept everywhere
 
 
 def keeps_float8(device: torch.device) -> bool:
@@ -79,9 +84,10 @@ class Fp8Linear(nn.Module):
         self.input_scale: torch.Tensor | None = None  # float32 [] where the checkpoint's is static
         self.block: tuple[int, int] | None = None  # the weight scale's block (rows, cols); None: not block-wise
         self.gemm_scale: torch.Tensor | None = None  # a block-wise weight scale as the GPU's scaled matmul takes it
-        # The dequantized weight, where the GPU's scaled matmul would not take this linear (a
-        # tensor-parallel shard off its GEMM_MULTIPLE rule or cutting a block, a block-wise
-        # product it does not compute): the same rounded input times it, in the serving dtype.
+        self.fused = False  # block-wise through the Triton kernel (engine.kernels.fp8_moe), not torch's matmul
+        # The dequantized weight, where no GPU kernel would take this linear (a tensor-parallel
+        # shard off the GEMM_MULTIPLE rule, a block-wise product neither computes): the same
+        # rounded input times it, in the serving dtype.
         self.dense: torch.Tensor | None = None
 
     @classmethod
@@ -100,7 +106,7 @@ class Fp8Linear(nn.Module):
         self.input_scale = None if input_scale is None else input_scale.float().to(device).reshape(())
         if block is not None:
             self.block, self.weight_scale = tuple(block), scale.contiguous()
-            self._fit_gemm()
+            self._fit()
             return
         self.weight_scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, self.out_features)
         if self.rowwise and self.weight_scale.dim() == 0:  # both scalings per row, or both per tensor
@@ -143,6 +149,8 @@ class Fp8Linear(nn.Module):
                                    out_dtype=x.dtype)
         elif self.gemm_scale is not None:
             out = fp8_blocks.scaled_product(quantized, scale, self.qweight, self.gemm_scale, x.dtype)
+        elif self.fused:
+            out = block_fp8_linear_triton(quantized, scale, self.qweight, self.weight_scale, self.block, x.dtype)
         else:  # block-wise off the GPU
             out = fp8_blocks.reference_product(quantized, scale, self.qweight, self.weight_scale,
                                                self.block).to(x.dtype)
@@ -154,21 +162,26 @@ class Fp8Linear(nn.Module):
 
     def tp_keep_rows(self, rows: list[int]) -> None:
         """Column parallelism in place: output features `rows`, with their scales and bias. A
-        block-wise weight keeps FP8 where `rows` are whole blocks of it; else its rows are
-        dequantized (the GPU's scaled matmul takes no partial block)."""
+        block-wise weight keeps its blocks' scales where `rows` are whole blocks of it; rows that
+        cut blocks keep a scale per row (each its block's), which the Triton kernel takes."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.qweight.device)
-        blocks = None if self.block is None else fp8_blocks.whole_blocks(rows, self.out_features, self.block[0])
-        dense = self.weight.index_select(0, index) if self._splits_blocks(blocks) else None
         with torch.no_grad():
             self.qweight = nn.Parameter(self.qweight.index_select(0, index).clone(), requires_grad=False)
-            if blocks is not None:
-                self.weight_scale = self.weight_scale[blocks].contiguous()
-            elif self.block is None and self.weight_scale.dim() > 0:
+            if self.dense is not None:
+                self.dense = self.dense.index_select(0, index)
+            elif self.block is not None:
+                blocks = fp8_blocks.whole_blocks(rows, self.out_features, self.block[0])
+                if blocks is not None:
+                    self.weight_scale = self.weight_scale[blocks].contiguous()
+                else:  # per row: each row's block scale, then the kept rows
+                    per_row = self.weight_scale.repeat_interleave(self.block[0], 0)[:self.out_features]
+                    self.block, self.weight_scale = (1, self.block[1]), per_row.index_select(0, index).contiguous()
+            elif self.weight_scale.dim() > 0:
                 self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.index_select(0, index).clone(), requires_grad=False)
-        self.out_features, self.dense = len(rows), dense
-        self._fit_gemm()
+        self.out_features = len(rows)
+        self._fit()
 
     def tp_columns(self, cols: list[int], keep_bias: bool) -> Fp8Linear:
         """Row parallelism: this linear over input features `cols` (a rank's shard of the input),
@@ -177,45 +190,62 @@ class Fp8Linear(nn.Module):
         checkpoint's, and a scale per token is then the shard's own, as row-parallel FP8
         linears in the field compute it (no collective to agree on one). A block-wise weight
         keeps its blocks' scales where `cols` are whole blocks (its input groups are then the
-        un-sharded linear's); else the shard is dequantized."""
+        un-sharded linear's); columns that cut blocks keep FP8 in the widest narrower groups they
+        are whole groups of (fp8_blocks.narrower_groups), each group's scale its block's, the
+        shard's input then rounded per narrower group (finer than the un-sharded linear's, as a
+        shard's own per-token scales are); where there are none, the shard is dequantized."""
         index = torch.as_tensor(cols, dtype=torch.long, device=self.qweight.device)
-        blocks = None if self.block is None else fp8_blocks.whole_blocks(cols, self.in_features, self.block[1])
         out = Fp8Linear(len(cols), self.out_features, False, self.serving_dtype, device="meta")
         with torch.no_grad():
             out.qweight = nn.Parameter(self.qweight.index_select(1, index).clone(), requires_grad=False)
             if keep_bias and self.bias is not None:
                 out.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
         out.weight_scale, out.input_scale, out.block = self.weight_scale, self.input_scale, self.block
-        if blocks is not None:
-            out.weight_scale = self.weight_scale[:, blocks].contiguous()
-        if self._splits_blocks(blocks):
-            out.dense = self.weight.index_select(1, index)
-        out._fit_gemm()
+        if self.dense is not None:
+            out.dense = self.dense.index_select(1, index)
+        elif self.block is not None:
+            blocks = fp8_blocks.whole_blocks(cols, self.in_features, self.block[1])
+            narrower = None if blocks is not None else fp8_blocks.narrower_groups(cols, self.in_features,
+                                                                                  self.block[1])
+            if blocks is not None:
+                out.weight_scale = self.weight_scale[:, blocks].contiguous()
+            elif narrower is not None:
+                width, groups = narrower
+                out.block = (self.block[0], width)
+                out.weight_scale = fp8_blocks.narrower_scale(self.weight_scale, self.block[1], width,
+                                                             self.in_features, groups).contiguous()
+            else:  # its input rounded in groups of its own columns, as wide as the blocks
+                out.dense = self.weight.index_select(1, index)
+        out._fit()
         return out
 
-    def _splits_blocks(self, blocks: list[int] | None) -> bool:
-        """Whether a shard must be dequantized: this linear is already, or the shard's indices
-        are not whole blocks of a block-wise weight."""
-        return self.dense is not None or (self.block is not None and blocks is None)
-
-    def _fit_gemm(self) -> None:
-        """Dequantize where the GPU's scaled matmul would not take this linear: dimensions off
-        its rule, or a block-wise product it does not compute (engine.models.fp8_blocks)."""
+    def _fit(self) -> None:
+        """Pick how the product runs on the weight's device: torch's scaled matmul where it takes
+        this linear, else (block-wise) the Triton kernel where it computes it, else dequantized
+        (dimensions off the GEMM_MULTIPLE rule too). Off a GPU, tests, block-wise products run as
+        fp8_blocks.reference_product unless the Triton kernel is said to run."""
         if self.dense is None and (self.in_features % GEMM_MULTIPLE or self.out_features % GEMM_MULTIPLE):
             self.dense = self.weight
-        self.gemm_scale = None
-        if self.block is not None and self.dense is None and self.qweight.is_cuda:
-            layout = fp8_blocks.gemm_layout(self.qweight.device, self.serving_dtype, self.out_features,
-                                            self.in_features)
-            if layout is None:
-                self.dense = self.weight
-            else:
+        self.gemm_scale, self.fused = None, False
+        if self.block is None or self.dense is not None:
+            return
+        device = self.qweight.device
+        if device.type == "cuda" and runs_scaled(device, self.serving_dtype, True, self.block):
+            layout = fp8_blocks.gemm_layout(device, self.serving_dtype, self.out_features, self.in_features)
+            if layout is not None:
                 self.gemm_scale = fp8_blocks.gemm_scale(self.weight_scale, layout)
+                return
+        triton = fp8_blocks.fused_runs(device, self.block)
+        self.fused = triton and fp8_blocks.fused_fits(device, self.serving_dtype, self.out_features,
+                                                      self.in_features, self.block)
+        if not self.fused and (device.type == "cuda" or triton):  # no kernel computes it
+            self.dense = self.weight
 
     def extra_repr(self) -> str:
         kind = ("per {}x{} block".format(*self.block) if self.block is not None
                 else "per row" if self.rowwise else "per tensor")
-        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn, scaled {kind}"
+        way = ", dequantized" if self.dense is not None else ", Triton kernel" if self.fused else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn, scaled {kind}{way}"
 
 
 def use_float8_linears(model: nn.Module, name_map, weights, device: torch.device, dtype: torch.dtype) -> int:
@@ -224,8 +254,10 @@ def use_float8_linears(model: nn.Module, name_map, weights, device: torch.device
     if weights.fp8 is None or not keeps_float8(device):
         return 0
     block = weights.fp8.block
-    if block is not None and (not weights.fp8.dynamic_activations or not runs_scaled(device, dtype, True, block)):
-        return 0  # a static input scale beside block-wise weights, or blocks this device's scaled matmul refuses
+    if block is not None and not weights.fp8.dynamic_activations:
+        return 0  # a static input scale beside block-wise weights
+    if block is not None and not (runs_scaled(device, dtype, True, block) or fp8_blocks.fused_runs(device, block)):
+        return 0  # blocks neither torch's scaled matmul nor the Triton kernel takes on this device
     folding = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "fold_scales")]
     read = {f"{name}.{attr}" for name, m in model.named_modules() for attr in getattr(m, "reads_weights", ())}
     count = 0
@@ -239,7 +271,7 @@ def use_float8_linears(model: nn.Module, name_map, weights, device: torch.device
             continue
         per_tensor = weights.numel_of(weights.fp8.scale_name(source)) == 1
         static = weights.fp8.input_scale_name(source) in weights
-        if not runs_scaled(device, dtype, rowwise=not (per_tensor and static)):
+        if block is None and not runs_scaled(device, dtype, rowwise=not (per_tensor and static)):
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, Fp8Linear.replacing(linear, dtype))
