@@ -37,7 +37,7 @@ from engine.kernels import _triton
 
 ARCHS = (90, 80)
 # the most shared memory a block may use (bytes), past which a launch fails with OutOfResources
-SHARED_BYTES = {90: 232448, 80: 166912}
+SHARED_BYTES = {90: 232448, 89: 101376, 80: 166912}
 SMS = 132  # an H100 SXM's, for the context splits a GPU's decode attention picks
 AB_ONLY = {"ssd_chunk_scan", "chunk_gated_delta_rule"}  # bench.kernels cases CUDA runs as an A/B only
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
