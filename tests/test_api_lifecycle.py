@@ -11,7 +11,7 @@ import pytest
 from router.client import SplitServeClient
 from router.frontdoor import FrontDoorConfig, start_frontdoor
 from tests.test_api_support import (LONG, long_requests, backend, running_requests, serving,  # noqa: F401
-                                    text_model_path, wait_idle)
+                                    text_model_path, wait_idle, wait_until)
 
 
 def test_stop_aborts_what_is_in_flight_and_wait_returns(backend, long_requests):
@@ -26,7 +26,8 @@ def test_stop_aborts_what_is_in_flight_and_wait_returns(backend, long_requests):
                                      "ignore_eos": True})
     response = http_stream.__enter__()
     assert next(response.iter_lines()).startswith("data: ")
-    assert running_requests(backend) == 2
+    # a first token comes from the prefill worker: the request may still be on its way to decode
+    wait_until(lambda: running_requests(backend) == 2, timeout=5, what="both requests running")
     waiter = threading.Thread(target=door.wait)
     waiter.start()
     door.stop()
