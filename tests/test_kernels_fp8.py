@@ -209,3 +209,16 @@ def test_misshapen_operands_are_refused_naming_them(change, message):
                 ends=ends, out_dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
         grouped_block_fp8_triton(**change(args))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: dict(a, block=(32, 24)), "power of two"),
+    (lambda a: dict(a, scale=a["scale"][:, :1]), "input scale"),
+    (lambda a: dict(a, weight_scale=a["weight_scale"][:1]), "weight scale"),
+])
+def test_the_linear_form_refuses_misshapen_operands_naming_them(change, message):
+    quantized, scale, weight, weight_scale, _ = (t.cpu() for t in operands([4], 64, 64, (32, 32)))
+    args = dict(quantized=quantized, scale=scale, qweight=weight[0], weight_scale=weight_scale[0], block=(32, 32),
+                out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        block_fp8_linear_triton(**change(args))

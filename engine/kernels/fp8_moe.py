@@ -80,8 +80,7 @@ def block_fp8_linear_triton(quantized: torch.Tensor, scale: torch.Tensor, qweigh
     """quantized [M, K] (scale [M, ceil(K / cols)]) times qweight [N, K] (weight_scale
     [ceil(N / rows), ceil(K / cols)]): one expert of grouped_block_fp8_triton, without its schedule."""
     m = quantized.shape[0]
-    ends = torch.empty(1, dtype=torch.int32, device=quantized.device)  # not read: the shapes check it
-    _check(quantized, scale, qweight[None], weight_scale[None], block, ends)
+    _check(quantized, scale, qweight[None], weight_scale[None], block)
     out = torch.empty(m, qweight.shape[0], dtype=out_dtype, device=quantized.device)
     if m == 0 or qweight.shape[0] == 0:
         return out
@@ -125,7 +124,7 @@ def tile_schedule(ends: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Te
     return tile_expert.to(torch.int32), tile_row.to(torch.int32)
 
 
-def _check(quantized, scale, qweight, weight_scale, block, ends) -> None:
+def _check(quantized, scale, qweight, weight_scale, block, ends=None) -> None:
     m, k = quantized.shape
     experts, n, k_weight = qweight.shape
     rows, cols = block
@@ -137,7 +136,7 @@ def _check(quantized, scale, qweight, weight_scale, block, ends) -> None:
         raise ValueError(f"input scale {tuple(scale.shape)}, expected {(m, -(-k // cols))}")
     if tuple(weight_scale.shape) != (experts, -(-n // rows), -(-k // cols)):
         raise ValueError(f"weight scale {tuple(weight_scale.shape)}, expected {(experts, -(-n // rows), -(-k // cols))}")
-    if ends.shape != (experts,) or ends.dtype != torch.int32:
+    if ends is not None and (ends.shape != (experts,) or ends.dtype != torch.int32):
         raise ValueError(f"ends must be int32 [{experts}], got {ends.dtype} {tuple(ends.shape)}")
 
 

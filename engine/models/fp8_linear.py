@@ -169,15 +169,16 @@ class Fp8Linear(nn.Module):
             self.qweight = nn.Parameter(self.qweight.index_select(0, index).clone(), requires_grad=False)
             if self.dense is not None:
                 self.dense = self.dense.index_select(0, index)
-            elif self.block is not None:
+            if self.block is None:
+                if self.weight_scale.dim() > 0:
+                    self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
+            elif self.dense is None:
                 blocks = fp8_blocks.whole_blocks(rows, self.out_features, self.block[0])
                 if blocks is not None:
                     self.weight_scale = self.weight_scale[blocks].contiguous()
                 else:  # per row: each row's block scale, then the kept rows
                     per_row = self.weight_scale.repeat_interleave(self.block[0], 0)[:self.out_features]
                     self.block, self.weight_scale = (1, self.block[1]), per_row.index_select(0, index).contiguous()
-            elif self.weight_scale.dim() > 0:
-                self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.index_select(0, index).clone(), requires_grad=False)
         self.out_features = len(rows)
