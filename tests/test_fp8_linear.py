@@ -425,6 +425,52 @@ def test_tensor_parallel_shards_of_a_block_wise_linear_keep_fp8(fused, request):
                                    rtol=1e-5, atol=1e-4)
 
 
+def test_tensor_parallel_shards_that_cut_blocks_run_as_transformers_rounds_them(keeps_float8, model_factory, tmp_path,
+                                                                                monkeypatch):
+    """32x32 blocks at TP 2 on the tiny llama, whose MLP (96 wide) gives each rank 48 rows or
+    columns of it: the column-parallel projections cut blocks along their rows and keep a scale
+    per row; down cuts them along its input and keeps 16-column groups, so its input is rounded
+    per 16 columns (a rank boundary falls on one). Every rank's logits through a prefill and
+    decodes are transformers' with each linear's input rounded that way, teacher-forced on the
+    ranks' tokens. (The ranks are threads, where Triton's interpreter cannot run: the shards'
+    products on the Triton kernel are in test_tensor_parallel_shards_of_a_block_wise_linear_keep_fp8.)"""
+    import types
+
+    import tests.test_fp8 as test_fp8
+    from engine.models import load_model
+    from engine.tp import run_in_threads
+    from engine.tp.shard import shard_model
+    from tests.test_tp_layers import assert_ranks_agree, generate
+
+    monkeypatch.setattr(test_fp8, "BLOCK", (32, 32))
+    monkeypatch.setitem(test_fp8.SCHEMES, "block", {**test_fp8.SCHEMES["block"], "weight_block_size": [32, 32]})
+    path, _ = model_factory("llama")
+    hf = fp8_checkpoint(path, tmp_path / "fp8", "block")
+    full = load_model(tmp_path / "fp8")
+
+    def run(group):
+        model = shard_model(copy.deepcopy(full), group)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        return generate(model), {n: (m.block, m.dense is None) for n, m in linears.items()}  # (block, kept FP8)
+
+    results = run_in_threads(2, run)
+    for _, kept in results:  # every linear FP8 (k and v: 16 rows a rank, a scale per row too)
+        mlp = {n.rsplit(".", 1)[-1]: way for n, way in kept.items() if ".ffn." in n}
+        assert len(mlp) == 3 and all(way == (((32, 16) if name == "down_proj" else (1, 32)), True)
+                                     for name, way in mlp.items()), mlp
+        assert all(fp8 for _, fp8 in kept.values())
+    for step in range(len(results[0][0][0])):
+        assert_ranks_agree([logits[step] for (logits, _, _), _ in results])
+    (logits, tokens, _), _ = results[0]
+    rounding = {n: types.SimpleNamespace(input_scale=None, block=(32, 16 if n.endswith("down_proj") else 32))
+                for n, m in full.named_modules() if isinstance(m, Fp8Linear)}
+    judge = oracle_with_fp8_inputs(hf, "llama", rounding)
+    prompt = [(7 * i + 3) % full.spec.vocab_size for i in range(11)]  # generate()'s
+    want = torch.log_softmax(oracle.hf_logits(judge, prompt + tokens[:-1]).float(), -1)
+    got = torch.log_softmax(torch.cat([step[-1:] for step in logits]).float(), -1)
+    assert (got - want[len(prompt) - 1:]).abs().max() <= 1e-4
+
+
 def test_whole_blocks_names_the_blocks_only_of_whole_ones_in_order():
     from engine.models.fp8_blocks import whole_blocks
 
