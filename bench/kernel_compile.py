@@ -13,7 +13,7 @@ A kernel module may say it is not for every GPU (MIN_CAPABILITY: the FP8 weight 
 run only where FP8 weights stay FP8); on a GPU below 8.9 an e4m3 cache moves as bytes
 (engine.kernels.float_bits.fp8_as_bytes), so sm_80's launches are recorded that way.
 
-    python -m bench.kernel_compile [--arch 90 --arch 80] [--all]
+    python -m bench.kernel_compile [--arch 90 --arch 80] [--dtype bfloat16] [--all]
 
 --all adds the prefill kernels CUDA runs only as an A/B (SPLITSERVE_FORCE_TRITON=1: the SSD
 and chunked Gated DeltaNet scans, engine.kernels._prefill_scan_on_triton), whose compiles take
@@ -39,6 +39,7 @@ ARCHS = (90, 80)
 # the most shared memory a block may use (bytes), past which a launch fails with OutOfResources
 SHARED_BYTES = {90: 232448, 89: 101376, 80: 166912}
 SMS = 132  # an H100 SXM's, for the context splits a GPU's decode attention picks
+DTYPES = (torch.bfloat16, torch.float32)  # the serving dtypes the check records launches in
 AB_ONLY = {"ssd_chunk_scan", "chunk_gated_delta_rule"}  # bench.kernels cases CUDA runs as an A/B only
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64",
           torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
@@ -96,9 +97,9 @@ def as_on_a_gpu(arch: int):
             SPLITSERVE_FP8_AS_BYTES=as_bytes)
 
 
-def record(arch: int, everything: bool = False) -> list[Launch]:
-    """The distinct launches of bench.kernels' cases at serving sizes, in bf16 and float32, as a
-    GPU of `arch` makes them; none runs."""
+def record(arch: int, everything: bool = False, dtypes=DTYPES) -> list[Launch]:
+    """The distinct launches of bench.kernels' cases at serving sizes, in `dtypes` (serving
+    dtypes: bf16 and float32), as a GPU of `arch` makes them; none runs."""
     from bench import kernels
 
     launches: dict[Launch, None] = {}
@@ -110,7 +111,7 @@ def record(arch: int, everything: bool = False) -> list[Launch]:
     _triton._launch_records.append(consume)
     try:
         with as_on_a_gpu(arch):
-            for dtype in (torch.bfloat16, torch.float32):
+            for dtype in dtypes:
                 for case in kernels.all_cases(torch.device("meta"), dtype):
                     if everything or case.name not in AB_ONLY:
                         case.kernel()
@@ -134,13 +135,13 @@ def compile_launch(launch: Launch, arch: int):
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
 
 
-def check(archs=ARCHS, everything: bool = False) -> list[tuple[str, int, float, str]]:
+def check(archs=ARCHS, everything: bool = False, dtypes=DTYPES) -> list[tuple[str, int, float, str]]:
     """(kernel, arch, seconds, "ok" or the compiler's last line) for every distinct launch."""
     if _triton.interpreting():
         raise RuntimeError("TRITON_INTERPRET is set: the compile check needs Triton's compiler")
     rows = []
     for arch in archs:
-        for launch in record(arch, everything):
+        for launch in record(arch, everything, dtypes):
             started = time.perf_counter()
             try:
                 shared = compile_launch(launch, arch).metadata.shared
@@ -157,10 +158,13 @@ def check(archs=ARCHS, everything: bool = False) -> list[tuple[str, int, float, 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, action="append", help="sm_XY as XY (default: 90 and 80)")
+    parser.add_argument("--dtype", action="append", choices=("bfloat16", "float32"),
+                        help="serving dtype (default: both)")
     parser.add_argument("--all", action="store_true", help="also the prefill kernels CUDA runs as an A/B only")
     parser.add_argument("--json", action="store_true", help="the rows as JSON")
     args = parser.parse_args(argv)
-    rows = check(tuple(args.arch or ARCHS), args.all)
+    dtypes = tuple(getattr(torch, name) for name in args.dtype) if args.dtype else DTYPES
+    rows = check(tuple(args.arch or ARCHS), args.all, dtypes)
     if args.json:
         print(json.dumps(rows))
     else:

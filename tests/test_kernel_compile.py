@@ -39,3 +39,16 @@ def test_every_launch_compiles_for_the_gpus_people_serve_on():
                    "state_round._state_store_kernel", "gdn_triton._gdn_step_kernel"):
         assert kernel in done.stdout, kernel
     assert "sm_80" in done.stdout and "sm_90" in done.stdout
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="Triton with its NVIDIA backend (ptxas) is not installed")
+def test_every_bf16_launch_compiles_for_ada():
+    """sm_89 (L40S, L4, RTX 4090): FP8 units, so the FP8 weight kernels run there too (the
+    block-wise linears torch's scaled matmul does not take there among them), with 99 KB of
+    shared memory a block. In bf16 every launch fits; float32 MLA decode does not (docs/gpu.md)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "SPLITSERVE_FP8_AS_BYTES")}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-m", "bench.kernel_compile", "--arch", "89", "--dtype", "bfloat16"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "fp8_moe._grouped_block_fp8_kernel" in done.stdout and "fp8_quant." in done.stdout
