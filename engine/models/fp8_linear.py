@@ -1,4 +1,5 @@
-"""Linears that keep a checkpoint's FP8 weights and run through torch's scaled matmul.
+"""Linears that keep a checkpoint's FP8 weights and run through torch's scaled matmul (or,
+block-wise, a Triton kernel where that does not take them).
 
 An FP8 weight stays float8_e4m3fn on a GPU with FP8 units: half a bfloat16 weight's memory
 and the FP8 tensor cores' rate. Each call quantizes its input to float8_e4m3fn and
@@ -26,10 +27,10 @@ load (engine.models.fp8).
 
 `keeps_float8` is the policy: CUDA devices of compute capability 8.9 and above (torch's scales
 per row need 9.0 and a bfloat16 output; block-wise weights run there or on the Triton kernel).
-On a CPU the weights are dequantized: the
-engine's own float32 kernels beat a float8 matmul there. Tests run this same module on a CPU
-by setting the policy: torch's CPU scaled matmul takes the per-tensor and per-row scalings,
-and block-wise products run as engine.models.fp8_blocks.reference_product.
+On a CPU the weights are dequantized: the engine's own float32 kernels beat a float8 matmul
+there. Tests run this same module on a CPU by setting the policy: torch's CPU scaled matmul
+takes the per-tensor and per-row scalings, and block-wise products run as
+engine.models.fp8_blocks.reference_product, or on the Triton kernel under its interpreter.
 """
 
 from __future__ import annotations
