@@ -449,7 +449,6 @@ def fp8_moe_cases(device, dtype, scale=1, experts=512, top_k=10, hidden=2048, in
     return cases
 
 
-
 def fp8_linear_cases(device, dtype, scale=1, hidden=2048, heads=16, head_dim=256, shared=512):
     """Qwen3-Next-80B-A3B-FP8's block-wise linears on the Triton kernel (Fp8Linear.fused):
     o_proj (128x128 blocks) at a batch-64 decode step and a 2048-token prefill, and one rank's
@@ -472,25 +471,33 @@ def fp8_linear_cases(device, dtype, scale=1, hidden=2048, heads=16, head_dim=256
         qweight = (torch.randn(out, inputs, device=device, generator=generator) * 64).clamp(-448, 448).to(FP8)
         weight_scale = torch.exp2(-12 + 6 * torch.rand(-(-out // block[0]), -(-inputs // block[1]), device=device,
                                                        generator=generator))
-        ways = {way: Fp8Linear(inputs, out, False, dtype, device="meta") for way in ("fused", "torch", "dense")}
-        for linear in ways.values():  # each way, whatever the device check says
-            linear.qweight = torch.nn.Parameter(qweight, requires_grad=False)
-            linear.weight_scale, linear.block = weight_scale, block
-        ways["fused"].fused = True
-        ways["dense"].dense = (qweight.float() * expand_blocks(weight_scale, block, qweight.shape)).to(dtype)
         layout = (fp8_blocks.gemm_layout(device, dtype, out, inputs)
                   if device.type == "cuda" and fp8_linear.runs_scaled(device, dtype, True, block) else None)
+        # each way, whatever the device check says
+        dense = _block_linear(qweight, weight_scale, block, dtype,
+                              dense=(qweight.float() * expand_blocks(weight_scale, block, qweight.shape)).to(dtype))
+        kernels = {"": _block_linear(qweight, weight_scale, block, dtype, fused=True)}
         if layout is not None:
-            ways["torch"].gemm_scale = fp8_blocks.gemm_scale(weight_scale, layout)
+            kernels[", torch's scaled matmul"] = _block_linear(qweight, weight_scale, block, dtype,
+                                                               gemm_scale=fp8_blocks.gemm_scale(weight_scale, layout))
         rows = torch.randn(tokens, inputs, device=device, generator=generator).to(dtype)
         nbytes = out * inputs + weight_scale.numel() * 4 + rows.numel() * 2 + tokens * out * 2
-        shape = f"{name} T={tokens} [{out}, {inputs}] per {block[0]}x{block[1]}"
-        dense = ways["dense"]
-        for way in ("fused", "torch") if layout is not None else ("fused",):
-            cases.append(Case("fp8_linear_block", shape + (", torch's scaled matmul" if way == "torch" else ""),
-                              nbytes, lambda linear=ways[way], rows=rows: linear(rows),
+        for label, linear in kernels.items():
+            cases.append(Case("fp8_linear_block", f"{name} T={tokens} [{out}, {inputs}] per {block[0]}x{block[1]}{label}",
+                              nbytes, lambda linear=linear, rows=rows: linear(rows),
                               lambda dense=dense, rows=rows: dense(rows)))
     return cases
+
+
+def _block_linear(qweight, weight_scale, block, dtype, **way) -> Fp8Linear:
+    """An Fp8Linear of these block-wise weights that runs one way (`fused`, `gemm_scale` or `dense` set)."""
+    linear = Fp8Linear(qweight.shape[1], qweight.shape[0], False, dtype, device="meta")
+    linear.qweight = torch.nn.Parameter(qweight, requires_grad=False)
+    linear.weight_scale, linear.block = weight_scale, block
+    for name, value in way.items():
+        setattr(linear, name, value)
+    return linear
+
 
 GROUPS = (
     lambda d, t, s: mamba_cases(d, t, s),

@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from engine import LLM
 from engine.kernels import _triton
 from engine.kernels.fp8_moe import grouped_block_fp8_triton
-from engine.models import fp8_experts
-from engine.models.fp8_experts import Fp8Experts, grouped_fits, kernel_for, narrower_groups, reference_grouped
+from engine.models import fp8_blocks, fp8_experts
+from engine.models.fp8_blocks import narrower_groups
+from engine.models.fp8_experts import Fp8Experts, grouped_fits, kernel_for, reference_grouped
 from engine.models.fp8_linear import FP8, FP8_MAX
 from tests import oracle
 from tests.test_fp8 import fp8_checkpoint
@@ -43,10 +44,12 @@ def random_experts(experts: int, out: int, inputs: int, block, seed: int = 0) ->
 
 @pytest.fixture
 def triton_runs(monkeypatch):
-    """Experts pick their kernel as where Triton runs (CUDA); nothing probed before counts."""
+    """FP8 weights pick their kernels as where Triton runs (CUDA): block-wise experts the fused
+    kernel, block-wise linears its linear form; nothing probed before counts."""
     if not _triton.available():
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(fp8_experts, "uses_triton", lambda tensor: True)
+    monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: True)
+    monkeypatch.setattr(fp8_blocks, "_fused", {})
     monkeypatch.setattr(fp8_experts, "_fits", {})
 
 
@@ -400,7 +403,7 @@ def test_fused_block_wise_experts_serve_as_transformers_runs_them(name, keeps_fl
     assert len(experts) == 2 * sum(1 for m in hf.modules() if hasattr(m, "gate_up_proj"))  # both projections
     judge = with_fp8_linear_inputs(oracle_with_fp8_expert_inputs(hf, 16), llm)
     out = scored_as(judge, llm, PROMPT)
-    monkeypatch.setattr(fp8_experts, "uses_triton", lambda tensor: False)
+    monkeypatch.setattr(fp8_blocks, "uses_triton", lambda tensor: False)
     split = LLM(str(tmp_path / "fp8"), block_size=4)
     split_kept = {n for n, m in kept_experts(split).items() if m.kept}
     assert not any(m.fused for m in kept_experts(split).values())

@@ -471,6 +471,18 @@ def test_tensor_parallel_shards_that_cut_blocks_run_as_transformers_rounds_them(
     assert (got - want[len(prompt) - 1:]).abs().max() <= 1e-4
 
 
+def test_a_triton_kernel_the_device_check_refuses_leaves_the_linear_dense(triton_runs, monkeypatch, caplog):
+    """The probe runs the kernel on the device before a linear uses it: one that reads another
+    block's scales is refused, with a warning, and the linear is dequantized instead."""
+    from engine.kernels.fp8_moe import block_fp8_linear_triton
+
+    monkeypatch.setattr(fp8_blocks, "block_fp8_linear_triton", lambda q, s, w, ws, block, dtype:
+                        block_fp8_linear_triton(q, s, w, ws.flip(0), block, dtype))
+    linear = random_block_linear(64, 48)
+    assert not linear.fused and linear.dense is not None
+    assert "does not compute [48, 64] weights per 16x16 block" in caplog.text and "relative error" in caplog.text
+
+
 def test_whole_blocks_names_the_blocks_only_of_whole_ones_in_order():
     from engine.models.fp8_blocks import whole_blocks
 

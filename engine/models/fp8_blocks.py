@@ -182,8 +182,28 @@ def narrower_groups(columns: list[int], size: int, block: int) -> tuple[int, lis
     return None
 
 
-def narrower_scale(scale: torch.Tensor, cols: int, width: int, columns: int, groups: list[int]) -> torch.Tensor:
-    """A weight scale [..., groups of `cols`] of `columns` input columns as one per `width`-wide
-    group (each its block's), then only `groups` of those."""
-    fine = scale.repeat_interleave(cols // width, -1)[..., :-(-columns // width)]
-    return fine[..., groups]
+def shard_rows(scale: torch.Tensor, block: tuple[int, int], rows: list[int], size: int):
+    """(block, scale) of a shard of weight rows `rows` (of `size`), for a block-wise scale
+    [..., row blocks, groups]: their blocks' scales where they are whole blocks, else a scale
+    per row, each its block's (block (1, cols))."""
+    blocks = whole_blocks(rows, size, block[0])
+    if blocks is not None:
+        return block, scale[..., blocks, :]
+    per_row = scale.repeat_interleave(block[0], -2)[..., :size, :]
+    return (1, block[1]), per_row.index_select(-2, torch.as_tensor(rows, dtype=torch.long, device=scale.device))
+
+
+def shard_columns(scale: torch.Tensor, block: tuple[int, int], columns: list[int], size: int):
+    """(block, scale) of a shard of input columns `columns` (of `size`), for a block-wise scale
+    [..., row blocks, groups]: their blocks' scales where they are whole blocks, else the widest
+    narrower groups they are whole groups of, each group's scale its block's; None where there
+    are none (the shard is dequantized)."""
+    blocks = whole_blocks(columns, size, block[1])
+    if blocks is not None:
+        return block, scale[..., blocks]
+    narrower = narrower_groups(columns, size, block[1])
+    if narrower is None:
+        return None
+    width, groups = narrower
+    fine = scale.repeat_interleave(block[1] // width, -1)[..., :-(-size // width)]
+    return (block[0], width), fine[..., groups]

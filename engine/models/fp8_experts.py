@@ -47,11 +47,10 @@ import logging
 import torch
 from torch import nn
 
-from engine.kernels import uses_triton
-from engine.kernels.fp8_moe import MIN_TILE, grouped_block_fp8_triton
+from engine.kernels.fp8_moe import grouped_block_fp8_triton
 from engine.models.fp8 import expand_blocks
-from engine.models.fp8_blocks import (GEMM_MULTIPLE, PROBE_TOLERANCE, dequantize_groups, narrower_groups, narrower_scale,
-                                      quantize_groups, quantize_scaled, whole_blocks)
+from engine.models.fp8_blocks import (GEMM_MULTIPLE, PROBE_TOLERANCE, dequantize_groups, fused_runs, quantize_groups,
+                                      quantize_scaled, shard_columns, shard_rows)
 from engine.models.fp8_linear import FP8, FP8_MAX
 
 log = logging.getLogger(__name__)
@@ -152,22 +151,14 @@ class Fp8Experts(nn.Module):
         shard = Fp8Experts(*shape, self.serving_dtype, device="meta")
         shard.qweight = nn.Parameter(self.qweight.index_select(dim, index).clone(), requires_grad=False)
         shard.block, shard.input_scale, scale = self.block, self.input_scale, self.weight_scale
-        blocks = None if self.block is None else whole_blocks(positions, self.qweight.shape[dim],
-                                                              self.block[dim - 1])
-        cuts_columns = self.block is not None and blocks is None and dim == 2
-        narrower = (narrower_groups(positions, self.qweight.shape[2], self.block[1])
-                    if cuts_columns and self.dense is None else None)
-        if self.dense is not None or (cuts_columns and narrower is None):
+        taken = None  # (block, scale) of a block-wise shard that keeps FP8
+        if self.block is not None and self.dense is None:
+            take = shard_rows if dim == 1 else shard_columns
+            taken = take(scale, self.block, positions, self.qweight.shape[dim])
+        if self.dense is not None or (self.block is not None and taken is None):
             shard.dense = self[:].index_select(dim, index)
-        elif narrower is not None:  # each narrower group's scale its block's, then the shard's groups
-            width, groups = narrower
-            shard.block = (self.block[0], width)
-            scale = narrower_scale(scale, self.block[1], width, self.qweight.shape[2], groups)
-        elif self.block is not None and blocks is None:  # per row: each row's block scale, then the kept rows
-            shard.block = (1, self.block[1])
-            scale = scale.repeat_interleave(self.block[0], 1)[:, :self.qweight.shape[1]].index_select(1, index)
-        elif self.block is not None:
-            scale = scale[:, blocks] if dim == 1 else scale[:, :, blocks]
+        elif taken is not None:
+            shard.block, scale = taken
         elif dim == 1:  # per channel: the kept channels' scales (an input shard keeps them all)
             scale = scale.index_select(1, index)
         shard.weight_scale = scale.contiguous()
@@ -223,9 +214,8 @@ def kernel_for(device: torch.device, dtype: torch.dtype, out_features: int, in_f
     """How experts of this shape keep FP8 on `device`: "fused" (block-wise, the Triton kernel,
     where Triton runs and computes them), "split" (torch's grouped scaled GEMM: on CUDA where it
     computes them; off it, tests, reference_grouped computes any shape), or None: dequantized."""
-    if (block is not None and block[1] >= MIN_TILE and not block[1] & (block[1] - 1)
-            and uses_triton(torch.empty(0, device=device)) and grouped_fits(device, dtype, out_features,
-                                                                            in_features, block, fused=True)):
+    if block is not None and fused_runs(device, block) and grouped_fits(device, dtype, out_features, in_features,
+                                                                          block, fused=True):
         return "fused"
     if out_features % GEMM_MULTIPLE or in_features % GEMM_MULTIPLE:
         return None

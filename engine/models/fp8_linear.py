@@ -43,7 +43,7 @@ from engine.kernels.float_bits import FP8_CAPABILITY
 from engine.kernels.fp8_moe import block_fp8_linear_triton
 from engine.models import fp8_blocks
 from engine.models.fp8 import expand_blocks
-from engine.models.fp8_blocks import GEMM_MULTIPLE  # noqa: F401 - kept everywhere, and named here by its users
+from engine.models.fp8_blocks import GEMM_MULTIPLE
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -174,12 +174,8 @@ class Fp8Linear(nn.Module):
                 if self.weight_scale.dim() > 0:
                     self.weight_scale = self.weight_scale.index_select(1, index).contiguous()
             elif self.dense is None:
-                blocks = fp8_blocks.whole_blocks(rows, self.out_features, self.block[0])
-                if blocks is not None:
-                    self.weight_scale = self.weight_scale[blocks].contiguous()
-                else:  # per row: each row's block scale, then the kept rows
-                    per_row = self.weight_scale.repeat_interleave(self.block[0], 0)[:self.out_features]
-                    self.block, self.weight_scale = (1, self.block[1]), per_row.index_select(0, index).contiguous()
+                self.block, scale = fp8_blocks.shard_rows(self.weight_scale, self.block, rows, self.out_features)
+                self.weight_scale = scale.contiguous()
             if self.bias is not None:
                 self.bias = nn.Parameter(self.bias.index_select(0, index).clone(), requires_grad=False)
         self.out_features = len(rows)
@@ -206,18 +202,11 @@ class Fp8Linear(nn.Module):
         if self.dense is not None:
             out.dense = self.dense.index_select(1, index)
         elif self.block is not None:
-            blocks = fp8_blocks.whole_blocks(cols, self.in_features, self.block[1])
-            narrower = None if blocks is not None else fp8_blocks.narrower_groups(cols, self.in_features,
-                                                                                  self.block[1])
-            if blocks is not None:
-                out.weight_scale = self.weight_scale[:, blocks].contiguous()
-            elif narrower is not None:
-                width, groups = narrower
-                out.block = (self.block[0], width)
-                out.weight_scale = fp8_blocks.narrower_scale(self.weight_scale, self.block[1], width,
-                                                             self.in_features, groups).contiguous()
-            else:  # its input rounded in groups of its own columns, as wide as the blocks
+            taken = fp8_blocks.shard_columns(self.weight_scale, self.block, cols, self.in_features)
+            if taken is None:  # its input rounded in groups of its own columns, as wide as the blocks
                 out.dense = self.weight.index_select(1, index)
+            else:
+                out.block, out.weight_scale = taken[0], taken[1].contiguous()
         out._fit()
         return out
 
