@@ -87,23 +87,25 @@ def _pick(tensor: torch.Tensor, triton_impl, cpu_impl, ref_impl):
 
 
 def selective_state_update(ssm_state, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                           dt_softplus=False, out=None, positions=None):
+                           dt_softplus=False, out=None, positions=None, slot_runs=False):
     """Mamba decode step, in place at ssm_state[slots]; returns y [B, D] (float32 unless `out`).
-    `positions` (each row's sequence length after the step) where the pool is half width. See
+    `positions` (each row's sequence length after the step) where the pool is half width;
+    `slot_runs` where adjacent rows may share a slot (engine.kernels.slot_runs). See
     engine.kernels.ssm_update."""
     impl = _pick(ssm_state, selective_state_update_triton, cpu.selective_state_update_cpu,
                  selective_state_update_ref)
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
-                dt_softplus=dt_softplus, out=out, **_narrow(ssm_state, positions))
+                dt_softplus=dt_softplus, out=out, slot_runs=slot_runs, **_narrow(ssm_state, positions))
 
 
 def mamba2_state_update(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
-                        dt_limit=NO_LIMIT, out=None, positions=None):
+                        dt_limit=NO_LIMIT, out=None, positions=None, slot_runs=False):
     """Mamba2 decode step, in place at ssm_state[slots]; returns y [b, H, P] (float32 unless
-    `out`). `positions` where the pool is half width. See engine.kernels.mamba2_update."""
+    `out`). `positions` where the pool is half width; `slot_runs` where adjacent rows may share
+    a slot. See engine.kernels.mamba2_update."""
     impl = _pick(ssm_state, mamba2_state_update_triton, cpu.mamba2_state_update_cpu, mamba2_state_update_ref)
     return impl(ssm_state, slots, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-                dt_limit=dt_limit, out=out, **_narrow(ssm_state, positions))
+                dt_limit=dt_limit, out=out, slot_runs=slot_runs, **_narrow(ssm_state, positions))
 
 
 def selective_scan_varlen(x, dt, A, B, C, cu_seqlens, h0, rows=None, state=None, slots=None, out=None):
@@ -144,11 +146,12 @@ def ssd_varlen_available(pool: torch.Tensor) -> bool:
     return not _prefill_scan_on_triton(pool) and not uses_cpu_kernel(pool)
 
 
-def gated_delta_step(state, slots, q, k, v, g, beta, positions=None):
+def gated_delta_step(state, slots, q, k, v, g, beta, positions=None, slot_runs=False):
     """Gated DeltaNet decode step, in place at state[slots]; returns o [b, Hv, dv] float32.
-    `positions` where the pool is half width. See engine.kernels.gdn_scan."""
+    `positions` where the pool is half width; `slot_runs` where adjacent rows may share a slot.
+    See engine.kernels.gdn_scan."""
     impl = _pick(state, gated_delta_step_triton, cpu.gated_delta_step_cpu, gated_delta_step_ref)
-    return impl(state, slots, q, k, v, g, beta, **_narrow(state, positions))
+    return impl(state, slots, q, k, v, g, beta, slot_runs=slot_runs, **_narrow(state, positions))
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, h0, chunk_size):
@@ -182,11 +185,13 @@ def gated_delta_varlen_available(q, v, g) -> bool:
     return not _prefill_scan_on_triton(v) and fla_rule.available(v) and not fla_rule.refused(q, v, g, varlen=True)
 
 
-def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None):
+def causal_conv1d_update(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None,
+                         slot_runs=False):
     """Conv decode step, in place at conv_state[slots]; returns [B, D] in x's dtype.
-    `positions` where the pool is half width. See engine.kernels.conv_update."""
+    `positions` where the pool is half width; `slot_runs` where adjacent rows may share a slot.
+    See engine.kernels.conv_update."""
     impl = _pick(conv_state, causal_conv1d_update_triton, cpu.causal_conv1d_update_cpu, causal_conv1d_update_ref)
-    return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out,
+    return impl(conv_state, slots, x, weight, bias=bias, activation=activation, out=out, slot_runs=slot_runs,
                 **_narrow(conv_state, positions))
 
 

@@ -3,7 +3,9 @@
 conv_state[slot] holds the last d_conv inputs of the sequence, oldest first (float32 pool).
 Per decode row b:  window = cat(conv_state[slot][:, 1:], x[b]) -> written back to the slot;
                    out[b] = act(sum(window * weight, -1) + bias).
-Arithmetic is float32 whatever the input dtype; `out` gets x's dtype. A half-width pool
+Arithmetic is float32 whatever the input dtype; `out` gets x's dtype. Slots must be distinct
+within a call (rows update in place), unless `slot_runs` says that rows sharing one are
+adjacent and run in row order (engine.kernels.slot_runs). A half-width pool
 (engine.state_format) is read exactly and written stochastically rounded, as its load and
 store around the layer would (engine.kernels.state_round), given `positions`.
 """
@@ -14,16 +16,23 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.slot_runs import in_waves, run_mask, slot_run
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 ACTIVATIONS = (None, "silu")
 
 
-def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None):
+def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None,
+                             slot_runs=False):
     """conv_state: [slots, D, K] (updated in place at rows `slots`); slots: int64 [B];
     x: [B, D]; weight: [D, K]; bias: [D] or None; activation: None or "silu"; positions: int64
-    [B], each row's sequence length after the step, for a half-width pool. Returns [B, D]."""
+    [B], each row's sequence length after the step, for a half-width pool; slot_runs: adjacent
+    rows may share a slot (engine.kernels.slot_runs). Returns [B, D]."""
     check_conv_update(conv_state, slots, x, weight, bias, activation)
+    if slot_runs:
+        return in_waves(slots, out if out is not None else torch.empty_like(x), lambda rows: causal_conv1d_update_ref(
+            conv_state, slots[rows], x[rows], weight, bias, activation,
+            positions=None if positions is None else positions[rows]))
     in_place_pool(conv_state, positions)
     window = torch.cat((conv_state.index_select(0, slots)[:, :, 1:].float(), x.float().unsqueeze(-1)), dim=-1)
     store_slots(conv_state, slots, window, positions)
@@ -38,7 +47,8 @@ def causal_conv1d_update_ref(conv_state, slots, x, weight, bias=None, activation
     return out
 
 
-def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None):
+def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activation=None, out=None, positions=None,
+                                slot_runs=False):
     check_conv_update(conv_state, slots, x, weight, bias, activation)
     pool, half = in_place_pool(conv_state, positions)
     batch, d_inner = x.shape
@@ -54,10 +64,10 @@ def causal_conv1d_update_triton(conv_state, slots, x, weight, bias=None, activat
     grid = (batch, -(-d_inner // block_d))
     _conv_update_kernel[grid](
         pool, slots, positions if half else slots, x, weight, bias if bias is not None else weight, out,
-        d_inner, conv_state.stride(0), conv_state.stride(1), x.stride(0), weight.stride(0),
+        batch, d_inner, conv_state.stride(0), conv_state.stride(1), x.stride(0), weight.stride(0),
         out.stride(0),
         D_CONV=d_conv, K_PAD=next_power_of_2(d_conv), BLOCK_D=block_d,
-        HAS_BIAS=bias is not None, SILU=activation == "silu", HALF=half,
+        HAS_BIAS=bias is not None, SILU=activation == "silu", HALF=half, SLOT_RUNS=bool(slot_runs),
     )
     return out
 
@@ -78,31 +88,39 @@ def check_conv_update(conv_state, slots, x, weight, bias, activation):
 
 @jit
 def _conv_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, weight_ptr, bias_ptr, out_ptr,
-                        d_inner, state_stride_slot, state_stride_d, x_stride_row, weight_stride_d,
+                        rows, d_inner, state_stride_slot, state_stride_d, x_stride_row, weight_stride_d,
                         out_stride_row,
                         D_CONV: tl.constexpr, K_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HALF: tl.constexpr):
+                        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, HALF: tl.constexpr, SLOT_RUNS: tl.constexpr):
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     k = tl.arange(0, K_PAD)
     d_ok = d < d_inner
-    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
+    tap_ok = d_ok[:, None] & (k[None, :] < D_CONV)
     elements = d[:, None] * state_stride_d + k[None, :]  # within the slot's row (a contiguous pool's)
+    weight = tl.load(weight_ptr + d[:, None] * weight_stride_d + k[None, :], mask=tap_ok, other=0.0).to(tl.float32)
+    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
+        slot, end = slot_run(slots_ptr, row, rows)
+        ok = run_mask(tap_ok, row, end)
+    else:
+        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, tap_ok  # int64: slot * stride may exceed 2**31
     state = state_ptr + slot * state_stride_slot + elements
 
-    # Tap k of the new window is tap k + 1 of the old one; the last tap is the new input.
-    # All loads happen before the store below, so updating the slot in place is safe.
-    shifted = load_state(state + 1, d_ok[:, None] & (k[None, :] + 1 < D_CONV), HALF)
-    x = tl.load(x_ptr + row * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
-    window = tl.where(k[None, :] == D_CONV - 1, x[:, None], shifted)
-    tap_ok = d_ok[:, None] & (k[None, :] < D_CONV)
-    position = tl.load(positions_ptr + row) if HALF else 0
-    store_state(state, window, tap_ok, position, elements, HALF)
-
-    weight = tl.load(weight_ptr + d[:, None] * weight_stride_d + k[None, :], mask=tap_ok, other=0.0)
-    y = tl.sum(window * weight.to(tl.float32), axis=1)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    if SILU:
-        y = y * tl.sigmoid(y)
-    tl.store(out_ptr + row * out_stride_row + d, y, mask=d_ok)
+    # Row r's window is taps 1 + (r - row) onwards of the slot's old taps followed by the
+    # inputs of rows row..r: tap k is old tap t = k + 1 + (r - row) while t < D_CONV, else the
+    # input of row row + t - D_CONV (for a run of one, the last tap is the row's own input).
+    # The slot is written only after the last row, so every row reads the old taps in place.
+    window = tl.zeros([BLOCK_D, K_PAD], dtype=tl.float32)
+    for r in range(row, end):
+        t = k[None, :] + 1 + (r - row)
+        old = load_state(state + 1 + (r - row), d_ok[:, None] & (t < D_CONV), HALF)
+        x = tl.load(x_ptr + (row + t - D_CONV) * x_stride_row + d[:, None],
+                    mask=tap_ok & (t >= D_CONV), other=0.0).to(tl.float32)
+        window = tl.where(t >= D_CONV, x, old)
+        y = tl.sum(window * weight, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(out_ptr + r * out_stride_row + d, y, mask=d_ok)
+    store_state(state, window, ok, tl.load(positions_ptr + end - 1) if HALF else 0, elements, HALF)

@@ -68,8 +68,9 @@ def _pool(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None,
-                               dt_softplus=False, out=None):
-    """See engine.kernels.ssm_update.selective_state_update_ref."""
+                               dt_softplus=False, out=None, slot_runs=False):
+    """See engine.kernels.ssm_update.selective_state_update_ref. Rows that share a slot run in
+    order whether `slot_runs` says so or not (cpu_kernels.cpp state_threads)."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -93,8 +94,9 @@ def selective_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
     return out
 
 
-def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation=None, out=None):
-    """See engine.kernels.conv_update.causal_conv1d_update_ref."""
+def causal_conv1d_update_cpu(conv_state, slots, x, weight, bias=None, activation=None, out=None, slot_runs=False):
+    """See engine.kernels.conv_update.causal_conv1d_update_ref; rows that share a slot run in
+    order either way."""
     check_conv_update(conv_state, slots, x, weight, bias, activation)
     direct = _writable(out, x.shape)
     y = out if direct else torch.empty(x.shape, dtype=torch.float32)
@@ -125,8 +127,9 @@ def selective_scan_cpu(x, dt, A, B, C, h0, out=None):
 
 
 def mamba2_state_update_cpu(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None, dt_softplus=False,
-                            dt_limit=NO_LIMIT, out=None):
-    """See engine.kernels.mamba2_update.mamba2_state_update_ref."""
+                            dt_limit=NO_LIMIT, out=None, slot_runs=False):
+    """See engine.kernels.mamba2_update.mamba2_state_update_ref; rows that share a slot run in
+    order either way."""
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
     dt = mamba2_dt_cpu(dt, dt_bias, dt_softplus, dt_limit)
     y = torch.empty(x.shape, dtype=torch.float32)
@@ -208,8 +211,9 @@ def gdn_gates_cpu(b: torch.Tensor, a: torch.Tensor, A: torch.Tensor, dt_bias: to
     return beta, g
 
 
-def gated_delta_step_cpu(state, slots, q, k, v, g, beta):
-    """See engine.kernels.gdn_scan.gated_delta_step_ref."""
+def gated_delta_step_cpu(state, slots, q, k, v, g, beta, slot_runs=False):
+    """See engine.kernels.gdn_scan.gated_delta_step_ref; rows that share a slot run in order
+    either way."""
     check_step(state, slots, q, k, v, g, beta)
     q, k = prepare_qk_cpu(q, k, v.shape[1])
     o = torch.empty(v.shape, dtype=torch.float32)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.state_round import in_place_pool, store_slots
+from engine.kernels.slot_runs import in_waves
 
 L2_EPS = 1e-6
 
@@ -169,12 +170,16 @@ def _chunk_rule_per_channel(q, k, v, g, beta, h0, length):
     return out.reshape(-1, heads, v_dim)[:length], S
 
 
-def gated_delta_step_ref(state, slots, q, k, v, g, beta, positions=None):
-    """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
-    slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk]; beta: [b, Hv];
-    positions: int64 [b], each row's sequence length after the step, for a half-width pool.
-    Returns o [b, Hv, dv] float32."""
+def gated_delta_step_ref(state, slots, q, k, v, g, beta, positions=None, slot_runs=False):
+    """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct
+    unless `slot_runs`: engine.kernels.slot_runs); slots: int64 [b]; q, k: [b, Hk, dk];
+    v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk]; beta: [b, Hv]; positions: int64 [b], each row's
+    sequence length after the step, for a half-width pool. Returns o [b, Hv, dv] float32."""
     check_step(state, slots, q, k, v, g, beta)
+    if slot_runs:
+        return in_waves(slots, torch.empty(v.shape, dtype=torch.float32, device=v.device),
+                        lambda rows: gated_delta_step_ref(state, slots[rows], q[rows], k[rows], v[rows], g[rows],
+                                                          beta[rows], None if positions is None else positions[rows]))
     in_place_pool(state, positions)
     q, k = prepare_qk(q, k, v.shape[1])
     o, S = _step(state.index_select(0, slots).float(), q, k, v.float(), g.float(), beta.float())

@@ -34,6 +34,7 @@ import torch
 
 from engine.kernels._triton import device_function, jit, next_power_of_2, tl, unit_last_stride
 from engine.kernels.gdn_scan import L2_EPS, check_rule, check_step
+from engine.kernels.slot_runs import run_mask, slot_run
 from engine.kernels.state_round import in_place_pool, load_state, store_state
 
 MAX_CHUNK = 64
@@ -47,8 +48,9 @@ def _empty(*shape, device):
 
 # ---------------------------------------------------------------- decode: one token on the slot pool
 
-def gated_delta_step_triton(state, slots, q, k, v, g, beta, positions=None):
-    """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct);
+def gated_delta_step_triton(state, slots, q, k, v, g, beta, positions=None, slot_runs=False):
+    """state: [slots, Hv, dk, dv] (rows `slots` read, updated, written back; slots distinct
+    unless `slot_runs`: engine.kernels.slot_runs);
     slots: int64 [b]; q, k: [b, Hk, dk]; v: [b, Hv, dv]; g: [b, Hv] or [b, Hv, dk] (a decay per
     key channel); beta: [b, Hv]. Returns o [b, Hv, dv] float32."""
     check_step(state, slots, q, k, v, g, beta)
@@ -66,23 +68,23 @@ def gated_delta_step_triton(state, slots, q, k, v, g, beta, positions=None):
     grid = (batch, heads, -(-v_dim // block_v))
     _gdn_step_kernel[grid](
         pool, slots, positions if half else slots, q, k, v, g, beta, out,
-        k_dim, v_dim, heads // k_heads, float(k_dim) ** -0.5, L2_EPS,
+        batch, k_dim, v_dim, heads // k_heads, float(k_dim) ** -0.5, L2_EPS,
         state.stride(0), state.stride(1), state.stride(2),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), g.stride(2) if g.dim() == 3 else 0,
         beta.stride(0), beta.stride(1), out.stride(0), out.stride(1),
-        DK_PAD=dk_pad, BLOCK_V=block_v, HALF=half,
+        DK_PAD=dk_pad, BLOCK_V=block_v, HALF=half, SLOT_RUNS=bool(slot_runs),
     )
     return out
 
 
 @jit
 def _gdn_step_kernel(state_ptr, slots_ptr, positions_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
-                     k_dim, v_dim, heads_per_key, scale, eps,
+                     rows, k_dim, v_dim, heads_per_key, scale, eps,
                      state_stride_slot, state_stride_h, state_stride_k,
                      q_stride_b, q_stride_h, k_stride_b, k_stride_h, v_stride_b, v_stride_h,
                      g_stride_b, g_stride_h, g_stride_k, beta_stride_b, beta_stride_h, out_stride_b, out_stride_h,
-                     DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HALF: tl.constexpr):
+                     DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HALF: tl.constexpr, SLOT_RUNS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     key_head = head // heads_per_key
@@ -91,20 +93,24 @@ def _gdn_step_kernel(state_ptr, slots_ptr, positions_ptr, q_ptr, k_ptr, v_ptr, g
     d_ok = d < k_dim
     e_ok = e < v_dim
     de_ok = d_ok[:, None] & e_ok[None, :]
-    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
     elements = head * state_stride_h + d[:, None] * state_stride_k + e[None, :]  # within the slot's row
+    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
+        slot, end = slot_run(slots_ptr, row, rows)
+        ok = run_mask(de_ok, row, end)
+    else:
+        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, de_ok  # int64: slot * stride may exceed 2**31
     state = state_ptr + slot * state_stride_slot + elements
-
-    S = load_state(state, de_ok, HALF)
-    q = tl.load(q_ptr + row * q_stride_b + key_head * q_stride_h + d, mask=d_ok, other=0.0)
-    k = tl.load(k_ptr + row * k_stride_b + key_head * k_stride_h + d, mask=d_ok, other=0.0)
-    v = tl.load(v_ptr + row * v_stride_b + head * v_stride_h + e, mask=e_ok, other=0.0)
-    # One decay per key row of S: per channel, or the head's one (g_stride_k 0) on every row.
-    g = tl.load(g_ptr + row * g_stride_b + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0)
-    beta = tl.load(beta_ptr + row * beta_stride_b + head * beta_stride_h)
-    S, o = _rule_token(S, q, k, v, g, beta, scale, eps)
-    store_state(state, S, de_ok, tl.load(positions_ptr + row) if HALF else 0, elements, HALF)
-    tl.store(out_ptr + row * out_stride_b + head * out_stride_h + e, o, mask=e_ok)
+    S = load_state(state, ok, HALF)
+    for r in range(row, end):
+        q = tl.load(q_ptr + r * q_stride_b + key_head * q_stride_h + d, mask=d_ok, other=0.0)
+        k = tl.load(k_ptr + r * k_stride_b + key_head * k_stride_h + d, mask=d_ok, other=0.0)
+        v = tl.load(v_ptr + r * v_stride_b + head * v_stride_h + e, mask=e_ok, other=0.0)
+        # One decay per key row of S: per channel, or the head's one (g_stride_k 0) on every row.
+        g = tl.load(g_ptr + r * g_stride_b + head * g_stride_h + d * g_stride_k, mask=d_ok, other=0.0)
+        beta = tl.load(beta_ptr + r * beta_stride_b + head * beta_stride_h)
+        S, o = _rule_token(S, q, k, v, g, beta, scale, eps)
+        tl.store(out_ptr + r * out_stride_b + head * out_stride_h + e, o, mask=e_ok)
+    store_state(state, S, ok, tl.load(positions_ptr + end - 1) if HALF else 0, elements, HALF)
 
 
 @device_function

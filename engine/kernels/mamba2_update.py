@@ -8,7 +8,8 @@ g = h // (H / G):
 A, dt and D are per head (scalars per head: Mamba2's A is a scalar times identity). The clamp
 is applied whenever dt_limit is finite: a decode step must compute exactly what the chunked
 prefill computes for the same token. `y` is float32 unless `out` is given. Slots must be
-distinct within a call: rows update in place. A half-width pool (engine.state_format) is read
+distinct within a call (rows update in place), unless `slot_runs` says that rows sharing one
+are adjacent and run in row order (engine.kernels.slot_runs). A half-width pool (engine.state_format) is read
 exactly and written stochastically rounded, as its load and store around the layer would
 (engine.kernels.state_round), given `positions`.
 """
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.slot_runs import in_waves, run_mask, slot_run
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 NO_LIMIT = (0.0, math.inf)
@@ -40,11 +42,17 @@ def process_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=NO_LIMIT):
 
 
 def mamba2_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None,
-                            dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None):
+                            dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None, slot_runs=False):
     """ssm_state: [slots, H, P, N] (updated at rows `slots`); slots: int64 [b]; x: [b, H, P];
     dt: [b, H]; A, D, dt_bias: [H]; B, C: [b, G, N]; positions: int64 [b], each row's sequence
-    length after the step, for a half-width pool. Returns y [b, H, P]."""
+    length after the step, for a half-width pool; slot_runs: adjacent rows may share a slot
+    (engine.kernels.slot_runs). Returns y [b, H, P]."""
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
+    if slot_runs:
+        y = out if out is not None else torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return in_waves(slots, y, lambda rows: mamba2_state_update_ref(
+            ssm_state, slots[rows], x[rows], dt[rows], A, B[rows], C[rows], D, dt_bias, dt_softplus, dt_limit,
+            positions=None if positions is None else positions[rows]))
     in_place_pool(ssm_state, positions)
     heads, groups = x.shape[1], B.shape[1]
     dt = process_dt(dt, dt_bias, dt_softplus, dt_limit)  # [b, H]
@@ -83,7 +91,7 @@ def check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias):
 
 
 def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias=None,
-                               dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None):
+                               dt_softplus=False, dt_limit=NO_LIMIT, out=None, positions=None, slot_runs=False):
     check_state_update(ssm_state, slots, x, dt, A, B, C, D, dt_bias)
     pool, half = in_place_pool(ssm_state, positions)
     batch, heads, head_dim = x.shape
@@ -102,7 +110,7 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
     _mamba2_update_kernel[grid](
         pool, slots, positions if half else slots, x, dt, A, B, C,
         D if D is not None else A, dt_bias if dt_bias is not None else A, out,
-        head_dim, d_state, heads // groups, lo, hi,
+        batch, head_dim, d_state, heads // groups, lo, hi,
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         x.stride(0), x.stride(1), dt.stride(0), dt.stride(1), A.stride(0),
         B.stride(0), B.stride(1), C.stride(0), C.stride(1),
@@ -111,7 +119,7 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
         N_PAD=n_pad, BLOCK_P=block_p, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus),
         # the reference clamps only then; an unclamped dt may be negative without softplus
-        DT_CLAMP=lo > 0.0 or hi != math.inf, HALF=half,
+        DT_CLAMP=lo > 0.0 or hi != math.inf, HALF=half, SLOT_RUNS=bool(slot_runs),
     )
     return out
 
@@ -120,14 +128,14 @@ def mamba2_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, dt_bias
 @jit
 def _mamba2_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
                           dt_bias_ptr, out_ptr,
-                          head_dim, d_state, heads_per_group, dt_lo, dt_hi,
+                          rows, head_dim, d_state, heads_per_group, dt_lo, dt_hi,
                           state_stride_slot, state_stride_h, state_stride_p,
                           x_stride_row, x_stride_h, dt_stride_row, dt_stride_h, A_stride,
                           B_stride_row, B_stride_g, C_stride_row, C_stride_g, D_stride, dt_bias_stride,
                           out_stride_row, out_stride_h,
                           N_PAD: tl.constexpr, BLOCK_P: tl.constexpr, HAS_D: tl.constexpr,
                           HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, DT_CLAMP: tl.constexpr,
-                          HALF: tl.constexpr):
+                          HALF: tl.constexpr, SLOT_RUNS: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     group = head // heads_per_group
@@ -136,27 +144,29 @@ def _mamba2_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_
     p_ok = p < head_dim
     n_ok = n < d_state
     pn_ok = p_ok[:, None] & n_ok[None, :]
-    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
     elements = head * state_stride_h + p[:, None] * state_stride_p + n[None, :]  # within the slot's row
-    state = state_ptr + slot * state_stride_slot + elements
-
-    h = load_state(state, pn_ok, HALF)
-    x = tl.load(x_ptr + row * x_stride_row + head * x_stride_h + p, mask=p_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * dt_stride_row + head * dt_stride_h).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + head * dt_bias_stride).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # torch's softplus threshold
-    if DT_CLAMP:
-        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)  # dt_hi may be inf
     A = tl.load(A_ptr + head * A_stride).to(tl.float32)
-    B = tl.load(B_ptr + row * B_stride_row + group * B_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + row * C_stride_row + group * C_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
-
-    h = h * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
-    store_state(state, h, pn_ok, tl.load(positions_ptr + row) if HALF else 0, elements, HALF)
-
-    y = tl.sum(h * C[None, :], axis=1)
-    if HAS_D:
-        y += x * tl.load(D_ptr + head * D_stride).to(tl.float32)
-    tl.store(out_ptr + row * out_stride_row + head * out_stride_h + p, y, mask=p_ok)
+    D = tl.load(D_ptr + head * D_stride).to(tl.float32) if HAS_D else 0.0
+    dt_bias = tl.load(dt_bias_ptr + head * dt_bias_stride).to(tl.float32) if HAS_DT_BIAS else 0.0
+    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
+        slot, end = slot_run(slots_ptr, row, rows)
+        ok = run_mask(pn_ok, row, end)
+    else:
+        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, pn_ok  # int64: slot * stride may exceed 2**31
+    state = state_ptr + slot * state_stride_slot + elements
+    h = load_state(state, ok, HALF)
+    for r in range(row, end):
+        x = tl.load(x_ptr + r * x_stride_row + head * x_stride_h + p, mask=p_ok, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * dt_stride_row + head * dt_stride_h).to(tl.float32) + dt_bias
+        if DT_SOFTPLUS:
+            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # torch's softplus threshold
+        if DT_CLAMP:
+            dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)  # dt_hi may be inf
+        B = tl.load(B_ptr + r * B_stride_row + group * B_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + r * C_stride_row + group * C_stride_g + n, mask=n_ok, other=0.0).to(tl.float32)
+        h = h * tl.exp(dt * A) + (dt * x)[:, None] * B[None, :]
+        y = tl.sum(h * C[None, :], axis=1)
+        if HAS_D:
+            y += x * D
+        tl.store(out_ptr + r * out_stride_row + head * out_stride_h + p, y, mask=p_ok)
+    store_state(state, h, ok, tl.load(positions_ptr + end - 1) if HALF else 0, elements, HALF)

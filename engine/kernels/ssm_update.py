@@ -6,7 +6,9 @@ Per decode row b with state h = ssm_state[slot]  ([D, N], float32 pool):
     y   = h . C  (+ D_skip * x)  (* silu(z))
 Without D_skip and z this is exactly the decode part of MambaMixer.forward, which applies
 both to all rows afterwards; with them it is the fused form. `y` is float32 unless `out` is
-given (its dtype is then used). Slots must be distinct within a call: rows update in place. A
+given (its dtype is then used). Slots must be distinct within a call (rows update in place),
+unless `slot_runs` says that rows sharing one are adjacent and run in row order
+(engine.kernels.slot_runs). A
 half-width pool (engine.state_format) is read exactly and written stochastically rounded, as
 its load and store around the layer would (engine.kernels.state_round), given `positions`.
 """
@@ -17,15 +19,22 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
+from engine.kernels.slot_runs import in_waves, run_mask, slot_run
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 
 def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
-                               dt_bias=None, dt_softplus=False, out=None, positions=None):
+                               dt_bias=None, dt_softplus=False, out=None, positions=None, slot_runs=False):
     """ssm_state: [slots, D, N] (updated at rows `slots`); slots: int64 [B]; x, dt, z: [B, D];
     A: [D, N]; B, C: [B, N]; D, dt_bias: [D]; positions: int64 [B], each row's sequence length
-    after the step, for a half-width pool. Returns y [B, D]."""
+    after the step, for a half-width pool; slot_runs: adjacent rows may share a slot
+    (engine.kernels.slot_runs). Returns y [B, D]."""
     _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias)
+    if slot_runs:
+        y = out if out is not None else torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        return in_waves(slots, y, lambda rows: selective_state_update_ref(
+            ssm_state, slots[rows], x[rows], dt[rows], A, B[rows], C[rows], D, None if z is None else z[rows],
+            dt_bias, dt_softplus, positions=None if positions is None else positions[rows]))
     in_place_pool(ssm_state, positions)
     dt = dt.float()
     if dt_bias is not None:
@@ -48,7 +57,7 @@ def selective_state_update_ref(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
 
 
 def selective_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, z=None,
-                                  dt_bias=None, dt_softplus=False, out=None, positions=None):
+                                  dt_bias=None, dt_softplus=False, out=None, positions=None, slot_runs=False):
     _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias)
     pool, half = in_place_pool(ssm_state, positions)
     batch, d_inner = x.shape
@@ -68,11 +77,12 @@ def selective_state_update_triton(ssm_state, slots, x, dt, A, B, C, D=None, z=No
         pool, slots, positions if half else slots, x, dt, A, B, C,
         D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x, out,
-        d_inner, d_state,
+        batch, d_inner, d_state,
         ssm_state.stride(0), ssm_state.stride(1), x.stride(0), dt.stride(0), A.stride(0),
         B.stride(0), C.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
         N_PAD=n_pad, BLOCK_D=block_d, HAS_D=D is not None, HAS_Z=z is not None,
         HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HALF=half,
+        SLOT_RUNS=bool(slot_runs),
     )
     return out
 
@@ -94,40 +104,42 @@ def _check(ssm_state, slots, x, dt, A, B, C, D, z, dt_bias):
 @jit
 def _ssm_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr,
                        D_ptr, z_ptr, dt_bias_ptr, out_ptr,
-                       d_inner, d_state,
+                       rows, d_inner, d_state,
                        state_stride_slot, state_stride_d, x_stride_row, dt_stride_row,
                        A_stride_d, B_stride_row, C_stride_row, z_stride_row, out_stride_row,
                        N_PAD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_D: tl.constexpr,
                        HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                       HALF: tl.constexpr):
+                       HALF: tl.constexpr, SLOT_RUNS: tl.constexpr):
     row = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     n = tl.arange(0, N_PAD)
     d_ok = d < d_inner
     n_ok = n < d_state
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
     elements = d[:, None] * state_stride_d + n[None, :]  # within the slot's row
-    state = state_ptr + slot * state_stride_slot + elements
-
-    h = load_state(state, dn_ok, HALF)
-    x = tl.load(x_ptr + row * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * dt_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        dt += tl.load(dt_bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    if DT_SOFTPLUS:
-        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # torch's softplus threshold
     A = tl.load(A_ptr + d[:, None] * A_stride_d + n[None, :], mask=dn_ok, other=0.0).to(tl.float32)
-    B = tl.load(B_ptr + row * B_stride_row + n, mask=n_ok, other=0.0).to(tl.float32)
-    C = tl.load(C_ptr + row * C_stride_row + n, mask=n_ok, other=0.0).to(tl.float32)
-
-    h = h * tl.exp(dt[:, None] * A) + dt[:, None] * B[None, :] * x[:, None]
-    store_state(state, h, dn_ok, tl.load(positions_ptr + row) if HALF else 0, elements, HALF)
-
-    y = tl.sum(h * C[None, :], axis=1)
-    if HAS_D:
-        y += x * tl.load(D_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z = tl.load(z_ptr + row * z_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
-        y = y * (z * tl.sigmoid(z))
-    tl.store(out_ptr + row * out_stride_row + d, y, mask=d_ok)
+    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
+        slot, end = slot_run(slots_ptr, row, rows)
+        ok = run_mask(dn_ok, row, end)
+    else:
+        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, dn_ok  # int64: slot * stride may exceed 2**31
+    state = state_ptr + slot * state_stride_slot + elements
+    h = load_state(state, ok, HALF)
+    for r in range(row, end):
+        x = tl.load(x_ptr + r * x_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + r * dt_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            dt += tl.load(dt_bias_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        if DT_SOFTPLUS:
+            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)  # torch's softplus threshold
+        B = tl.load(B_ptr + r * B_stride_row + n, mask=n_ok, other=0.0).to(tl.float32)
+        C = tl.load(C_ptr + r * C_stride_row + n, mask=n_ok, other=0.0).to(tl.float32)
+        h = h * tl.exp(dt[:, None] * A) + dt[:, None] * B[None, :] * x[:, None]
+        y = tl.sum(h * C[None, :], axis=1)
+        if HAS_D:
+            y += x * tl.load(D_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z_ptr + r * z_stride_row + d, mask=d_ok, other=0.0).to(tl.float32)
+            y = y * (z * tl.sigmoid(z))
+        tl.store(out_ptr + r * out_stride_row + d, y, mask=d_ok)
+    store_state(state, h, ok, tl.load(positions_ptr + end - 1) if HALF else 0, elements, HALF)
