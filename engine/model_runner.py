@@ -48,6 +48,8 @@ class HostBatch:
     logits_indices: torch.Tensor | None = None
     # ForwardBatch.state_captures: (row, tokens into the row, state row)
     state_captures: tuple[tuple[int, int, int], ...] = ()
+    # ForwardBatch.decode_slot_runs: a VERIFY row's tokens are decode rows of its slot
+    slot_runs: bool = False
 
     def for_followers(self) -> HostBatch:
         """What the other tensor-parallel ranks run: the same batch, its prompt-logprob rows
@@ -178,7 +180,7 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
 def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables
                       ) -> tuple[HostBatch, torch.Tensor]:
     """A step of DECODE and VERIFY rows as decode rows, each VERIFY row's tokens one decode
-    row apiece on its slot (ModelRunner._verify_on_decode_stack), built as decode_host_batch
+    row apiece on its slot (ModelRunner._verify_as_decode_rows), built as decode_host_batch
     builds its rows; and the rows whose logits the step returns (each row's last token, and a
     VERIFY row's drafts')."""
     token_ids, begins, write_index, slots, counts, scored = [], [], [], [], [], []
@@ -202,7 +204,7 @@ def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
     ids, positions, write, context_lens, slot_rows, block_counts, query_starts, scored_rows = columns
     host = HostBatch(ids, positions, write, query_starts, context_lens, slot_rows, block_counts,
                      tables.rows[:, : max(counts)].index_select(0, slot_rows), [Phase.DECODE] * rows,
-                     (list(range(rows + 1)), lens, slots))
+                     (list(range(rows + 1)), lens, slots), slot_runs=True)
     return host, scored_rows
 
 
@@ -289,7 +291,7 @@ class ModelRunner:
             logits_indices=logits_indices, decode_token_index=d_index, decode_slots=d_slots,
             decode_context_lens=d_lens, decode_block_tables=d_tables,
             prompt_logprobs=host.prompt_logprobs.to(self.device) if host.prompt_logprobs is not None else None,
-            state_captures=host.state_captures,
+            state_captures=host.state_captures, decode_slot_runs=host.slot_runs,
         )
 
     def check_state_reads(self, seqs: list[ScheduledSeq]) -> None:
@@ -314,10 +316,10 @@ class ModelRunner:
             logits = self.static.run(host)
             self.last_hidden = self.static.last_hidden
         # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
-        elif self.verifies and self.decode_stack is not None and self.cache.layers.narrow is None \
+        elif self.verifies and self.cache.layers.narrow is None \
                 and any(s.phase is Phase.VERIFY for s in seqs) \
                 and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs):
-            logits = self._verify_on_decode_stack(seqs)
+            logits = self._verify_as_decode_rows(seqs)
         if logits is None:
             if self.tp is None:
                 batch = self.build_batch(seqs)
@@ -335,22 +337,22 @@ class ModelRunner:
             self.slots.mark_written(seq.request.request_id)
         return logits
 
-    def _verify_on_decode_stack(self, seqs: list[ScheduledSeq]) -> torch.Tensor | None:
-        """A CPU step of decodes and verifies as the one-call decode stack runs decodes: each
-        VERIFY row's tokens become consecutive decode rows of its slot, each attending over the
-        KV up to its own position (every row's K and V are stored before any row attends), and
-        the state kernels update a slot that adjacent rows share in row order
-        (engine/kernels/cpu_kernels.cpp state_threads): the plain decode's kernels, a token at a
-        time, with the step's GEMMs over all the tokens at once. The scored rows' logits, as
-        execute returns them; None where some layer is not in the one-call stack (its torch path
-        would read a shared slot's state once for all its rows)."""
+    def _verify_as_decode_rows(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+        """A step of decodes and verifies run as a decode step: each VERIFY row's tokens become
+        consecutive decode rows of its slot, each attending over the KV up to its own position
+        (every row's K and V are stored before any row attends), and the state kernels run a
+        slot's rows in row order (engine.kernels.slot_runs): the plain decode's kernels, a token
+        at a time, with the step's GEMMs over all the tokens at once. On the CPU the one-call
+        decode stack runs it where the layers fit; elsewhere (a layer on the layer path, tensor
+        parallelism, a GPU) each layer's own decode path does. The scored rows' logits, as
+        execute returns them."""
         host, scored = verify_host_batch(seqs, self.cache.block_size, self.block_tables)
+        if self.tp is not None:  # the other ranks run the same decode rows
+            self.tp.send("forward", host.for_followers())
         batch = self.device_batch(host)
-        plan = self.decode_stack.plan(batch, self.cache.layers)
-        if plan is None or not plan.whole:
-            return None
         batch.keep_hidden = self.keep_hidden
-        logits = self.model(batch, self.cache.layers, plan).index_select(0, scored)
+        plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
+        logits = self.model(batch, self.cache.layers, plan).index_select(0, scored.to(self.device))
         self.last_hidden = batch.hidden
         return logits
 

@@ -74,6 +74,41 @@ def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, 
                    for m in experts)
 
 
+@requires_triton
+@pytest.mark.triton
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2", "kimi_linear"])  # every state kernel
+def test_a_verify_step_runs_the_decode_kernels_and_reads_nothing_on_the_host(model_factory, monkeypatch, name):
+    """A step with VERIFY rows, as on CUDA: each row's tokens are decode rows of its slot, the
+    Triton state kernels run a slot's rows in order (engine.kernels.slot_runs), and nothing in
+    its forward reads the host; the tokens are the plain engine's, drafts accepted and rejected
+    (tests.test_speculative's scripted drafts)."""
+    from tests.test_speculative import NGRAM, ScriptedProposer
+
+    path, _ = model_factory(name)
+    run_as_on_cuda(monkeypatch)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    options = dict(block_size=4, max_num_seqs=4, num_kv_blocks=48)
+    plain = [out.token_ids for out in LLM(str(path), **options).generate(PROMPTS, params)]
+    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    llm.engine.speculation.proposer = ScriptedProposer(PROMPTS, plain)
+    model, verified = llm.engine.model, []
+    forward = model.forward
+
+    def guarded(batch, caches, plan=None):
+        if not batch.decode_slot_runs:
+            return forward(batch, caches, plan)
+        verified.append(len(batch.input_ids))
+        with no_host_reads():
+            return forward(batch, caches, plan)
+
+    monkeypatch.setattr(model, "forward", guarded)
+    outs = llm.generate(PROMPTS, params)
+    assert [out.token_ids for out in outs] == plain, [out.error for out in outs]
+    stats = llm.engine.stats()
+    assert verified and max(verified) > len(PROMPTS), verified  # rows sharing slots
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
 PROMPTS = [[5, 6, 7], [9], list(range(3, 14))]
 
 

@@ -10,22 +10,22 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.decode_stack import DecodeStack
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
+from engine.models import ssm
 from engine.phase import Phase, PhaseError, classify
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler, scratch_owner
 from engine.speculative import NgramProposer, Proposer, SpeculationGovernor, SpeculativeConfig, accepted_prefix
 from engine.state_slots import StateSlotAllocator
 from engine.verify import Speculation
+from tests.conftest import record_calls
 from tests.oracle import hf_logits, judge_greedy
 from tests.test_handoff_engine import run_disaggregated
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}  # drafts every step
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-# Families whose every layer runs in the CPU's one-call decode stack, where a verify does too;
-# the others verify on the layer path, as a prefill chunk.
-ON_STACK = {"jamba", "mamba", "llama", "mamba2", "bamba", "granitemoehybrid", "lfm2", "qwen3_next"}
 
 
 # ---------------------------------------------------------------- configuration and proposer
@@ -182,22 +182,37 @@ def generate(path, prompts, params=GREEDY, **options):
 def test_greedy_with_speculation_is_token_identical_for_every_family(family_model, monkeypatch):
     family, path, hf = family_model
     prompts = prompts_for(3)
-    on_stack, original = [], ModelRunner._verify_on_decode_stack
-
-    def recorded(self, seqs):
-        logits = original(self, seqs)
-        on_stack.append(logits is not None)
-        return logits
-
-    monkeypatch.setattr(ModelRunner, "_verify_on_decode_stack", recorded)
+    as_decode_rows = record_calls(monkeypatch, ModelRunner, "_verify_as_decode_rows")
     speculated, plain, stats = scripted(path, prompts)
-    if family in ON_STACK:  # each VERIFY ran as consecutive decode rows (ModelRunner._verify_on_decode_stack)
-        assert on_stack and all(on_stack)
+    assert as_decode_rows  # each VERIFY step ran as consecutive decode rows of its slot
     assert speculated == plain
     for prompt, output in zip(prompts, speculated):
         judge_greedy(hf, prompt, output)
     # drafts were accepted, and rejected ones rolled back
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("kernels", ["C++", "torch references"])
+def test_verify_rows_on_the_layer_path_keep_the_outputs(name, kernels, model_factory, monkeypatch):
+    """Off the CPU's one-call decode stack (as on a GPU, or under tensor parallelism) each
+    layer's own decode path runs the verify's rows, its state kernels told that adjacent rows
+    share a slot (engine.kernels.slot_runs): the C++ kernels, or the torch references."""
+    path, _ = model_factory(name)
+    prompts = prompts_for(3)
+    if kernels != "C++":
+        monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    plain = generate(path, prompts)[0]
+    monkeypatch.setattr(DecodeStack, "plan", lambda self, batch, caches: None)
+    as_decode_rows = record_calls(monkeypatch, ModelRunner, "_verify_as_decode_rows")
+    conv_runs, conv = [], ssm.causal_conv1d_update  # every one of these layers has a conv
+    monkeypatch.setattr(ssm, "causal_conv1d_update",
+                        lambda *args, **kwargs: conv_runs.append(kwargs["slot_runs"]) or conv(*args, **kwargs))
+    speculated, _, stats = scripted(path, prompts, plain=plain)
+    assert speculated == plain
+    assert as_decode_rows and 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    if kernels != "C++":  # (the C++ path runs each mixer as one call, its conv inside)
+        assert any(conv_runs)
 
 
 @pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2", "kimi_linear", "nemotron_h"])

@@ -33,6 +33,9 @@ class ForwardBatch:
     decode_slots: torch.Tensor | None = None  # [D]
     decode_context_lens: torch.Tensor | None = None  # [D]
     decode_block_tables: torch.Tensor | None = None  # [D, max_blocks]
+    # Adjacent decode rows may share a state slot and run in row order: a VERIFY row's tokens as
+    # decode rows of its slot (engine.kernels.slot_runs; the state kernels take it as slot_runs).
+    decode_slot_runs: bool = False
     # engine.prompt_logprobs: the rows to score (a PromptLogprobPlan on this device), and what
     # the model's forward leaves here for them.
     prompt_logprobs: object | None = None

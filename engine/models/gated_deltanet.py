@@ -153,7 +153,8 @@ class GatedDeltaNetMixer(nn.Module):
         if batch.decode_rows:  # read each slot's state, update it with one token, write it back
             idx = batch.decode_tokens
             out[idx] = gated_delta_step(recurrent_state, batch.decode_slots, q[idx], k[idx], v[idx],
-                                        g[idx], beta[idx], positions=batch.decode_context_lens)
+                                        g[idx], beta[idx], positions=batch.decode_context_lens,
+                                        slot_runs=batch.decode_slot_runs)
         y = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(y.reshape(tokens, self.value_dim))
 

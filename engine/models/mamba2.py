@@ -105,7 +105,7 @@ class Mamba2Mixer(nn.Module):
             idx, slots = batch.decode_tokens, batch.decode_slots
             y[idx] = mamba2_state_update(ssm_state, slots, x[idx], dt[idx], A, B[idx], C[idx],
                                          dt_bias=self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit,
-                                         positions=batch.decode_context_lens)
+                                         positions=batch.decode_context_lens, slot_runs=batch.decode_slot_runs)
         x_rows = x.reshape(tokens, self.d_ssm)  # views into the projection: strided rows
         norm, rows = self.norm, cpu.rows_with_stride(x_rows) and cpu.rows_with_stride(z) and cpu_kernels_ready()
         if rows and norm is not None and norm.norm_before_gate and type(norm) is GatedRMSNorm \

@@ -132,7 +132,8 @@ class MambaMixer(nn.Module):
         if batch.decode_rows:  # read the slot's state, update it in place (Triton on CUDA)
             idx, slots = batch.decode_tokens, batch.decode_slots
             into_decode_rows(y, idx, selective_state_update, ssm_state, slots, x[idx].float(), dt[idx].float(), A,
-                             B[idx].float(), C[idx].float(), positions=batch.decode_context_lens)
+                             B[idx].float(), C[idx].float(), positions=batch.decode_context_lens,
+                             slot_runs=batch.decode_slot_runs)
         if uses_cpu_kernel(x) and gate.dtype == torch.float32 and gate.stride(-1) == 1:
             y = cpu.gated_skip_cpu(y, x, self.D, gate)
         else:
@@ -304,7 +305,8 @@ def varlen_causal_conv(x: torch.Tensor, batch: ForwardBatch, conv_state: torch.T
     if batch.decode_rows:
         idx, slots = batch.decode_tokens, batch.decode_slots
         into_decode_rows(out, idx, causal_conv1d_update, conv_state, slots, x[idx], weight, bias,
-                         activation="silu" if silu else None, positions=batch.decode_context_lens)
+                         activation="silu" if silu else None, positions=batch.decode_context_lens,
+                         slot_runs=batch.decode_slot_runs)
     return out
 
 
