@@ -173,14 +173,14 @@ class LLMEngine:
                                    verify_needs_scratch=bool(self.spec.state_layers),
                                    split_at_save_points=not captures)
         # (An MTP head reads each step's hidden states: the runner keeps them, graphs too.)
-        self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
-                                  config.enforce_eager, self.max_model_len, tp=self.tp,
-                                  keep_hidden=self.mtp_head is not None)
-        self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
         # Speculative decoding (engine.verify): a prefill worker's requests never decode here.
         speculative = config.speculative_config if config.mode != "prefill" else None
+        self.runner = ModelRunner(self.model, self.cache, self.slots, config.device, config.debug,
+                                  config.enforce_eager, self.max_model_len, tp=self.tp,
+                                  keep_hidden=self.mtp_head is not None,
+                                  verify_width=1 + speculative.num_speculative_tokens if speculative else 1)
+        self.mtp = MTPProposer(config.speculative_config, self.mtp_head, self) if self.mtp_head is not None else None
         self.speculation = Speculation(speculative, self) if speculative is not None else None
-        self.runner.verifies = self.speculation is not None
         self.requests: dict[str, Request] = {}
         self.trackers: dict[str, OutputTracker] = {}
         self._pending: list[RequestOutput] = []

@@ -12,7 +12,7 @@ import torch
 from engine import prompt_logprobs
 from engine.cache import ModelCache
 from engine.cpu_malloc import keep_freed_memory
-from engine.cuda_graphs import StaticDecode
+from engine.cuda_graphs import MAX_VERIFY_GRAPH_ROWS, StaticDecode
 from engine.decode_stack import DecodeStack
 from engine.models import ForwardBatch, HybridLM
 from engine.phase import Phase
@@ -211,7 +211,9 @@ def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
 class ModelRunner:
     def __init__(self, model: HybridLM, cache: ModelCache, slots: StateSlotAllocator,
                  device: torch.device | str, debug: bool, enforce_eager: bool = True,
-                 max_model_len: int | None = None, tp=None, keep_hidden: bool = False):
+                 max_model_len: int | None = None, tp=None, keep_hidden: bool = False, verify_width: int = 1):
+        """`verify_width`: 1 + the drafts a step may verify per request where the engine
+        speculates (engine.verify), else 1."""
         self.model = model
         model.pack_for_cpu()  # weights are final here (loaded, sharded); a no-op off the CPU
         # a CPU decode step's layers as one C++ call where they fit (built after the packing)
@@ -225,7 +227,8 @@ class ModelRunner:
         self.debug = debug
         self.sampler = Sampler(model.spec.vocab_size, self.device)
         self.static: StaticDecode | None = None
-        self.verifies = False  # the engine speculates: some steps may hold VERIFY rows
+        self.verify_width = verify_width
+        self.verifies = verify_width > 1  # the engine speculates: some steps may hold VERIFY rows
         # An MTP head reads every token's final hidden state (engine.mtp): each step leaves
         # them in last_hidden (a decode graph's outputs are then its logits and its hidden states).
         self.keep_hidden = keep_hidden
@@ -237,22 +240,27 @@ class ModelRunner:
         if self.device.type == "cuda" and not enforce_eager:
             self.use_static_decode(capture=True)
 
-    def use_static_decode(self, capture: bool) -> None:
-        """Route decode-only steps through persistent padded buffers (engine.cuda_graphs), and
-        on CUDA capture a graph per padded size (any failure: logged, eager replays instead).
+    def use_static_decode(self, capture: bool, verify_rows: int | None = None) -> None:
+        """Route decode-only steps, and a speculating engine's verify steps of up to
+        `verify_rows` rows (by default its slots times verify_width, at most
+        MAX_VERIFY_GRAPH_ROWS), through persistent padded buffers (engine.cuda_graphs), and on
+        CUDA capture a graph per padded size (any failure: logged, eager replays instead).
         Tensor-parallel ranks all do the same at once: a step's collectives are in every rank's
         warm-up and capture alike, and a rank that falls back to eager still runs them in the
         same order as the graphs of the others."""
+        if verify_rows is None:
+            verify_rows = min(self.slots.num_slots * self.verify_width, MAX_VERIFY_GRAPH_ROWS) if self.verifies else 0
+
         def mine():
-            self.static = StaticDecode(self.model, self.cache, self.slots.num_slots,
-                                       self.block_tables.rows.shape[1], self.device, self.keep_hidden)
+            self.static = StaticDecode(self.model, self.cache, self.slots.num_slots, self.block_tables.rows.shape[1],
+                                       self.device, self.keep_hidden, verify_rows)
             if capture:
                 self.static.capture()
 
         if self.tp is None:
             mine()
             return
-        _, answers = self.tp.ask_while(mine, "static_decode", capture)
+        _, answers = self.tp.ask_while(mine, "static_decode", capture, verify_rows)
         failed = [f"rank {rank}: {why}" for rank, (ok, why) in enumerate(answers, start=1) if not ok]
         if failed:
             raise RuntimeError(f"static decode buffers on tensor-parallel ranks: {'; '.join(failed)}")
@@ -306,20 +314,24 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
-        host = None
-        if self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
+        # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
+        verify = self.verifies and self.cache.layers.narrow is None \
+            and any(s.phase is Phase.VERIFY for s in seqs) \
+            and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs)
+        host = scored = logits = None
+        if verify:
+            host, scored = verify_host_batch(seqs, self.cache.block_size, self.block_tables)
+        elif self.static is not None and all(s.phase is Phase.DECODE for s in seqs):
             host = host_batch(seqs, self.cache.block_size, self.block_tables)
-        logits = None
-        if host is not None and self.static.fits(host):
+        if host is not None and self.static is not None and self.static.fits(host):
             if self.tp is not None:  # every rank replays its own graph of this size
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
             self.last_hidden = self.static.last_hidden
-        # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
-        elif self.verifies and self.cache.layers.narrow is None \
-                and any(s.phase is Phase.VERIFY for s in seqs) \
-                and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs):
-            logits = self._verify_as_decode_rows(seqs)
+        elif verify:
+            logits = self._verify_as_decode_rows(host)
+        if scored is not None:  # a verify's rows are tokens: the scored ones, as execute returns them
+            logits = logits.index_select(0, scored.to(logits.device))
         if logits is None:
             if self.tp is None:
                 batch = self.build_batch(seqs)
@@ -337,22 +349,21 @@ class ModelRunner:
             self.slots.mark_written(seq.request.request_id)
         return logits
 
-    def _verify_as_decode_rows(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
-        """A step of decodes and verifies run as a decode step: each VERIFY row's tokens become
-        consecutive decode rows of its slot, each attending over the KV up to its own position
-        (every row's K and V are stored before any row attends), and the state kernels run a
-        slot's rows in row order (engine.kernels.slot_runs): the plain decode's kernels, a token
-        at a time, with the step's GEMMs over all the tokens at once. On the CPU the one-call
-        decode stack runs it where the layers fit; elsewhere (a layer on the layer path, tensor
-        parallelism, a GPU) each layer's own decode path does. The scored rows' logits, as
-        execute returns them."""
-        host, scored = verify_host_batch(seqs, self.cache.block_size, self.block_tables)
+    def _verify_as_decode_rows(self, host: HostBatch) -> torch.Tensor:
+        """A step of decodes and verifies run as a decode step (verify_host_batch): each VERIFY
+        row's tokens are consecutive decode rows of its slot, each attending over the KV up to
+        its own position (every row's K and V are stored before any row attends), and the state
+        kernels run a slot's rows in row order (engine.kernels.slot_runs): the plain decode's
+        kernels, a token at a time, with the step's GEMMs over all the tokens at once. On the
+        CPU the one-call decode stack runs it where the layers fit; elsewhere (a layer on the
+        layer path, tensor parallelism, a GPU beyond its graphs) each layer's own decode path
+        does. Every row's logits."""
         if self.tp is not None:  # the other ranks run the same decode rows
             self.tp.send("forward", host.for_followers())
         batch = self.device_batch(host)
         batch.keep_hidden = self.keep_hidden
         plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
-        logits = self.model(batch, self.cache.layers, plan).index_select(0, scored.to(self.device))
+        logits = self.model(batch, self.cache.layers, plan)
         self.last_hidden = batch.hidden
         return logits
 

@@ -76,36 +76,34 @@ def test_narrow_formats_and_fp8_weights_read_nothing_on_the_host(model_factory, 
 
 @requires_triton
 @pytest.mark.triton
-@pytest.mark.parametrize("name", ["jamba", "mamba2", "qwen3_next", "lfm2", "kimi_linear"])  # every state kernel
+@pytest.mark.parametrize("name", ["jamba", "mamba2", "lfm2", "kimi_linear"])  # every state kernel, MLA
 def test_a_verify_step_runs_the_decode_kernels_and_reads_nothing_on_the_host(model_factory, monkeypatch, name):
-    """A step with VERIFY rows, as on CUDA: each row's tokens are decode rows of its slot, the
-    Triton state kernels run a slot's rows in order (engine.kernels.slot_runs), and nothing in
-    its forward reads the host; the tokens are the plain engine's, drafts accepted and rejected
+    """A step with VERIFY rows, as on CUDA: each row's tokens are decode rows of its slot on the
+    static path's verify buffers (what a verify step's CUDA graph captures), the Triton state
+    kernels run a slot's rows in order (engine.kernels.slot_runs), and nothing in its forward
+    reads the host; the tokens are the plain engine's, drafts accepted and rejected
     (tests.test_speculative's scripted drafts)."""
     from tests.test_speculative import NGRAM, ScriptedProposer
 
     path, _ = model_factory(name)
-    run_as_on_cuda(monkeypatch)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    options = dict(block_size=4, max_num_seqs=4, num_kv_blocks=48)
-    plain = [out.token_ids for out in LLM(str(path), **options).generate(PROMPTS, params)]
-    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    plain = [out.token_ids for out in cuda_like_engine(path, monkeypatch).generate(PROMPTS, params)]
+    llm = cuda_like_engine(path, monkeypatch, speculative_config=NGRAM)
     llm.engine.speculation.proposer = ScriptedProposer(PROMPTS, plain)
-    model, verified = llm.engine.model, []
-    forward = model.forward
+    static, verified = llm.engine.runner.static, []
+    forward = static.model
 
-    def guarded(batch, caches, plan=None):
-        if not batch.decode_slot_runs:
-            return forward(batch, caches, plan)
-        verified.append(len(batch.input_ids))
+    def model(batch, caches):
+        if batch.decode_slot_runs:
+            verified.append(len(batch.input_ids))
         with no_host_reads():
-            return forward(batch, caches, plan)
+            return forward(batch, caches)
 
-    monkeypatch.setattr(model, "forward", guarded)
+    monkeypatch.setattr(static, "model", model)
     outs = llm.generate(PROMPTS, params)
     assert [out.token_ids for out in outs] == plain, [out.error for out in outs]
     stats = llm.engine.stats()
-    assert verified and max(verified) > len(PROMPTS), verified  # rows sharing slots
+    assert verified and max(verified) > len(PROMPTS), verified  # padded sizes of rows sharing slots
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 

@@ -264,6 +264,32 @@ def test_scratch_rows_are_never_handed_out_nor_moved(model_factory):
     assert [t.data_ptr() for _, t in cache.block_tensors()] == [t.data_ptr() for t in full]
 
 
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "nemotron_h"])
+def test_verify_steps_run_on_their_own_static_buffers(model_factory, monkeypatch, name):
+    """A speculating engine's verify steps (each VERIFY row's tokens as decode rows of its slot)
+    take the static path's verify buffers, padded as a CUDA graph would be, beside the plain
+    decode steps' buffers: the tokens are the plain engine's, drafts accepted and rejected. On
+    the torch references, which run rows sharing a slot in order only when the batch says so."""
+    from tests.test_speculative import NGRAM, ScriptedProposer, prompts_for
+
+    monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
+    path, _ = model_factory(name)
+    prompts = prompts_for(3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = [out.token_ids for out in LLM(path, block_size=BLOCK).generate(prompts, params)]
+    llm = LLM(path, block_size=BLOCK, max_num_seqs=8, speculative_config=NGRAM)
+    llm.engine.runner.use_static_decode(capture=False)
+    static = llm.engine.runner.static
+    assert static.verify_sizes == padded_sizes(llm.engine.slots.num_slots * (1 + NGRAM["num_speculative_tokens"]))
+    llm.engine.speculation.proposer = ScriptedProposer(prompts, plain)
+    runs, run = [], static.run
+    monkeypatch.setattr(static, "run", lambda host: runs.append((host.slot_runs, len(host.phases))) or run(host))
+    assert [out.token_ids for out in llm.generate(prompts, params)] == plain
+    assert any(slot_runs and rows > len(prompts) for slot_runs, rows in runs), runs
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
 def test_capture_blockers_name_the_host_syncs(model_factory, monkeypatch):
     moe = LLM(model_factory("jamba")[0]).engine  # 4 experts top-2 on even layers, attention
     mamba2 = LLM(model_factory("mamba2")[0]).engine
@@ -300,7 +326,7 @@ def test_graph_replay_equals_eager_on_cuda(model_factory, name, options):
     path, _ = model_factory(name)
     llm = decoding_engine(path, 5, device="cuda", **options)
     static = llm.engine.runner.static
-    assert static.eager_reason is None and sorted(static.graphs) == static.sizes
+    assert static.eager_reason is None and sorted(static.graphs) == [(False, size) for size in static.sizes]
     plan = llm.engine.scheduler.schedule()
     snapshot = [t.clone() for t in cache_tensors(llm)]
     assert not options or any(t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for t in snapshot)
@@ -310,6 +336,32 @@ def test_graph_replay_equals_eager_on_cuda(model_factory, name, options):
     assert torch.equal(graph_logits, eager_logits)
     for eager, graph in zip(eager_cache, graph_cache):
         assert torch.equal(graph[:-1].view(torch.uint8), eager[:-1].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["jamba", "qwen3_next", "kimi_linear"])
+def test_verify_steps_replay_their_own_graphs_on_cuda(model_factory, name):
+    """A speculating engine captures graphs for its verify steps beside its decode steps', and
+    replays them: its tokens are the plain engine's, drafts accepted and rejected; a verify
+    step's state kernels run each slot's rows in one program (engine.kernels.slot_runs)."""
+    from tests.test_speculative import NGRAM, ScriptedProposer, prompts_for
+
+    path, _ = model_factory(name)
+    prompts = prompts_for(3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(block_size=BLOCK, max_num_seqs=8, device="cuda", dtype="float32")
+    plain = [out.token_ids for out in LLM(path, **options).generate(prompts, params)]
+    llm = LLM(path, speculative_config=NGRAM, **options)
+    static = llm.engine.runner.static
+    assert static.eager_reason is None and any(runs for runs, _ in static.graphs)
+    llm.engine.speculation.proposer = ScriptedProposer(prompts, plain)
+    replays, run = [], static.run
+    static.run = lambda host: replays.append((host.slot_runs, len(host.phases))) or run(host)
+    assert [out.token_ids for out in llm.generate(prompts, params)] == plain
+    assert any(runs for runs, _ in replays), replays
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 
 @pytest.mark.gpu

@@ -346,7 +346,7 @@ class Follower:
         if kind == "static_decode":  # with rank 0's own: captures meet in the same collectives
             try:
                 with torch.inference_mode():
-                    self.runner.use_static_decode(capture=command[1])
+                    self.runner.use_static_decode(capture=command[1], verify_rows=command[2])
                 return True, self.runner.static.eager_reason
             except Exception as error:  # noqa: BLE001 - reported to rank 0, which refuses to start
                 return False, f"{type(error).__name__}: {error}"
