@@ -207,8 +207,9 @@ def gdn_cases(device, dtype, scale=1, batch=64, length=4096, k_heads=16, heads=3
 
 def decode_updates(device, rows: int, scale: int = 1) -> dict:
     """The four decode kernels that update a state pool in place, at a serving model's sizes
-    (over `scale`): {name: (the state row's shape, run(pool, slots, positions) -> output)}, on
-    fixed random bf16 inputs for `rows` decode rows."""
+    (over `scale`): {name: (the state row's shape, run(pool, slots, positions, reference=False,
+    slot_runs=False) -> output)}, on fixed random bf16 inputs for `rows` decode rows; the
+    Triton kernel, or with `reference` its torch reference."""
     generator = None if torch.device(device).type == "meta" else torch.Generator(device).manual_seed(1)
     r = lambda *shape: torch.randn(*shape, device=device, generator=generator)  # noqa: E731
     u = lambda *shape: torch.rand(*shape, device=device, generator=generator)  # noqa: E731
@@ -219,16 +220,43 @@ def decode_updates(device, rows: int, scale: int = 1) -> dict:
     mamba2 = half(rows, heads, 64), half(rows, heads), -u(heads), half(rows, 1, 128), half(rows, 1, 128), r(heads), r(heads)
     gdn = half(rows, k_heads, 128), half(rows, k_heads, 128), half(rows, 2 * k_heads, 128), -u(rows, 2 * k_heads), \
         u(rows, 2 * k_heads)
-    return {
-        "causal_conv1d_update": ((d_inner, 4), lambda pool, slots, pos: causal_conv1d_update_triton(
-            pool, slots, *conv[:2], bias=conv[2], activation="silu", positions=pos)),
-        "selective_state_update": ((d_inner, 16), lambda pool, slots, pos: selective_state_update_triton(
-            pool, slots, *mamba[:5], D=mamba[5], dt_softplus=True, positions=pos)),
-        "mamba2_state_update": ((heads, 64, 128), lambda pool, slots, pos: mamba2_state_update_triton(
-            pool, slots, *mamba2[:5], D=mamba2[5], dt_bias=mamba2[6], dt_softplus=True, positions=pos)),
-        "gated_delta_step": ((2 * k_heads, 128, 128), lambda pool, slots, pos: gated_delta_step_triton(
-            pool, slots, *gdn, positions=pos)),
+    kernels = {"causal_conv1d_update": (causal_conv1d_update_triton, causal_conv1d_update_ref),
+               "selective_state_update": (selective_state_update_triton, selective_state_update_ref),
+               "mamba2_state_update": (mamba2_state_update_triton, mamba2_state_update_ref),
+               "gated_delta_step": (gated_delta_step_triton, gated_delta_step_ref)}
+    calls = {
+        "causal_conv1d_update": ((d_inner, 4), lambda fn, pool, slots, pos, **kw: fn(
+            pool, slots, *conv[:2], bias=conv[2], activation="silu", positions=pos, **kw)),
+        "selective_state_update": ((d_inner, 16), lambda fn, pool, slots, pos, **kw: fn(
+            pool, slots, *mamba[:5], D=mamba[5], dt_softplus=True, positions=pos, **kw)),
+        "mamba2_state_update": ((heads, 64, 128), lambda fn, pool, slots, pos, **kw: fn(
+            pool, slots, *mamba2[:5], D=mamba2[5], dt_bias=mamba2[6], dt_softplus=True, positions=pos, **kw)),
+        "gated_delta_step": ((2 * k_heads, 128, 128), lambda fn, pool, slots, pos, **kw: fn(
+            pool, slots, *gdn, positions=pos, **kw)),
     }
+    return {name: (shape, lambda pool, slots, pos, reference=False, slot_runs=False, call=call, name=name:
+                   call(kernels[name][reference], pool, slots, pos, slot_runs=slot_runs))
+            for name, (shape, call) in calls.items()}
+
+
+def verify_state_cases(device, dtype, scale=1, requests=16, width=5):
+    """The four decode kernels on a verify step's rows (engine.model_runner.verify_host_batch):
+    `requests` sequences of `width` tokens each (a pending token and 4 drafts), a sequence's rows
+    adjacent on its one slot and run in order (engine.kernels.slot_runs: one program a run, the
+    state in registers), against the references, which run them in waves of distinct slots.
+    Bytes: each slot's state read and written once, and every row's inputs."""
+    if dtype != torch.bfloat16:
+        return []  # the serving dtype only
+    requests = max(2, requests // scale)
+    slots = torch.randperm(2 * requests, device=device)[:requests].repeat_interleave(width)
+    cases = []
+    for name, (shape, run) in decode_updates(device, requests * width, scale).items():
+        pool = torch.randn(2 * requests, *shape, device=device) * 0.5
+        nbytes = 2 * requests * math.prod(shape) * 4
+        cases.append(Case(f"{name}_verify", f"{requests}x{width} rows state {list(shape)}", nbytes,
+                          lambda pool=pool, run=run: run(pool, slots, None, slot_runs=True),
+                          lambda pool=pool, run=run: run(pool, slots, None, reference=True, slot_runs=True), (pool,)))
+    return cases
 
 
 def narrow_state_cases(device, dtype, scale=1, batch=64):
@@ -507,6 +535,7 @@ GROUPS = (
     lambda d, t, s: [attention_case(d, t, s, batch=2, context=32768)],  # few sequences: split context
     lambda d, t, s: [attention_case(d, t, s, heads=16, kv_heads=2, head_dim=256)],
     lambda d, t, s: [attention_case(d, t, s, heads=32, kv_heads=1, head_dim=576)],  # Kimi Linear's MLA, absorbed
+    lambda d, t, s: verify_state_cases(d, t, s),
     lambda d, t, s: row_copy_cases(d, t, s),
     lambda d, t, s: state_round_cases(d, t, s),
     lambda d, t, s: narrow_state_cases(d, t, s),

@@ -148,8 +148,9 @@ class NgramProposer(Proposer):
 
 class SpeculationGovernor:
     """Whether drafting pays on this engine now, measured rather than assumed: a verify step
-    costs more than a decode step (on the CPU a decode of k + 1 rows a request; on a GPU its
-    rows outgrow the captured graphs), and drafts that miss only add that cost. So the engine
+    costs more than a decode step (on the CPU a decode of k + 1 rows a request; on a GPU a
+    slot's state updates one after another, in a larger graph), and drafts that miss only add
+    that cost. So the engine
     drafts in some steps and not in others, keeps the output tokens per second of steps that
     verified drafts and of steps that did not (a step that looked for drafts and found none is
     one of those) as moving averages, and drafts where that is the faster: each `period` steps
