@@ -406,7 +406,7 @@ class LLMEngine:
             seq.request.num_computed_tokens += seq.num_new_tokens
         if self.prefix_cache is not None:
             self._cache_prefixes(seqs)
-        outputs = [self.speculation.verified(seq, rows) for seq, rows in verified]
+        outputs = self.speculation.verified(verified) if verified else []
         if not done:
             return outputs
         rows = logits if len(done) == len(seqs) else logits[done]  # decode: every row, no copy

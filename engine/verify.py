@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from engine.output import RequestOutput
 from engine.phase import Phase
 from engine.request import Request, RequestStatus
@@ -80,27 +82,55 @@ class Speculation:
         for seq in seqs:
             engine.slots.mark_written(scratch_owner(seq.request.request_id))
 
-    def verified(self, seq: ScheduledSeq, logits) -> RequestOutput:
-        """Keep the drafts the target picks itself, then the target's own next token. Where a
-        draft is rejected and state layers folded it in, the slot's state goes back to what the
-        scratch slot kept, and the accepted tokens run again first in the next step."""
+    def verified(self, verified: list[tuple[ScheduledSeq, object]]) -> list[RequestOutput]:
+        """For each VERIFY row of a step (with its logits rows): keep the drafts the target picks
+        itself, then the target's own next token. Where a draft is rejected and state layers
+        folded it in, the slot's state goes back to what the scratch slot kept (one copy for the
+        step's rows), and the accepted tokens run again first in the next step. The greedy rows'
+        targets come from one argmax over them all: one read of the device a step, not one a row."""
+        engine = self.engine
+        greedy = [i for i, (seq, _) in enumerate(verified)
+                  if seq.request.argmax_only and seq.request.grammar is None]
+        targets = dict(zip(greedy, self._greedy_targets([verified[i][1] for i in greedy])))
+        rollback, kept = [], []
+        for i, (seq, logits) in enumerate(verified):
+            request = seq.request
+            drafts = request.draft_token_ids
+            tokens, logprobs = targets[i] if i in targets else self.targets(request, drafts, logits)
+            request.draft_token_ids = []
+            accepted = accepted_prefix(drafts, tokens)
+            pending = seq.num_new_tokens - len(drafts)
+            if accepted == len(drafts) or seq.scratch_slot is None:
+                request.num_computed_tokens += pending + accepted
+                request.num_replay_tokens = 0
+            else:
+                engine.slots.check_readable(scratch_owner(request.request_id), seq.scratch_slot)
+                rollback.append((seq.scratch_slot, seq.slot))
+                request.num_replay_tokens = pending + accepted
+            if drafts:
+                self.counts.record(len(drafts), accepted)
+            request.status = DECODING
+            kept.append((seq, tokens[:accepted + 1], logprobs))
+        engine.runner.copy_state(rollback)
+        return [self._emit(seq, tokens, logprobs) for seq, tokens, logprobs in kept]
+
+    def _greedy_targets(self, rows: list) -> list[tuple[list[int], list]]:
+        """Each greedy VERIFY row's argmax tokens (and no logprobs), from one pass over all."""
+        if not rows:
+            return []
+        ids = self.engine.runner.sampler.greedy(torch.cat(rows) if len(rows) > 1 else rows[0]).token_ids
+        out, at = [], 0
+        for logits in rows:
+            width = logits.shape[0]
+            out.append((ids[at:at + width], [None] * width))
+            at += width
+        return out
+
+    def _emit(self, seq: ScheduledSeq, tokens: list[int], logprobs: list) -> RequestOutput:
+        """A verified row's kept tokens to its caller, its filled blocks to the prefix cache."""
         engine, request = self.engine, seq.request
-        drafts, request.draft_token_ids = request.draft_token_ids, []
-        targets, logprobs = self.targets(request, drafts, logits)
-        accepted = accepted_prefix(drafts, targets)
-        pending = seq.num_new_tokens - len(drafts)
-        if accepted == len(drafts) or seq.scratch_slot is None:
-            request.num_computed_tokens += pending + accepted
-            request.num_replay_tokens = 0
-        else:
-            engine.slots.check_readable(scratch_owner(request.request_id), seq.scratch_slot)
-            engine.runner.copy_state([(seq.scratch_slot, seq.slot)])
-            request.num_replay_tokens = pending + accepted
-        if drafts:
-            self.counts.record(len(drafts), accepted)
-        request.status = DECODING
         tracker = engine.trackers[request.request_id]
-        for token_id, logprob in zip(targets[:accepted + 1], logprobs):
+        for token_id, logprob in zip(tokens, logprobs):
             tracker.append(token_id, logprob)
             if request.finished:
                 break
@@ -120,8 +150,6 @@ class Speculation:
         with certainty (n-gram, a draft model's argmax) that is rejection sampling's acceptance,
         with probability p(draft)."""
         sampler = self.engine.runner.sampler
-        if request.argmax_only and request.grammar is None:
-            return sampler.greedy(logits).token_ids, [None] * logits.shape[0]
         outputs, rows = request.output_token_ids, logits.shape[0]
         grammars = request.grammar.after_each(drafts) if request.grammar is not None else None
         sampled = sampler(logits, [request.sampling_params] * rows, [request.prompt_token_ids] * rows,

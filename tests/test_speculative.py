@@ -223,11 +223,11 @@ def test_a_rejected_draft_left_in_the_state_changes_the_output(name, model_facto
     prompts = prompts_for(3)
     original = Speculation.verified
 
-    def without_rollback(self, seq, logits):
+    def without_rollback(self, verified):
         copy = self.engine.runner.copy_state
         self.engine.runner.copy_state = lambda pairs: None
         try:
-            return original(self, seq, logits)
+            return original(self, verified)
         finally:
             self.engine.runner.copy_state = copy
 
@@ -235,6 +235,29 @@ def test_a_rejected_draft_left_in_the_state_changes_the_output(name, model_facto
     monkeypatch.setattr(Speculation, "verified", without_rollback)
     speculated, _, _ = scripted(path, prompts, plain=plain)
     assert speculated != plain
+
+
+def test_a_steps_rollbacks_are_one_copy_and_its_greedy_targets_one_read(model_factory, monkeypatch):
+    """The rows a step rolls back go back in one state copy, and the greedy rows' targets come
+    from one argmax over all of them (on a GPU, one read of the device a step)."""
+    path, _ = model_factory("jamba")
+    prompts = prompts_for(3)
+    rollbacks, verified, copy = [], Speculation.verified, ModelRunner.copy_state
+
+    def verifying(self, rows):  # the copies made while a step's rows are verified: the rollbacks
+        monkeypatch.setattr(ModelRunner, "copy_state", lambda runner, pairs: rollbacks.append(pairs) or copy(runner, pairs))
+        try:
+            return verified(self, rows)
+        finally:
+            monkeypatch.setattr(ModelRunner, "copy_state", copy)
+
+    monkeypatch.setattr(Speculation, "verified", verifying)
+    argmaxes = record_calls(monkeypatch, Speculation, "_greedy_targets")
+    speculated, plain, _ = scripted(path, prompts)
+    assert speculated == plain
+    steps = len(argmaxes)  # one a verified step
+    assert len(rollbacks) <= steps and any(len(pairs) > 1 for pairs in rollbacks), rollbacks
+    assert any(len(rows) > 1 for _, rows in argmaxes)
 
 
 @pytest.mark.parametrize("name", ["jamba", "llama"])
