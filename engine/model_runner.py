@@ -331,7 +331,8 @@ class ModelRunner:
         elif verify:
             logits = self._verify_as_decode_rows(host)
         if scored is not None:  # a verify's rows are tokens: the scored ones, as execute returns them
-            logits = logits.index_select(0, scored.to(logits.device))
+            # (non_blocking: a pageable copy is staged at once, and the stream need not drain)
+            logits = logits.index_select(0, scored.to(logits.device, non_blocking=True))
         if logits is None:
             if self.tp is None:
                 batch = self.build_batch(seqs)
