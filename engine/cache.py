@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import copy_rows
 from engine.models import LayerCaches, ModelSpec
 from engine.cache_formats import NarrowCache, kv_working_bytes_per_block, narrow_kv_layers
 from engine.state_format import working_bytes
@@ -149,14 +150,16 @@ class ModelCache:
         return [(name, t) for name, _, _, role, t in self.handoff_tensors(checkpoint_rows=True) if role == SLOT_ROLE]
 
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole state rows (every recurrent layer's tensors), source -> destination."""
+        """Copy whole state rows (every recurrent layer's tensors), source -> destination; no
+        row is both (rows copy at once). One launch a tensor on Triton (a verify's scratch
+        copies, prefix checkpoints), where torch's gather and scatter take two."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for entry in self.layers.state:
             for tensor in entry or ():
-                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+                copy_rows(tensor, src, tensor, dst)
 
     def block_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors whose dim 0 is a block id, in layer order (what a KV hand-off moves)."""
