@@ -82,7 +82,7 @@ class Speculation:
         for seq in seqs:
             engine.slots.mark_written(scratch_owner(seq.request.request_id))
 
-    def verified(self, verified: list[tuple[ScheduledSeq, object]]) -> list[RequestOutput]:
+    def verified(self, verified: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
         """For each VERIFY row of a step (with its logits rows): keep the drafts the target picks
         itself, then the target's own next token. Where a draft is rejected and state layers
         folded it in, the slot's state goes back to what the scratch slot kept (one copy for the
@@ -114,7 +114,7 @@ class Speculation:
         engine.runner.copy_state(rollback)
         return [self._emit(seq, tokens, logprobs) for seq, tokens, logprobs in kept]
 
-    def _greedy_targets(self, rows: list) -> list[tuple[list[int], list]]:
+    def _greedy_targets(self, rows: list[torch.Tensor]) -> list[tuple[list[int], list]]:
         """Each greedy VERIFY row's argmax tokens (and no logprobs), from one pass over all."""
         if not rows:
             return []
