@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels import copy_rows
+from engine.kernels import copy_rows, uses_triton
 from engine.models import LayerCaches, ModelSpec
 from engine.cache_formats import NarrowCache, kv_working_bytes_per_block, narrow_kv_layers
 from engine.state_format import working_bytes
@@ -152,14 +152,18 @@ class ModelCache:
     def copy_state(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole state rows (every recurrent layer's tensors), source -> destination; no
         row is both (rows copy at once). One launch a tensor on Triton (a verify's scratch
-        copies, prefix checkpoints), where torch's gather and scatter take two."""
+        copies, prefix checkpoints), where torch's gather and scatter take two; on the CPU those
+        two are the cheaper call."""
         if not pairs:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
         for entry in self.layers.state:
             for tensor in entry or ():
-                copy_rows(tensor, src, tensor, dst)
+                if uses_triton(tensor):
+                    copy_rows(tensor, src, tensor, dst)
+                else:
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def block_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """Tensors whose dim 0 is a block id, in layer order (what a KV hand-off moves)."""

@@ -10,6 +10,7 @@
 // Every row's arithmetic is the same sequence of operations whatever else the call holds, so a
 // request's result does not depend on its batch neighbours.
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -134,14 +135,28 @@ inline void delta_rule_step(float* S, const float* q, const float* k, const floa
   }
 }
 
-// The threads a decode state update runs on: all of them where each row has a slot of its own;
-// one where neighbouring rows share a slot (a verify step's tokens of one sequence, engine.phase
-// VERIFY: rows that share a slot are adjacent), so that each of those rows reads the state the
-// row before it wrote: the loops below go row by row, and on one thread in that order.
-inline int state_threads(const int64_t* slots, int64_t batch, int threads) {
+// Whether neighbouring rows share a slot: a verify step's tokens of one sequence (engine.phase
+// VERIFY, engine.kernels.slot_runs), where each row must read the state the row before it left.
+inline bool shares_slots(const int64_t* slots, int64_t batch) {
   for (int64_t b = 1; b < batch; ++b)
-    if (slots[b] == slots[b - 1]) return 1;
-  return threads;
+    if (slots[b] == slots[b - 1]) return true;
+  return false;
+}
+
+// body(b, u) for every row b and unit u (a block of channels, a head) of a decode state update.
+// Each row on its own slot: the (row, unit) pairs split among the threads, row-major. Rows that
+// share a slot: each thread takes whole units and runs every row of them in row order, so a
+// slot's rows see each other's state, and the threads still split the work.
+template <class Body>
+inline void for_rows_and_units(const int64_t* slots, int64_t batch, int64_t units, int threads, Body body) {
+  if (!shares_slots(slots, batch)) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < batch * units; ++i) body(i / units, i % units);
+    return;
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t b = 0; b < batch; ++b) body(b, u);
 }
 
 }  // namespace
@@ -159,20 +174,16 @@ extern "C" {
 void ssm_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                       const float* A, const float* B, const float* C, float* y, int64_t batch,
                       int64_t d_inner, int64_t d_state, int threads) {
-  threads = state_threads(slots, batch, threads);
   if (d_state % kLanes16 != 0 || d_inner % kLanes16 != 0) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < batch * d_inner; ++i) {
-      const int64_t b = i / d_inner, c = i - b * d_inner;
+    for_rows_and_units(slots, batch, d_inner, threads, [&](int64_t b, int64_t c) {
+      const int64_t i = b * d_inner + c;
       y[i] = mamba_step(state + (slots[b] * d_inner + c) * d_state, A + c * d_state, B + b * d_state,
                         C + b * d_state, dt[i], dt[i] * x[i], d_state);
-    }
+    });
     return;
   }
-  const int64_t blocks = d_inner / kLanes16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < batch * blocks; ++i) {
-    const int64_t b = i / blocks, c0 = (i - b * blocks) * kLanes16;
+  for_rows_and_units(slots, batch, d_inner / kLanes16, threads, [&](int64_t b, int64_t block) {
+    const int64_t c0 = block * kLanes16;
     const float *bb = B + b * d_state, *cb = C + b * d_state;
     vec16 dots[kLanes16];
     for (int64_t j = 0; j < kLanes16; ++j) {
@@ -192,7 +203,7 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
     }
     const vec16 sums = lane_sums(dots);
     std::memcpy(y + b * d_inner + c0, &sums, sizeof sums);
-  }
+  });
 }
 
 // Causal depthwise conv, one decode token: per row (b, c) of w = state[slots[b], c] ([K], oldest
@@ -201,18 +212,20 @@ void ssm_state_update(float* state, const int64_t* slots, const float* x, const 
 void conv_update(float* state, const int64_t* slots, const float* x, int64_t x_stride, const float* weight,
                  const float* bias, float* y, int64_t batch, int64_t channels, int64_t width,
                  int64_t silu, int threads) {
-  threads = state_threads(slots, batch, threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    float* w = state + slots[b] * channels * width;
-    const float* xb = x + b * x_stride;
-    float* yb = y + b * channels;
+  constexpr int64_t kBlock = 256;  // channels a unit: the row loop vectorises within it
+  const int64_t units = (channels + kBlock - 1) / kBlock;
+  for_rows_and_units(slots, batch, units, threads, [&](int64_t b, int64_t u) {
+    const int64_t c0 = u * kBlock, count = std::min(kBlock, channels - c0);
+    float* w = state + (slots[b] * channels + c0) * width;
+    const float* xb = x + b * x_stride + c0;
+    float* yb = y + b * channels + c0;
+    const float* bu = bias != nullptr ? bias + c0 : nullptr;
     if (width == 4) {
-      conv_update_row<4>(w, weight, xb, bias, yb, channels, width, silu);
+      conv_update_row<4>(w, weight + c0 * width, xb, bu, yb, count, width, silu);
     } else {
-      conv_update_row<0>(w, weight, xb, bias, yb, channels, width, silu);
+      conv_update_row<0>(w, weight + c0 * width, xb, bu, yb, count, width, silu);
     }
-  }
+  });
 }
 
 // Mamba prefill of one sequence: per channel c, from h = h0[c] (updated in place to h_L),
@@ -272,14 +285,11 @@ void selective_scan(const float* x, const float* dt, const float* A, const float
 void mamba2_state_update(float* state, const int64_t* slots, const float* x, const float* dt,
                          const float* A, const float* B, const float* C, float* y, int64_t batch,
                          int64_t heads, int64_t head_dim, int64_t groups, int64_t d_state, int threads) {
-  threads = state_threads(slots, batch, threads);
   const int64_t per_group = heads / groups;
   if (head_dim % kLanes16 == 0 && d_state % kLanes16 == 0) {
     const int64_t blocks = head_dim / kLanes16;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < batch * heads * blocks; ++i) {
-      const int64_t b = i / (heads * blocks), rest = i - b * heads * blocks;
-      const int64_t h = rest / blocks, p0 = (rest - h * blocks) * kLanes16, g = h / per_group;
+    for_rows_and_units(slots, batch, heads * blocks, threads, [&](int64_t b, int64_t unit) {
+      const int64_t h = unit / blocks, p0 = (unit - h * blocks) * kLanes16, g = h / per_group;
       const float* bb = B + (b * groups + g) * d_state;
       const float* cc = C + (b * groups + g) * d_state;
       const float dt_v = dt[b * heads + h];
@@ -302,27 +312,25 @@ void mamba2_state_update(float* state, const int64_t* slots, const float* x, con
       }
       const vec16 sums = lane_sums(dots);
       std::memcpy(y + (b * heads + h) * head_dim + p0, &sums, sizeof sums);
-    }
+    });
     return;
   }
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t i = 0; i < batch * heads * head_dim; ++i) {
-    const int64_t b = i / (heads * head_dim), rest = i - b * heads * head_dim;
-    const int64_t h = rest / head_dim, p = rest - h * head_dim, g = h / per_group;
+  for_rows_and_units(slots, batch, heads * head_dim, threads, [&](int64_t b, int64_t unit) {
+    const int64_t h = unit / head_dim, p = unit - h * head_dim, g = h / per_group;
     float* row = state + ((slots[b] * heads + h) * head_dim + p) * d_state;
     const float* bb = B + (b * groups + g) * d_state;
     const float* cc = C + (b * groups + g) * d_state;
     const float dt_v = dt[b * heads + h];
     const float decay = std::exp(dt_v * A[h]);
-    const float dt_x = dt_v * x[i];
+    const float dt_x = dt_v * x[b * heads * head_dim + unit];
     float acc = 0.f;
     for (int64_t n = 0; n < d_state; ++n) {
       const float s = row[n] * decay + dt_x * bb[n];
       row[n] = s;
       acc += s * cc[n];
     }
-    y[i] = acc;
-  }
+    y[b * heads * head_dim + unit] = acc;
+  });
 }
 
 // Mamba2 prefill of one sequence, the recurrence one token at a time, per head h of group
@@ -397,18 +405,14 @@ void ssd_scan(const float* x, int64_t x_stride, const float* dt, const float* A,
 void gated_delta_step(float* state, const int64_t* slots, const float* q, const float* k,
                       const float* v, const float* g, const float* beta, float* o, int64_t batch,
                       int64_t heads, int64_t k_dim, int64_t v_dim, int64_t g_per_channel, int threads) {
-  threads = state_threads(slots, batch, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> delta(v_dim);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < batch * heads; ++i) {
-      const int64_t b = i / heads, h = i - b * heads;
-      delta_rule_step(state + (slots[b] * heads + h) * k_dim * v_dim, q + i * k_dim, k + i * k_dim,
-                      v + i * v_dim, o + i * v_dim, g + (g_per_channel ? i * k_dim : i), g_per_channel, beta[i],
-                      delta.data(), k_dim, v_dim);
-    }
-  }
+  for_rows_and_units(slots, batch, heads, threads, [&](int64_t b, int64_t h) {
+    thread_local std::vector<float> delta;  // scratch of v_dim floats, one a thread
+    delta.resize(v_dim);
+    const int64_t i = b * heads + h;
+    delta_rule_step(state + (slots[b] * heads + h) * k_dim * v_dim, q + i * k_dim, k + i * k_dim,
+                    v + i * v_dim, o + i * v_dim, g + (g_per_channel ? i * k_dim : i), g_per_channel, beta[i],
+                    delta.data(), k_dim, v_dim);
+  });
 }
 
 // Gated DeltaNet prefill of one sequence, the rule one token at a time, per head of
