@@ -220,23 +220,23 @@ def decode_updates(device, rows: int, scale: int = 1) -> dict:
     mamba2 = half(rows, heads, 64), half(rows, heads), -u(heads), half(rows, 1, 128), half(rows, 1, 128), r(heads), r(heads)
     gdn = half(rows, k_heads, 128), half(rows, k_heads, 128), half(rows, 2 * k_heads, 128), -u(rows, 2 * k_heads), \
         u(rows, 2 * k_heads)
-    kernels = {"causal_conv1d_update": (causal_conv1d_update_triton, causal_conv1d_update_ref),
-               "selective_state_update": (selective_state_update_triton, selective_state_update_ref),
-               "mamba2_state_update": (mamba2_state_update_triton, mamba2_state_update_ref),
-               "gated_delta_step": (gated_delta_step_triton, gated_delta_step_ref)}
-    calls = {
-        "causal_conv1d_update": ((d_inner, 4), lambda fn, pool, slots, pos, **kw: fn(
-            pool, slots, *conv[:2], bias=conv[2], activation="silu", positions=pos, **kw)),
-        "selective_state_update": ((d_inner, 16), lambda fn, pool, slots, pos, **kw: fn(
-            pool, slots, *mamba[:5], D=mamba[5], dt_softplus=True, positions=pos, **kw)),
-        "mamba2_state_update": ((heads, 64, 128), lambda fn, pool, slots, pos, **kw: fn(
-            pool, slots, *mamba2[:5], D=mamba2[5], dt_bias=mamba2[6], dt_softplus=True, positions=pos, **kw)),
-        "gated_delta_step": ((2 * k_heads, 128, 128), lambda fn, pool, slots, pos, **kw: fn(
-            pool, slots, *gdn, positions=pos, **kw)),
+    calls = {  # name: (the state row's shape, (Triton kernel, reference), its call on this step's inputs)
+        "causal_conv1d_update": ((d_inner, 4), (causal_conv1d_update_triton, causal_conv1d_update_ref),
+                                 lambda fn, pool, slots, pos, **kw: fn(pool, slots, *conv[:2], bias=conv[2],
+                                                                       activation="silu", positions=pos, **kw)),
+        "selective_state_update": ((d_inner, 16), (selective_state_update_triton, selective_state_update_ref),
+                                   lambda fn, pool, slots, pos, **kw: fn(pool, slots, *mamba[:5], D=mamba[5],
+                                                                         dt_softplus=True, positions=pos, **kw)),
+        "mamba2_state_update": ((heads, 64, 128), (mamba2_state_update_triton, mamba2_state_update_ref),
+                                lambda fn, pool, slots, pos, **kw: fn(pool, slots, *mamba2[:5], D=mamba2[5],
+                                                                      dt_bias=mamba2[6], dt_softplus=True,
+                                                                      positions=pos, **kw)),
+        "gated_delta_step": ((2 * k_heads, 128, 128), (gated_delta_step_triton, gated_delta_step_ref),
+                             lambda fn, pool, slots, pos, **kw: fn(pool, slots, *gdn, positions=pos, **kw)),
     }
-    return {name: (shape, lambda pool, slots, pos, reference=False, slot_runs=False, call=call, name=name:
-                   call(kernels[name][reference], pool, slots, pos, slot_runs=slot_runs))
-            for name, (shape, call) in calls.items()}
+    return {name: (shape, lambda pool, slots, pos, reference=False, slot_runs=False, impls=impls, call=call:
+                   call(impls[reference], pool, slots, pos, slot_runs=slot_runs))
+            for name, (shape, impls, call) in calls.items()}
 
 
 def verify_state_cases(device, dtype, scale=1, requests=16, width=5):

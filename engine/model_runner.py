@@ -180,7 +180,7 @@ def decode_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlo
 def verify_host_batch(seqs: list[ScheduledSeq], block_size: int, tables: SlotBlockTables
                       ) -> tuple[HostBatch, torch.Tensor]:
     """A step of DECODE and VERIFY rows as decode rows, each VERIFY row's tokens one decode
-    row apiece on its slot (ModelRunner._verify_as_decode_rows), built as decode_host_batch
+    row apiece on its slot (ModelRunner.execute), built as decode_host_batch
     builds its rows; and the rows whose logits the step returns (each row's last token, and a
     VERIFY row's drafts')."""
     token_ids, begins, write_index, slots, counts, scored = [], [], [], [], [], []
@@ -228,7 +228,6 @@ class ModelRunner:
         self.sampler = Sampler(model.spec.vocab_size, self.device)
         self.static: StaticDecode | None = None
         self.verify_width = verify_width
-        self.verifies = verify_width > 1  # the engine speculates: some steps may hold VERIFY rows
         # An MTP head reads every token's final hidden state (engine.mtp): each step leaves
         # them in last_hidden (a decode graph's outputs are then its logits and its hidden states).
         self.keep_hidden = keep_hidden
@@ -239,6 +238,11 @@ class ModelRunner:
         self.block_tables = SlotBlockTables(self.cache.sizes.num_slots, width)
         if self.device.type == "cuda" and not enforce_eager:
             self.use_static_decode(capture=True)
+
+    @property
+    def verifies(self) -> bool:
+        """The engine speculates: some steps may hold VERIFY rows."""
+        return self.verify_width > 1
 
     def use_static_decode(self, capture: bool, verify_rows: int | None = None) -> None:
         """Route decode-only steps, and a speculating engine's verify steps of up to
@@ -314,7 +318,14 @@ class ModelRunner:
     def execute(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
         """Logits [len(seqs), vocab]; on the static path a view valid until the next step."""
         self.check_state_reads(seqs)
-        # (Not with narrow state: its store rounds each row's slot, and a verify's rows share one.)
+        # A step of decodes and verifies runs as a decode step (verify_host_batch): each VERIFY
+        # row's tokens are consecutive decode rows of its slot, each attending over the KV up to
+        # its own position (every row's K and V are stored before any row attends), and the state
+        # kernels run a slot's rows in row order (engine.kernels.slot_runs): the plain decode's
+        # kernels, a token at a time, with the step's GEMMs over all the tokens at once; from a
+        # graph where one fits, else on the CPU's one-call stack where the layers fit it, else on
+        # each layer's own decode path. (Not with narrow state: its store rounds each row's
+        # slot, and a verify's rows share one.)
         verify = self.verifies and self.cache.layers.narrow is None \
             and any(s.phase is Phase.VERIFY for s in seqs) \
             and all(s.phase in (Phase.DECODE, Phase.VERIFY) for s in seqs)
@@ -328,17 +339,13 @@ class ModelRunner:
                 self.tp.send("static_step", host)
             logits = self.static.run(host)
             self.last_hidden = self.static.last_hidden
-        elif verify:
-            logits = self._verify_as_decode_rows(host)
-        if scored is not None:  # a verify's rows are tokens: the scored ones, as execute returns them
-            # (non_blocking: a pageable copy is staged at once, and the stream need not drain)
-            logits = logits.index_select(0, scored.to(logits.device, non_blocking=True))
         if logits is None:
-            if self.tp is None:
+            if host is None and self.tp is None:
                 batch = self.build_batch(seqs)
-            else:  # the other ranks build the same batch from the same host tensors
+            else:
                 host = self.host_batch(seqs) if host is None else host
-                self.tp.send("forward", host.for_followers())
+                if self.tp is not None:  # the other ranks build the same batch from the same host tensors
+                    self.tp.send("forward", host.for_followers())
                 batch = self.device_batch(host)
             batch.keep_hidden = self.keep_hidden
             plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
@@ -346,26 +353,11 @@ class ModelRunner:
             self.last_hidden = batch.hidden
             if batch.prompt_logprobs is not None:
                 prompt_logprobs.record(batch.prompt_logprobs, batch.prompt_logprobs_result)
+        if scored is not None:  # a verify's rows are tokens: the scored ones, as execute returns them
+            # (non_blocking: a pageable copy is staged at once, and the stream need not drain)
+            logits = logits.index_select(0, scored.to(logits.device, non_blocking=True))
         for seq in seqs:
             self.slots.mark_written(seq.request.request_id)
-        return logits
-
-    def _verify_as_decode_rows(self, host: HostBatch) -> torch.Tensor:
-        """A step of decodes and verifies run as a decode step (verify_host_batch): each VERIFY
-        row's tokens are consecutive decode rows of its slot, each attending over the KV up to
-        its own position (every row's K and V are stored before any row attends), and the state
-        kernels run a slot's rows in row order (engine.kernels.slot_runs): the plain decode's
-        kernels, a token at a time, with the step's GEMMs over all the tokens at once. On the
-        CPU the one-call decode stack runs it where the layers fit; elsewhere (a layer on the
-        layer path, tensor parallelism, a GPU beyond its graphs) each layer's own decode path
-        does. Every row's logits."""
-        if self.tp is not None:  # the other ranks run the same decode rows
-            self.tp.send("forward", host.for_followers())
-        batch = self.device_batch(host)
-        batch.keep_hidden = self.keep_hidden
-        plan = None if self.decode_stack is None else self.decode_stack.plan(batch, self.cache.layers)
-        logits = self.model(batch, self.cache.layers, plan)
-        self.last_hidden = batch.hidden
         return logits
 
     @torch.inference_mode()

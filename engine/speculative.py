@@ -150,12 +150,12 @@ class SpeculationGovernor:
     """Whether drafting pays on this engine now, measured rather than assumed: a verify step
     costs more than a decode step (on the CPU a decode of k + 1 rows a request; on a GPU a
     slot's state updates one after another, in a larger graph), and drafts that miss only add
-    that cost. So the engine
-    drafts in some steps and not in others, keeps the output tokens per second of steps that
-    verified drafts and of steps that did not (a step that looked for drafts and found none is
-    one of those) as moving averages, and drafts where that is the faster: each `period` steps
-    begin with `probe_steps` of the slower kind, to notice when the workload changes. What pays at
-    one batch size need not at another, so each load (decoding rows 1, 2-3, 4-7, 8-15, ...)
+    that cost. So the engine drafts in some steps and not in others, keeps the output tokens
+    per second of steps that verified drafts and of steps that did not (a step that looked for
+    drafts and found none is one of those) as moving averages, and drafts where that is the
+    faster: each `period` steps begin with `probe_steps` of the slower kind, to notice when the
+    workload changes. What pays at one batch size need not at another, so each load (decoding
+    rows 1, 2-3, 4-7, 8-15, ...)
     keeps its own. Only steps in which every row decodes count. Outputs never depend on it:
     only speed does."""
 

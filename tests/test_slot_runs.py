@@ -17,7 +17,7 @@ from engine.kernels.conv_update import causal_conv1d_update_ref, causal_conv1d_u
 from engine.kernels.gdn_scan import gated_delta_step_ref
 from engine.kernels.gdn_triton import gated_delta_step_triton
 from engine.kernels.mamba2_update import mamba2_state_update_ref, mamba2_state_update_triton
-from engine.kernels.slot_runs import slot_run, slot_waves
+from engine.kernels.slot_runs import slot_rows, slot_waves
 from engine.kernels.ssm_update import selective_state_update_ref, selective_state_update_triton
 
 # Runs of 3, 1 and 4 rows, a run at each end: slot 5's rows, slot 2's, then slot 7's.
@@ -127,9 +127,10 @@ def test_rows_that_read_a_shared_slot_once_fail_the_check(kind):
 @jit
 def _runs_kernel(slots_ptr, out_ptr, rows):
     row = tl.program_id(0)
-    slot, end = slot_run(slots_ptr, row, rows)
-    tl.store(out_ptr + 2 * row, slot)
-    tl.store(out_ptr + 2 * row + 1, end.to(tl.int64))
+    slot, end, mask = slot_rows(slots_ptr, row, rows, tl.arange(0, 2) < 2, True)
+    tl.store(out_ptr + 3 * row, slot)
+    tl.store(out_ptr + 3 * row + 1, end.to(tl.int64))
+    tl.store(out_ptr + 3 * row + 2, tl.sum(mask.to(tl.int64), axis=0))  # the state store's lanes
 
 
 @pytest.mark.triton
@@ -139,10 +140,11 @@ def test_each_run_is_one_program(kernel_mode):
     its other rows nothing. (Under the interpreter programs run one after another, so the
     numbers above would also come out of programs that each ran their own row; on a GPU they
     run at once, and only this split gives them.)"""
-    out = torch.full((len(SLOTS), 2), -9, dtype=torch.long, device=DEVICE)
+    out = torch.full((len(SLOTS), 3), -9, dtype=torch.long, device=DEVICE)
     _runs_kernel[(len(SLOTS),)](torch.tensor(SLOTS, device=DEVICE), out, len(SLOTS))
     assert out[:, 0].tolist() == SLOTS
     assert out[:, 1].tolist() == [3, 1, 2, 4, 8, 5, 6, 7]
+    assert out[:, 2].tolist() == [2, 0, 0, 2, 2, 0, 0, 0]  # only a run's first program stores the state
 
 
 @pytest.mark.triton

@@ -12,6 +12,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.decode_stack import DecodeStack
 from engine.llm_engine import LLMEngine
+from engine import model_runner
 from engine.model_runner import ModelRunner
 from engine.models import ssm
 from engine.phase import Phase, PhaseError, classify
@@ -182,7 +183,7 @@ def generate(path, prompts, params=GREEDY, **options):
 def test_greedy_with_speculation_is_token_identical_for_every_family(family_model, monkeypatch):
     family, path, hf = family_model
     prompts = prompts_for(3)
-    as_decode_rows = record_calls(monkeypatch, ModelRunner, "_verify_as_decode_rows")
+    as_decode_rows = record_calls(monkeypatch, model_runner, "verify_host_batch")
     speculated, plain, stats = scripted(path, prompts)
     assert as_decode_rows  # each VERIFY step ran as consecutive decode rows of its slot
     assert speculated == plain
@@ -204,7 +205,7 @@ def test_verify_rows_on_the_layer_path_keep_the_outputs(name, kernels, model_fac
         monkeypatch.setenv("SPLITSERVE_DISABLE_CPU_KERNELS", "1")
     plain = generate(path, prompts)[0]
     monkeypatch.setattr(DecodeStack, "plan", lambda self, batch, caches: None)
-    as_decode_rows = record_calls(monkeypatch, ModelRunner, "_verify_as_decode_rows")
+    as_decode_rows = record_calls(monkeypatch, model_runner, "verify_host_batch")
     conv_runs, conv = [], ssm.causal_conv1d_update  # every one of these layers has a conv
     monkeypatch.setattr(ssm, "causal_conv1d_update",
                         lambda *args, **kwargs: conv_runs.append(kwargs["slot_runs"]) or conv(*args, **kwargs))

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
-from engine.kernels.slot_runs import in_waves, run_mask, slot_run
+from engine.kernels.slot_runs import in_waves, slot_rows
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 ACTIVATIONS = (None, "silu")
@@ -99,11 +99,7 @@ def _conv_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, weight_ptr, 
     tap_ok = d_ok[:, None] & (k[None, :] < D_CONV)
     elements = d[:, None] * state_stride_d + k[None, :]  # within the slot's row (a contiguous pool's)
     weight = tl.load(weight_ptr + d[:, None] * weight_stride_d + k[None, :], mask=tap_ok, other=0.0).to(tl.float32)
-    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
-        slot, end = slot_run(slots_ptr, row, rows)
-        ok = run_mask(tap_ok, row, end)
-    else:
-        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, tap_ok  # int64: slot * stride may exceed 2**31
+    slot, end, ok = slot_rows(slots_ptr, row, rows, tap_ok, SLOT_RUNS)  # this program's rows: engine.kernels.slot_runs
     state = state_ptr + slot * state_stride_slot + elements
 
     # Row r's window is taps 1 + (r - row) onwards of the slot's old taps followed by the

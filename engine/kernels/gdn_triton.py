@@ -34,7 +34,7 @@ import torch
 
 from engine.kernels._triton import device_function, jit, next_power_of_2, tl, unit_last_stride
 from engine.kernels.gdn_scan import L2_EPS, check_rule, check_step
-from engine.kernels.slot_runs import run_mask, slot_run
+from engine.kernels.slot_runs import slot_rows
 from engine.kernels.state_round import in_place_pool, load_state, store_state
 
 MAX_CHUNK = 64
@@ -94,11 +94,7 @@ def _gdn_step_kernel(state_ptr, slots_ptr, positions_ptr, q_ptr, k_ptr, v_ptr, g
     e_ok = e < v_dim
     de_ok = d_ok[:, None] & e_ok[None, :]
     elements = head * state_stride_h + d[:, None] * state_stride_k + e[None, :]  # within the slot's row
-    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
-        slot, end = slot_run(slots_ptr, row, rows)
-        ok = run_mask(de_ok, row, end)
-    else:
-        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, de_ok  # int64: slot * stride may exceed 2**31
+    slot, end, ok = slot_rows(slots_ptr, row, rows, de_ok, SLOT_RUNS)  # this program's rows: engine.kernels.slot_runs
     state = state_ptr + slot * state_stride_slot + elements
     S = load_state(state, ok, HALF)
     for r in range(row, end):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
-from engine.kernels.slot_runs import in_waves, run_mask, slot_run
+from engine.kernels.slot_runs import in_waves, slot_rows
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 NO_LIMIT = (0.0, math.inf)
@@ -148,11 +148,7 @@ def _mamba2_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_
     A = tl.load(A_ptr + head * A_stride).to(tl.float32)
     D = tl.load(D_ptr + head * D_stride).to(tl.float32) if HAS_D else 0.0
     dt_bias = tl.load(dt_bias_ptr + head * dt_bias_stride).to(tl.float32) if HAS_DT_BIAS else 0.0
-    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
-        slot, end = slot_run(slots_ptr, row, rows)
-        ok = run_mask(pn_ok, row, end)
-    else:
-        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, pn_ok  # int64: slot * stride may exceed 2**31
+    slot, end, ok = slot_rows(slots_ptr, row, rows, pn_ok, SLOT_RUNS)  # this program's rows: engine.kernels.slot_runs
     state = state_ptr + slot * state_stride_slot + elements
     h = load_state(state, ok, HALF)
     for r in range(row, end):

@@ -9,7 +9,7 @@ slot are adjacent, and run in row order.
 - C++ (engine/kernels/cpu_kernels.cpp `state_threads`): such rows go to one thread, in order,
   whether asked or not.
 - Triton: the program of a run's first row runs the whole run, its state slice in registers
-  and stored once after the run's last row (`slot_run`); the programs of the run's other rows
+  and stored once after the run's last row (`slot_rows`); the programs of the run's other rows
   do nothing. A half-width pool is then rounded once per run, not once per row, so the engine
   runs verify steps this way only on float32 state.
 - torch references: the rows run in waves whose slots are distinct (`slot_waves`), the k-th
@@ -28,26 +28,25 @@ from engine.kernels._triton import device_function, tl
 
 
 @device_function
-def slot_run(slots_ptr, row, rows):
-    """(slot, end) for the program of decode row `row` of `rows`: the row's slot, and the row
-    after the run of adjacent rows sharing it where `row` begins that run; where it does not,
-    `row` itself (an empty range of rows: the run's first program runs them)."""
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    before = tl.load(slots_ptr + row - 1, mask=row > 0, other=-1).to(tl.int64)
-    end = row + 1
-    after = tl.load(slots_ptr + end, mask=end < rows, other=-1).to(tl.int64)
-    while after == slot:
-        end += 1
+def slot_rows(slots_ptr, row, rows, mask, SLOT_RUNS: tl.constexpr):
+    """(slot, end, mask) for the program of decode row `row` of `rows`: it runs rows row..end-1
+    of slot `slot` and stores the state under `mask`. Without SLOT_RUNS, its own row. With it,
+    where `row` begins a run of adjacent rows sharing a slot, the whole run; where it does not,
+    nothing (end = row, the mask empty: the run's first program runs it). (The mask is compared
+    as a tensor: Triton's interpreter does not broadcast a scalar condition into one.)"""
+    slot = tl.load(slots_ptr + row).to(tl.int64)  # int64: slot * stride may exceed 2**31
+    if SLOT_RUNS:
+        before = tl.load(slots_ptr + row - 1, mask=row > 0, other=-1).to(tl.int64)
+        end = row + 1
         after = tl.load(slots_ptr + end, mask=end < rows, other=-1).to(tl.int64)
-    return slot, tl.where(before == slot, row, end)
-
-
-@device_function
-def run_mask(mask, row, end):
-    """`mask` where this program runs rows (end > row), else nowhere: the state store's mask.
-    (Compared as a tensor: Triton's interpreter does not broadcast a scalar condition into a
-    mask.)"""
-    return mask & (tl.zeros_like(mask.to(tl.int32)) + row < end)
+        while after == slot:
+            end += 1
+            after = tl.load(slots_ptr + end, mask=end < rows, other=-1).to(tl.int64)
+        end = tl.where(before == slot, row, end)
+        mask = mask & (tl.zeros_like(mask.to(tl.int32)) + row < end)
+    else:
+        end = row + 1
+    return slot, end, mask
 
 
 def slot_waves(slots: torch.Tensor) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels._triton import jit, next_power_of_2, tl, unit_last_stride
-from engine.kernels.slot_runs import in_waves, run_mask, slot_run
+from engine.kernels.slot_runs import in_waves, slot_rows
 from engine.kernels.state_round import in_place_pool, load_state, store_slots, store_state
 
 
@@ -118,11 +118,7 @@ def _ssm_update_kernel(state_ptr, slots_ptr, positions_ptr, x_ptr, dt_ptr, A_ptr
     dn_ok = d_ok[:, None] & n_ok[None, :]
     elements = d[:, None] * state_stride_d + n[None, :]  # within the slot's row
     A = tl.load(A_ptr + d[:, None] * A_stride_d + n[None, :], mask=dn_ok, other=0.0).to(tl.float32)
-    if SLOT_RUNS:  # engine.kernels.slot_runs: this program runs rows row..end-1 of one slot, if any
-        slot, end = slot_run(slots_ptr, row, rows)
-        ok = run_mask(dn_ok, row, end)
-    else:
-        slot, end, ok = tl.load(slots_ptr + row).to(tl.int64), row + 1, dn_ok  # int64: slot * stride may exceed 2**31
+    slot, end, ok = slot_rows(slots_ptr, row, rows, dn_ok, SLOT_RUNS)  # this program's rows: engine.kernels.slot_runs
     state = state_ptr + slot * state_stride_slot + elements
     h = load_state(state, ok, HALF)
     for r in range(row, end):
