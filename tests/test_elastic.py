@@ -1,5 +1,8 @@
 """Elastic pools on the session's Ray test cluster: workers added and removed under load, a
-drain whose deadline forces a hand-over, and a rolling restart, with every stream whole."""
+drain whose deadline forces a hand-over, and a rolling restart, with every stream whole. The
+decode workers speculate (n-gram drafts in every step), so each of these also holds with
+speculation on: a worker that joins speculates with the same setting, and a stream handed over
+resumes drafting from what its caller has."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from tests.conftest import DECODE_RES, PREFILL_RES
 from tests.test_cluster import wait_idle
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +34,18 @@ def elastic(ray_nodes, model_factory):
     path, hf = model_factory("jamba")
     handle = launch(path, prefill=1, decode=1, address=ray_nodes[0].address, prefill_resource=PREFILL_RES,
                     decode_resource=DECODE_RES, block_size=4, num_kv_blocks=300, max_num_seqs=16,
-                    transfer_timeout_s=15.0)
+                    transfer_timeout_s=15.0, speculative_config=SPECULATIVE)
     yield handle, path, hf
     handle.shutdown()
 
 
 def names(handle) -> set[str]:
     return {w["id"] for w in handle.status()["workers"]}
+
+
+def drafted(handle) -> dict[str, int]:
+    """Draft tokens each serving decode worker has verified so far."""
+    return {w["id"]: w.get("spec_draft_tokens", 0) for w in handle.status()["workers"] if w["kind"] == "decode"}
 
 
 class Load:
@@ -82,6 +91,7 @@ def test_scale_each_kind_up_and_down_under_load(elastic):
     load.check(hf, path)
     assert len(grown) == 5 and before < grown
     assert names(handle) == before  # the newest went first
+    assert sum(drafted(handle).values()) > 0  # the outputs above were verified drafts too
     with pytest.raises(ValueError, match="at least one"):
         handle.scale(decode=0)
     wait_idle(handle)
@@ -92,6 +102,7 @@ def test_a_drain_deadline_hands_streams_over_without_a_gap(elastic):
 
     handle, path, hf = elastic
     handle.scale(decode=2)
+    drafts_before = drafted(handle)
     prompt = [7, 8, 9, 10]
     params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     result, retries = [], handle.retries
@@ -116,6 +127,8 @@ def test_a_drain_deadline_hands_streams_over_without_a_gap(elastic):
     assert handle.retries - retries == 1  # handed over once, resumed from what was delivered
     judge_greedy(hf, prompt, out.token_ids)
     assert holder.name not in names(handle) and len(handle.workers.decode) == 1
+    survivor = handle.workers.decode[0].name
+    assert drafted(handle)[survivor] > drafts_before.get(survivor, 0)  # the resumed stream drafted
     wait_idle(handle)
 
 
