@@ -21,8 +21,10 @@ from engine.sampling_params import InvalidRequest
 from router import openai_protocol as oa
 from router.auth import HttpTokenMiddleware, TokenCheck
 from router.backend import Overloaded, Unavailable
+from router.batch_streams import finals_of, merge_streams, summed_usage
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from router.serving import Delta, Final, GenerationFailed, ServingCore
+from router.openai_shapes import ChatShape, CompletionShape
+from router.serving import Final, GenerationFailed, ServingCore
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20  # a million-token prompt as JSON fits; more is refused before parsing
@@ -30,146 +32,6 @@ MAX_BODY_BYTES = 16 << 20  # a million-token prompt as JSON fits; more is refuse
 
 class BodyTooLarge(Exception):
     pass
-
-
-class _Shape:
-    """How one endpoint writes its answer: whole, or as stream chunks."""
-
-    def __init__(self, parsed: oa.ParsedRequest, tokenizer):
-        self.parsed, self.tokenizer = parsed, tokenizer
-        self.created = int(time.time())
-
-    def first_chunk_choice(self) -> dict | None:
-        return None
-
-    def usage(self, final: Final) -> dict:
-        return oa.usage_dict(final.usage)
-
-    def response_fields(self, final: Final) -> dict:
-        """Fields of the whole response beside its choices."""
-        return {}
-
-
-class CompletionShape(_Shape):
-    object_name, chunk_object_name, id_prefix = "text_completion", "text_completion", "cmpl"
-
-    def __init__(self, parsed: oa.ParsedRequest, tokenizer):
-        super().__init__(parsed, tokenizer)
-        self.text_offset = 0
-        self.echoed = False
-
-    def _logprobs(self, token_ids, logprobs):
-        if self.parsed.logprobs is None:
-            return None
-        out = oa.completion_logprobs(self.tokenizer, token_ids, logprobs, self.text_offset)
-        self.text_offset += sum(len(t) for t in out["tokens"])
-        return out
-
-    def _choice(self, text, token_ids, logprobs, finish_reason, prompt=None) -> dict:
-        """prompt: (ids, entries) of the prompt, echoed before the completion (text and logprobs)."""
-        if self.parsed.score_only:  # max_tokens 0: the one token that ran is not the caller's
-            text, token_ids, logprobs = "", [], []
-        prompt_field = None
-        if prompt is not None:
-            ids, entries = prompt
-            if self.parsed.echo:
-                text = self._prompt_text(ids) + text
-                token_ids, logprobs = list(ids) + list(token_ids), list(entries or [None] * len(ids)) + list(logprobs)
-            if self.parsed.prompt_logprobs is not None and entries is not None:
-                prompt_field = oa.vllm_prompt_logprobs(self.tokenizer, ids, entries)
-        choice = {"index": 0, "text": text, "logprobs": self._logprobs(token_ids, logprobs),
-                  "finish_reason": finish_reason}
-        if self.parsed.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_field
-        if self.parsed.return_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
-
-    def _prompt_text(self, ids: list[int]) -> str:
-        if isinstance(self.parsed.prompt, str):
-            return self.parsed.prompt
-        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
-
-    def _prompt_once(self, ids, entries):
-        if self.echoed or not (self.parsed.echo or self.parsed.prompt_logprobs is not None):
-            return None
-        self.echoed = True
-        return ids, entries
-
-    def full(self, final: Final) -> dict:
-        return self._choice(final.text, final.token_ids, final.logprobs,
-                            "length" if self.parsed.score_only else final.finish_reason,
-                            self._prompt_once(final.prompt_token_ids, final.prompt_logprobs))
-
-    def chunk(self, delta: Delta) -> dict:
-        ids = delta.prompt_token_ids
-        if ids is None:  # no prompt logprobs asked for: the ids as sent (a text prompt echoes as sent)
-            ids = self.parsed.prompt if isinstance(self.parsed.prompt, list) else []
-        return self._choice(delta.text, delta.token_ids, delta.logprobs, None,
-                            self._prompt_once(ids, delta.prompt_logprobs))
-
-    def usage(self, final: Final) -> dict:
-        usage = oa.usage_dict(final.usage)
-        if self.parsed.score_only:
-            usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-        return usage
-
-    def last_chunk(self, final: Final) -> dict:
-        return self._choice("", [], [], final.finish_reason)
-
-
-class ChatShape(_Shape):
-    object_name, chunk_object_name, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
-
-    def _choice(self, key, content, token_ids, logprobs, finish_reason) -> dict:
-        message = {"role": "assistant", "content": content} if key == "message" else (
-            {"content": content} if content or token_ids else {})
-        lp = oa.chat_logprobs(self.tokenizer, token_ids, logprobs) if (
-            self.parsed.logprobs is not None and token_ids) else None
-        choice = {"index": 0, key: message, "logprobs": lp, "finish_reason": finish_reason}
-        if self.parsed.return_token_ids:
-            choice["token_ids"] = token_ids
-        return choice
-
-    def first_chunk_choice(self) -> dict:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
-
-    @property
-    def buffered(self) -> bool:
-        """With tools in play the text is only read for tool calls once whole: one last chunk."""
-        return self.parsed.tools is not None and self.parsed.tools.mode != "none"
-
-    def _with_tool_calls(self, key, final: Final, token_ids, logprobs) -> dict:
-        calls, content = [], final.text
-        if self.parsed.tools is not None and final.finish_reason == "stop":
-            calls, content = self.parsed.tools.calls(final.text)
-        if not calls:
-            return self._choice(key, final.text, token_ids, logprobs, final.finish_reason)
-        choice = self._choice(key, content, token_ids, logprobs, "tool_calls")
-        choice[key]["tool_calls"] = [dict(c, index=i) if key == "delta" else c for i, c in enumerate(calls)]
-        if key == "delta" and content is None:
-            choice[key].pop("content", None)
-        return choice
-
-    def full(self, final: Final) -> dict:
-        return self._with_tool_calls("message", final, final.token_ids, final.logprobs)
-
-    def response_fields(self, final: Final) -> dict:
-        if self.parsed.prompt_logprobs is None:
-            return {}
-        return {"prompt_logprobs": oa.vllm_prompt_logprobs(self.tokenizer, final.prompt_token_ids,
-                                                            final.prompt_logprobs or [])}
-
-    def chunk(self, delta: Delta) -> dict | None:
-        if self.buffered:
-            return None
-        return self._choice("delta", delta.text, delta.token_ids, delta.logprobs, None)
-
-    def last_chunk(self, final: Final) -> dict:
-        if self.buffered:
-            return self._with_tool_calls("delta", final, final.token_ids, final.logprobs)
-        return self._choice("delta", "", [], [], final.finish_reason)
 
 
 def _error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
@@ -238,15 +100,23 @@ class OpenAIApp:
         return Response(await self.core.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, lambda body: oa.parse_completion(body, self.info),
-                                    CompletionShape)
+        try:
+            batch = await self._parse(request, lambda body: oa.parse_completion(body, self.info))
+        except Exception as e:
+            return _error_for(e)
+        if len(batch) > 1:
+            return await self._generate_batch(request, batch)
+        return await self._generate(request, batch[0], CompletionShape)
 
     async def chat_completions(self, request: Request) -> Response:
         tokenizer = self.core.backend.tokenizer
-        return await self._generate(request, lambda body: oa.parse_chat(body, self.info, tokenizer),
-                                    ChatShape)
+        try:
+            parsed = await self._parse(request, lambda body: oa.parse_chat(body, self.info, tokenizer))
+        except Exception as e:
+            return _error_for(e)
+        return await self._generate(request, parsed, ChatShape)
 
-    async def _parse(self, request: Request, parse) -> oa.ParsedRequest:
+    async def _parse(self, request: Request, parse):
         try:
             raw = bytearray()
             async for piece in request.stream():
@@ -258,9 +128,8 @@ class OpenAIApp:
             self.core.count_invalid("http")
             raise
 
-    async def _generate(self, request: Request, parse, shape_cls) -> Response:
+    async def _generate(self, request: Request, parsed: oa.ParsedRequest, shape_cls) -> Response:
         try:
-            parsed = await self._parse(request, parse)
             shape = shape_cls(parsed, self.core.backend.tokenizer)
             request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
             events = self.core.generate(request_id, parsed.prompt, parsed.params, "http")
@@ -275,12 +144,39 @@ class OpenAIApp:
                 return StreamingResponse(self._stream(request_id, shape, first, events),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            final = await _collect_unless_disconnected(request, events)
+            final = await _unless_disconnected(request, _final_of(events))
             if final is None:
                 return Response(status_code=499)  # nobody is listening; the request was aborted
             return JSONResponse(self._envelope(request_id, shape, shape.object_name, [shape.full(final)],
                                                usage=shape.usage(final), **shape.response_fields(final)))
         except Exception as e:
+            return _error_for(e)
+
+    async def _generate_batch(self, request: Request, batch: list[oa.ParsedRequest]) -> Response:
+        """Several prompts in one completions body: a request each, run together, a choice each
+        (its index the prompt's); one failing fails the whole and aborts the rest."""
+        shapes = [CompletionShape(parsed, self.core.backend.tokenizer, i) for i, parsed in enumerate(batch)]
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        merged = merge_streams([self.core.generate(f"{request_id}-{i}", p.prompt, p.params, "http")
+                                for i, p in enumerate(batch)])
+        try:
+            if batch[0].stream:  # every request validated (a first event each) before the 200
+                started, early = set(), []
+                while len(started) < len(batch):
+                    index, event = await merged.__anext__()
+                    started.add(index)
+                    early.append((index, event))
+                return StreamingResponse(self._stream_batch(request_id, shapes, early, merged),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            finals = await _unless_disconnected(request, finals_of(merged, len(batch)))
+            if finals is None:
+                return Response(status_code=499)
+            choices = [shape.full(finals[i]) for i, shape in enumerate(shapes)]
+            return JSONResponse(self._envelope(request_id, shapes[0], "text_completion", choices,
+                                               usage=summed_usage([s.usage(finals[i]) for i, s in enumerate(shapes)])))
+        except Exception as e:
+            await merged.aclose()
             return _error_for(e)
 
     def _envelope(self, request_id, shape, object_name, choices, **extra) -> dict:
@@ -302,30 +198,59 @@ class OpenAIApp:
                         if shape.parsed.include_usage_chunk:
                             yield chunk([], usage=usage)
                         break
-                    piece = shape.chunk(event)
-                    if piece is not None and (event.text or piece.get("text") or shape.parsed.return_token_ids
-                                              or shape.parsed.logprobs is not None):
-                        yield chunk([piece])  # else: text held back (or buffered), nothing to show yet
+                    piece = shape.streamed(event)
+                    if piece is not None:
+                        yield chunk([piece])
                     event = await events.__anext__()
             except (GenerationFailed, Overloaded, Unavailable, InvalidRequest) as e:
                 yield _sse(json.loads(_error_for(e).body))
             yield "data: [DONE]\n\n"
 
+    async def _stream_batch(self, request_id, shapes, early, merged):
+        """A batch's stream: each request's chunks under its choice's index as they come; the
+        usage of them all on a last choice-less chunk where stream_options asks for it."""
+        chunk = lambda choices, **extra: _sse(self._envelope(  # noqa: E731
+            request_id, shapes[0], "text_completion", choices, **extra))
+        usages = []
 
-async def _collect_unless_disconnected(request: Request, events) -> Final | None:
-    """The Final event; None (and the request aborted) if the client disconnects first."""
+        def piece(index, event):
+            shape = shapes[index]
+            if isinstance(event, Final):
+                usages.append(shape.usage(event))
+                return shape.last_chunk(event)
+            return shape.streamed(event)
 
-    async def collect():
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, Final):
-                    return event
+        async with aclosing(merged):  # a client disconnect cancels us here: every request is aborted
+            try:
+                for index, event in early:
+                    if (choice := piece(index, event)) is not None:
+                        yield chunk([choice])
+                async for index, event in merged:
+                    if (choice := piece(index, event)) is not None:
+                        yield chunk([choice])
+                if shapes[0].parsed.include_usage_chunk:
+                    yield chunk([], usage=summed_usage(usages))
+            except (GenerationFailed, Overloaded, Unavailable, InvalidRequest) as e:
+                yield _sse(json.loads(_error_for(e).body))
+            yield "data: [DONE]\n\n"
+
+
+async def _final_of(events) -> Final | None:
+    async with aclosing(events):
+        async for event in events:
+            if isinstance(event, Final):
+                return event
+
+
+async def _unless_disconnected(request: Request, work):
+    """What the coroutine `work` returns; None (and `work` cancelled, which aborts its requests)
+    if the client disconnects first."""
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    collecting = asyncio.ensure_future(collect())
+    collecting = asyncio.ensure_future(work)
     watching = asyncio.ensure_future(disconnected())
     try:
         await asyncio.wait({collecting, watching}, return_when=asyncio.FIRST_COMPLETED)

@@ -111,23 +111,28 @@ def _stream_options(body, stream: bool) -> bool:
     return stream and include_usage
 
 
-def _completion_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def completion_prompts(value) -> list[str | list[int]]:
+    """A completions body's prompts: one (a string or token ids), or a batch of them (a list of
+    strings or of token-id lists, as lm-eval's local-completions sends with batch_size > 1)."""
+    if isinstance(value, list) and any(isinstance(p, (str, list)) for p in value):
+        return [_one_prompt(p, f"prompt[{i}]" if len(value) > 1 else "prompt") for i, p in enumerate(value)]
+    return [_one_prompt(value, "prompt")]
+
+
+def _one_prompt(prompt, field: str) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt  # token ids; the front door checks them against the vocabulary
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest("prompt", "batches of several prompts are not supported; send one per request")
-    raise InvalidRequest("prompt", f"must be a string or a list of token ids, got {describe(prompt, 40)}")
+    raise InvalidRequest(field, f"must be a string or a list of token ids, got {describe(prompt, 40)}")
 
 
-def parse_completion(body, info: ModelInfo) -> ParsedRequest:
+def parse_completion(body, info: ModelInfo) -> list[ParsedRequest]:
+    """One ParsedRequest per prompt of the body (a batch answers with a choice per prompt)."""
     _check_common(body, info)
     if "prompt" not in body:
         raise InvalidRequest("prompt", "required")
-    prompt = _completion_prompt(body["prompt"])
+    prompts = completion_prompts(body["prompt"])
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)):
         raise InvalidRequest("logprobs", "must be an integer (how many top tokens to return)")
@@ -145,9 +150,10 @@ def parse_completion(body, info: ModelInfo) -> ParsedRequest:
     scored = [n for n in (logprobs if echo else None, prompt_logprobs) if n is not None]
     params = _sampling(body, logprobs=logprobs, prompt_logprobs=max(scored) if scored else None,
                        **defaults, **_structured(body))
-    return ParsedRequest(prompt, params, stream, _stream_options(body, stream), params.logprobs,
-                         _flag(body, "return_token_ids"), echo=echo, score_only=score_only,
-                         prompt_logprobs=prompt_logprobs)
+    include_usage, return_token_ids = _stream_options(body, stream), _flag(body, "return_token_ids")
+    return [ParsedRequest(prompt, params, stream, include_usage, params.logprobs, return_token_ids,
+                          echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs)
+            for prompt in prompts]
 
 
 def _prompt_logprobs(body) -> int | None:

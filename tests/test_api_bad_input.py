@@ -90,7 +90,9 @@ CASES = {
     "prompt-number": http_only("prompt", 5),
     "prompt-object": http_only("prompt", {"text": "x"}),
     "prompt-lone-surrogate": http_only("prompt", "x\ud800"),
-    "prompt-batch": http_only("prompt", ["a", "b"]),
+    "prompt-batch-with-an-empty-one": Case("prompt[1]", body(prompt=["a", ""])),
+    "prompt-batch-with-one-past-context": Case("prompt[2]", body(prompt=[[5], "b", [5] * CONTEXT])),
+    "prompt-batch-with-a-number": Case("prompt[0]", body(prompt=[5, [6]])),
     # sampling, both protocols
     "temperature-negative": both("temperature", -1.0),
     "temperature-nan": both("temperature", NAN),

@@ -149,7 +149,7 @@ def test_unknown_model_is_a_404(client):
     ("/v1/completions", b"[1, 2]"),
     ("/v1/completions", b"{}"),
     ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode()),
-    ("/v1/completions", json.dumps({"prompt": [[1], [2]]}).encode()),
+    ("/v1/completions", json.dumps({"prompt": [[1], {"a": 1}]}).encode()),
     ("/v1/completions", json.dumps({"prompt": "x", "stream": "yes"}).encode()),
     ("/v1/completions", json.dumps({"prompt": "x", "seed": "abc"}).encode()),
     ("/v1/completions", json.dumps({"prompt": "x", "stop": 5}).encode()),
@@ -266,3 +266,81 @@ def test_max_tokens_zero_needs_echo(http, idle_backend):
     response = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 0})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
     assert "echo" in response.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------- several prompts in one body
+
+BATCH = ["def f(x):", [5, 9, 13, 200], "for i in range(", [7, 7, 7, 7, 7, 7]]
+
+
+def test_a_batch_of_prompts_answers_each_as_its_own_request_would(client, idle_backend):
+    """A choice per prompt, its index the prompt's, equal to that prompt sent alone; the usage is
+    the sum of theirs."""
+    batch = client.completions.create(model=MODEL_NAME, prompt=BATCH, max_tokens=6, logprobs=1,
+                                      temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    alone = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=6, logprobs=1, temperature=0.0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True}) for p in BATCH]
+    assert [c.index for c in batch.choices] == list(range(len(BATCH)))
+    for choice, single in zip(batch.choices, alone):
+        assert choice.text == single.choices[0].text and choice.finish_reason == "length"
+        assert choice.model_extra["token_ids"] == single.choices[0].model_extra["token_ids"]
+        assert choice.logprobs.token_logprobs == single.choices[0].logprobs.token_logprobs
+        assert choice.logprobs.text_offset == single.choices[0].logprobs.text_offset  # each choice's own
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in alone)
+    assert batch.usage.completion_tokens == 6 * len(BATCH)
+    assert batch.usage.total_tokens == batch.usage.prompt_tokens + batch.usage.completion_tokens
+
+
+def test_a_batch_scores_its_prompts_as_lm_eval_sends_them(http, idle_backend, model_factory):
+    """lm-eval's loglikelihood with batch_size > 1: token-id prompts, echo, logprobs 1, max_tokens 1."""
+    prompts = [[5, 9, 13, 200, 17], [42, 8, 77], [300, 2, 2, 2, 9, 11]]
+    body = {"model": MODEL_NAME, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0.0}
+    choices = sorted(http.post("/v1/completions", json=body).json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == len(prompts)
+    for ids, choice in zip(prompts, choices):
+        ref, lp = _reference_logprobs(model_factory, ids), choice["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        for i in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][i] - float(ref[i - 1, ids[i]])) <= 1e-4
+
+
+def test_a_streamed_batch_adds_up_per_choice(client, idle_backend):
+    whole = client.completions.create(model=MODEL_NAME, prompt=BATCH, max_tokens=8, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=BATCH, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    texts, finished = [""] * len(BATCH), {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert texts == [c.text for c in whole.choices]
+    assert finished == dict.fromkeys(range(len(BATCH)), "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8 * len(BATCH)
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bad_prompt_in_a_batch_is_a_400_naming_it_and_runs_none(http, idle_backend, stream):
+    too_long = [5] * 5000
+    for prompts, field in (([[5, 6], {"a": 1}], "prompt[1]"), (["ok", too_long, [7, 8]], "prompt[1]"),
+                           ([[5, 6], [10**9]], "prompt[1]")):
+        body = {"model": MODEL_NAME, "prompt": prompts, "max_tokens": 4, "stream": stream}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field, response.text
+    wait_idle(idle_backend)  # the batch's other requests were aborted, nothing is left running
+
+
+def test_a_disconnect_aborts_every_request_of_a_batch(server, idle_backend, long_requests):
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": ["def f(x):", [5, 6, 7]], "max_tokens": LONG, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        assert next(response.iter_lines()).startswith("data: ")
+        assert running_requests(idle_backend) == 2
+    wait_idle(idle_backend)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.5))
+    wait_idle(idle_backend)

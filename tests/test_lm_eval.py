@@ -1,7 +1,8 @@
 """lm-eval's loglikelihood through the split: its local-completions client (token-id prompts,
-echo, logprobs 1, max_tokens 1) against a live 1 prefill + 1 decode server runs the repository's
-tiny task (bench/eval), and every sample's loglikelihood and greediness equal transformers' on
-the same checkpoint and the same context/continuation split."""
+echo, logprobs 1, max_tokens 1; with batch_size > 1 several prompts a request) against a live
+1 prefill + 1 decode server runs the repository's tiny task (bench/eval), and every sample's
+loglikelihood and greediness equal transformers' on the same checkpoint and the same
+context/continuation split."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def _task_folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.parametrize("batch_size", [1, 4])  # 4: its requests carry several prompts each
 def test_lm_eval_loglikelihoods_through_the_split_equal_transformers(server, idle_backend, api_model_path,
-                                                                     model_factory, tmp_path, monkeypatch):
+                                                                     model_factory, tmp_path, monkeypatch,
+                                                                     batch_size):
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -37,7 +40,7 @@ def test_lm_eval_loglikelihoods_through_the_split_equal_transformers(server, idl
             "num_concurrent=1,max_retries=1")
     out = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[TASK],
                                   task_manager=TaskManager(include_path=str(_task_folder(tmp_path))),
-                                  log_samples=True)
+                                  log_samples=True, batch_size=batch_size)
     samples = out["samples"][TASK]
     assert len(samples) == 6
     from transformers import AutoTokenizer

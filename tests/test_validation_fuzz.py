@@ -130,14 +130,15 @@ def check_parsed(parse, body, tokenizer) -> None:
     """parse(body) and then the front door's prompt check, as a server runs them."""
     sent = (set(body) | {"body", "prompt", "messages"}) if isinstance(body, dict) else {"body"}
     try:
-        parsed = parse(body)
-        prompt = parsed.prompt
-        assert isinstance(prompt, str) or all(type(t) is int for t in prompt)
-        assert_usable(parsed.params)
-        assert isinstance(parsed.stream, bool) and isinstance(parsed.return_token_ids, bool)
-        ids = fitting_prompt_ids(prompt, tokenizer, INFO.vocab_size, INFO.max_model_len,
-                                 parsed.params.max_tokens)
-        assert 0 < len(ids) and len(ids) + parsed.params.max_tokens <= INFO.max_model_len
+        result = parse(body)
+        for parsed in result if isinstance(result, list) else [result]:  # completions: a request a prompt
+            prompt = parsed.prompt
+            assert isinstance(prompt, str) or all(type(t) is int for t in prompt)
+            assert_usable(parsed.params)
+            assert isinstance(parsed.stream, bool) and isinstance(parsed.return_token_ids, bool)
+            ids = fitting_prompt_ids(prompt, tokenizer, INFO.vocab_size, INFO.max_model_len,
+                                     parsed.params.max_tokens)
+            assert 0 < len(ids) and len(ids) + parsed.params.max_tokens <= INFO.max_model_len
     except InvalidRequest as e:
         assert_names(e, sent | {"max_tokens"})  # a default max_tokens can pass the context
     except oa.ModelNotFound:
@@ -158,6 +159,7 @@ PLAUSIBLE = {"model": st.just(INFO.model_name), "max_tokens": st.integers(1, 80)
              "return_token_ids": st.booleans(), "n": st.just(1), "echo": st.just(False),
              "user": texts}
 prompts = texts | st.lists(st.integers(0, 300), max_size=80)
+prompts = prompts | st.lists(prompts, min_size=1, max_size=3)  # a batch
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=3)
 messages = st.lists(st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer"]),
