@@ -1,5 +1,5 @@
-"""Several generations answered as one: a completions body with a batch of prompts runs a request
-per prompt, all at once, and answers with a choice per prompt.
+"""Several generations answered as one: a body that asks for several choices (a completions
+batch of prompts, `n` samples of each) runs a request per choice, all at once.
 
 Each request's events (router.serving: Deltas, then a Final) are merged as they come, tagged
 with the request's index. An error in any of them ends the whole (the first error is raised),
@@ -18,9 +18,9 @@ from router.serving import Final
 _ENDED = object()
 
 
-async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+async def merge_streams(streams: list[AsyncIterator], prompt_fields: list[str]) -> AsyncIterator[tuple[int, object]]:
     """(index, event) from each stream as it comes, until every stream has ended. An
-    InvalidRequest about `prompt` in stream i is raised as one about `prompt[i]`."""
+    InvalidRequest about `prompt` in stream i is raised naming prompt_fields[i] instead."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator) -> None:
@@ -41,7 +41,7 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         while running:
             index, event = await queue.get()
             if isinstance(event, Exception):
-                raise _naming_the_prompt(event, index)
+                raise _naming_the_prompt(event, prompt_fields[index])
             if event is _ENDED:
                 running -= 1
                 continue
@@ -52,9 +52,9 @@ async def merge_streams(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int
         await asyncio.gather(*pumps, return_exceptions=True)
 
 
-def _naming_the_prompt(error: Exception, index: int) -> Exception:
+def _naming_the_prompt(error: Exception, field: str) -> Exception:
     if isinstance(error, InvalidRequest) and error.field == "prompt":
-        return InvalidRequest(f"prompt[{index}]", error.message)
+        return InvalidRequest(field, error.message)
     return error
 
 
@@ -68,8 +68,11 @@ async def finals_of(merged: AsyncIterator, count: int) -> list[Final]:
     return finals
 
 
-def summed_usage(usages: list[dict]) -> dict:
-    """OpenAI usage objects of the choices added up: the response's usage."""
-    total = {name: sum(u[name] for u in usages) for name in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    total["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
-    return total
+def summed_usage(usages: list[tuple[dict, bool]]) -> dict:
+    """The response's usage from its choices' (usage, whether its prompt counts): each prompt's
+    tokens once however many samples it has, as vLLM counts them, and every completion token."""
+    prompt = sum(u["prompt_tokens"] for u, counts in usages if counts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u, counts in usages if counts)
+    completion = sum(u["completion_tokens"] for u, _ in usages)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

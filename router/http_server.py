@@ -100,21 +100,20 @@ class OpenAIApp:
         return Response(await self.core.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
     async def completions(self, request: Request) -> Response:
-        try:
-            batch = await self._parse(request, lambda body: oa.parse_completion(body, self.info))
-        except Exception as e:
-            return _error_for(e)
-        if len(batch) > 1:
-            return await self._generate_batch(request, batch)
-        return await self._generate(request, batch[0], CompletionShape)
+        return await self._answer(request, lambda body: oa.parse_completion(body, self.info), CompletionShape)
 
     async def chat_completions(self, request: Request) -> Response:
         tokenizer = self.core.backend.tokenizer
+        return await self._answer(request, lambda body: oa.parse_chat(body, self.info, tokenizer), ChatShape)
+
+    async def _answer(self, request: Request, parse, shape_cls) -> Response:
         try:
-            parsed = await self._parse(request, lambda body: oa.parse_chat(body, self.info, tokenizer))
+            requests = await self._parse(request, parse)
         except Exception as e:
             return _error_for(e)
-        return await self._generate(request, parsed, ChatShape)
+        if len(requests) > 1:
+            return await self._generate_several(request, requests, shape_cls)
+        return await self._generate(request, requests[0], shape_cls)
 
     async def _parse(self, request: Request, parse):
         try:
@@ -152,29 +151,30 @@ class OpenAIApp:
         except Exception as e:
             return _error_for(e)
 
-    async def _generate_batch(self, request: Request, batch: list[oa.ParsedRequest]) -> Response:
-        """Several prompts in one completions body: a request each, run together, a choice each
-        (its index the prompt's); one failing fails the whole and aborts the rest."""
-        shapes = [CompletionShape(parsed, self.core.backend.tokenizer, i) for i, parsed in enumerate(batch)]
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        merged = merge_streams([self.core.generate(f"{request_id}-{i}", p.prompt, p.params, "http")
-                                for i, p in enumerate(batch)])
+    async def _generate_several(self, request: Request, requests: list[oa.ParsedRequest], shape_cls) -> Response:
+        """A body that asks for several choices (several prompts, `n`): a request each, run
+        together; one failing fails the whole and aborts the rest."""
+        shapes = [shape_cls(parsed, self.core.backend.tokenizer) for parsed in requests]
+        request_id = f"{shapes[0].id_prefix}-{uuid.uuid4().hex}"
+        merged = merge_streams([self.core.generate(f"{request_id}-{p.choice_index}", p.prompt, p.params, "http")
+                                for p in requests], [p.prompt_field for p in requests])
         try:
-            if batch[0].stream:  # every request validated (a first event each) before the 200
+            if requests[0].stream:  # every request validated (a first event each) before the 200
                 started, early = set(), []
-                while len(started) < len(batch):
+                while len(started) < len(requests):
                     index, event = await merged.__anext__()
                     started.add(index)
                     early.append((index, event))
-                return StreamingResponse(self._stream_batch(request_id, shapes, early, merged),
+                return StreamingResponse(self._stream_several(request_id, shapes, early, merged),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            finals = await _unless_disconnected(request, finals_of(merged, len(batch)))
+            finals = await _unless_disconnected(request, finals_of(merged, len(requests)))
             if finals is None:
                 return Response(status_code=499)
-            choices = [shape.full(finals[i]) for i, shape in enumerate(shapes)]
-            return JSONResponse(self._envelope(request_id, shapes[0], "text_completion", choices,
-                                               usage=summed_usage([s.usage(finals[i]) for i, s in enumerate(shapes)])))
+            choices = [shape.full(final) for shape, final in zip(shapes, finals)]
+            usage = summed_usage([(s.usage(f), s.parsed.counts_prompt) for s, f in zip(shapes, finals)])
+            return JSONResponse(self._envelope(request_id, shapes[0], shapes[0].object_name, choices, usage=usage,
+                                               **shapes[0].response_fields(finals[0])))
         except Exception as e:
             await merged.aclose()
             return _error_for(e)
@@ -206,22 +206,25 @@ class OpenAIApp:
                 yield _sse(json.loads(_error_for(e).body))
             yield "data: [DONE]\n\n"
 
-    async def _stream_batch(self, request_id, shapes, early, merged):
-        """A batch's stream: each request's chunks under its choice's index as they come; the
-        usage of them all on a last choice-less chunk where stream_options asks for it."""
+    async def _stream_several(self, request_id, shapes, early, merged):
+        """The chunks of several requests, each under its choice's index, as they come; the usage
+        of them all on a last choice-less chunk where stream_options asks for it."""
         chunk = lambda choices, **extra: _sse(self._envelope(  # noqa: E731
-            request_id, shapes[0], "text_completion", choices, **extra))
+            request_id, shapes[0], shapes[0].chunk_object_name, choices, **extra))
         usages = []
 
         def piece(index, event):
             shape = shapes[index]
             if isinstance(event, Final):
-                usages.append(shape.usage(event))
+                usages.append((shape.usage(event), shape.parsed.counts_prompt))
                 return shape.last_chunk(event)
             return shape.streamed(event)
 
         async with aclosing(merged):  # a client disconnect cancels us here: every request is aborted
             try:
+                for shape in shapes:
+                    if shape.first_chunk_choice() is not None:
+                        yield chunk([shape.first_chunk_choice()])
                 for index, event in early:
                     if (choice := piece(index, event)) is not None:
                         yield chunk([choice])

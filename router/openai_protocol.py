@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.prompts import check_max_tokens
 from engine.sampling_params import InvalidRequest, SamplingParams, describe
@@ -22,9 +22,9 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "presence_penal
                    "frequency_penalty", "stop", "top_k", "min_p", "repetition_penalty",
                    "stop_token_ids", "ignore_eos", "skip_special_tokens")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 128  # choices per prompt (`n`); each is a request of its own
 # field -> values that mean "not used"; anything else is refused rather than silently ignored
-UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "suffix": (None, ""),
-               "logit_bias": (None, {}), "functions": (None, [])}
+UNSUPPORTED = {"best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}), "functions": (None, [])}
 
 
 class ModelNotFound(Exception):
@@ -43,6 +43,10 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt before the completion (text and logprobs)
     score_only: bool = False  # completions max_tokens 0 with echo: run one token, return none of it
     prompt_logprobs: int | None = None  # vLLM's extension: the prompt's logprobs in its own shape
+    # Where a body asks for several choices (several prompts, `n`), a request each:
+    choice_index: int = 0  # its choice's `index` (prompt i's sample j: i * n + j, as vLLM numbers them)
+    counts_prompt: bool = True  # its prompt's tokens count in the usage (once a prompt, not once a sample)
+    prompt_field: str = "prompt"  # what an error about its prompt names ("prompt[2]" in a batch)
 
 
 def _structured(body, tools: ToolPlan | None = None) -> dict:
@@ -151,9 +155,33 @@ def parse_completion(body, info: ModelInfo) -> list[ParsedRequest]:
     params = _sampling(body, logprobs=logprobs, prompt_logprobs=max(scored) if scored else None,
                        **defaults, **_structured(body))
     include_usage, return_token_ids = _stream_options(body, stream), _flag(body, "return_token_ids")
-    return [ParsedRequest(prompt, params, stream, include_usage, params.logprobs, return_token_ids,
-                          echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs)
-            for prompt in prompts]
+    return _samples([ParsedRequest(prompt, params, stream, include_usage, params.logprobs, return_token_ids,
+                                   echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs,
+                                   prompt_field=f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+                     for i, prompt in enumerate(prompts)], _n(body))
+
+
+def _n(body) -> int:
+    value = body.get("n")
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_N:
+        raise InvalidRequest("n", f"must be an integer from 1 to {MAX_N}, got {describe(value)}")
+    return value
+
+
+def _samples(requests: list[ParsedRequest], n: int) -> list[ParsedRequest]:
+    """`n` requests for each prompt's: the choice of prompt i's sample j is i * n + j, and a
+    seeded body's sample j draws with seed + j (vLLM's rule), so the samples differ and each
+    is reproducible alone."""
+    out = []
+    for i, parsed in enumerate(requests):
+        for j in range(n):
+            params = parsed.params
+            if j and params.seed is not None:
+                params = replace(params, seed=(params.seed + j) % 2**63)
+            out.append(replace(parsed, params=params, choice_index=i * n + j, counts_prompt=j == 0))
+    return out
 
 
 def _prompt_logprobs(body) -> int | None:
@@ -164,7 +192,8 @@ def _prompt_logprobs(body) -> int | None:
     return value
 
 
-def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
+def parse_chat(body, info: ModelInfo, tokenizer) -> list[ParsedRequest]:
+    """A ParsedRequest per choice (`n`)."""
     _check_common(body, info)
     max_tokens_name = "max_tokens"
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
@@ -187,8 +216,9 @@ def parse_chat(body, info: ModelInfo, tokenizer) -> ParsedRequest:
         params = _sampling(body, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **defaults,
                            **_structured(body, tools))
         check_max_tokens(len(ids), params.max_tokens, info.max_model_len)
-    return ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
-                         _flag(body, "return_token_ids"), tools, prompt_logprobs=prompt_logprobs)
+    return _samples([ParsedRequest(ids, params, stream, _stream_options(body, stream), params.logprobs,
+                                   _flag(body, "return_token_ids"), tools, prompt_logprobs=prompt_logprobs,
+                                   prompt_field="messages")], _n(body))
 
 
 # ---------------------------------------------------------------- responses

@@ -1,6 +1,7 @@
 """How the OpenAI endpoints write an answer: a whole response's choices, or stream chunks, from
-the generation events of router.serving (Delta, Final). One shape per endpoint and request (a
-batch of completions prompts: one per prompt, each with its choice's index)."""
+the generation events of router.serving (Delta, Final). One shape per request: a body that asks
+for several choices (several prompts, `n`) runs a request per choice, each shape writing its
+choice under its index."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from router.serving import Delta, Final
 class _Shape:
     """How one endpoint writes its answer: whole, or as stream chunks."""
 
-    def __init__(self, parsed: oa.ParsedRequest, tokenizer, index: int = 0):
-        self.parsed, self.tokenizer, self.index = parsed, tokenizer, index  # index: the choice's
+    def __init__(self, parsed: oa.ParsedRequest, tokenizer):
+        self.parsed, self.tokenizer = parsed, tokenizer
+        self.index = parsed.choice_index
         self.created = int(time.time())
 
     def first_chunk_choice(self) -> dict | None:
@@ -40,8 +42,8 @@ class _Shape:
 class CompletionShape(_Shape):
     object_name, chunk_object_name, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self, parsed: oa.ParsedRequest, tokenizer, index: int = 0):
-        super().__init__(parsed, tokenizer, index)
+    def __init__(self, parsed: oa.ParsedRequest, tokenizer):
+        super().__init__(parsed, tokenizer)
         self.text_offset = 0
         self.echoed = False
 
@@ -113,13 +115,13 @@ class ChatShape(_Shape):
             {"content": content} if content or token_ids else {})
         lp = oa.chat_logprobs(self.tokenizer, token_ids, logprobs) if (
             self.parsed.logprobs is not None and token_ids) else None
-        choice = {"index": 0, key: message, "logprobs": lp, "finish_reason": finish_reason}
+        choice = {"index": self.index, key: message, "logprobs": lp, "finish_reason": finish_reason}
         if self.parsed.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
 
     def first_chunk_choice(self) -> dict:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
     @property

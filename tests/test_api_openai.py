@@ -128,7 +128,7 @@ def test_chat_logprobs(client, idle_backend):
     (dict(prompt="x", top_p=5), "top_p"),
     (dict(prompt=[5, 100000]), "prompt"),
     (dict(prompt=""), "prompt"),
-    (dict(prompt="x", n=2), "n"),
+    (dict(prompt="x", n=0), "n"),
     (dict(prompt="x", logprobs=50), "logprobs"),
     (dict(prompt="x", stop=[""]), "stop"),
 ])
@@ -344,3 +344,49 @@ def test_a_disconnect_aborts_every_request_of_a_batch(server, idle_backend, long
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.5))
     wait_idle(idle_backend)
+
+
+# ---------------------------------------------------------------- several samples of a prompt (n)
+
+SAMPLED = dict(temperature=1.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_n_samples_are_requests_with_the_seed_plus_their_index(client, idle_backend):
+    """As vLLM: sample j of a seeded body draws with seed + j, so each is the request sent alone
+    with that seed; prompt i's sample j is choice i * n + j; the prompt counts once in usage."""
+    prompts = ["def f(x):", [5, 9, 13, 200]]
+    several = client.completions.create(model=MODEL_NAME, prompt=prompts, n=3, seed=41, max_tokens=8, **SAMPLED)
+    assert [c.index for c in several.choices] == list(range(6))
+    texts = {}
+    for i, prompt in enumerate(prompts):
+        for j in range(3):
+            alone = client.completions.create(model=MODEL_NAME, prompt=prompt, seed=41 + j, max_tokens=8, **SAMPLED)
+            choice = several.choices[i * 3 + j]
+            assert choice.model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"], (i, j)
+            texts.setdefault(i, set()).add(choice.text)
+        assert len(texts[i]) > 1  # the samples of one prompt differ
+    singles = [client.completions.create(model=MODEL_NAME, prompt=p, max_tokens=1, **GREEDY) for p in prompts]
+    assert several.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert several.usage.completion_tokens == 6 * 8
+
+
+def test_chat_n_samples_whole_and_streamed(client, idle_backend):
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2, seed=5, max_tokens=6,
+                                           **SAMPLED)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+    alone = client.chat.completions.create(model=MODEL_NAME, messages=messages, seed=6, max_tokens=6, **SAMPLED)
+    assert whole.choices[1].message.content == alone.choices[0].message.content
+    assert whole.usage.prompt_tokens == alone.usage.prompt_tokens and whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, n=2, seed=5, max_tokens=6,
+                                                 stream=True, stream_options={"include_usage": True}, **SAMPLED))
+    roles, contents = {}, ["", ""]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        if choice.delta.role:
+            roles[choice.index] = choice.delta.role
+        contents[choice.index] += choice.delta.content or ""
+    assert roles == {0: "assistant", 1: "assistant"}
+    assert contents == [c.message.content for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12

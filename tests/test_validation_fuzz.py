@@ -156,7 +156,7 @@ PLAUSIBLE = {"model": st.just(INFO.model_name), "max_tokens": st.integers(1, 80)
              "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
              "stream": st.booleans(), "stream_options": st.fixed_dictionaries(
                  {}, optional={"include_usage": st.booleans()}),
-             "return_token_ids": st.booleans(), "n": st.just(1), "echo": st.just(False),
+             "return_token_ids": st.booleans(), "n": st.integers(1, 3), "echo": st.just(False),
              "user": texts}
 prompts = texts | st.lists(st.integers(0, 300), max_size=80)
 prompts = prompts | st.lists(prompts, min_size=1, max_size=3)  # a batch
