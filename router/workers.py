@@ -155,6 +155,8 @@ class WorkerSet:
 
         for task in self._tasks:
             task.cancel()
+        # Awaited, so that none is still pending when the router's loop stops.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for worker in self.prefill + self.decode:
             try:
                 await asyncio.wait_for(worker.handle.shutdown.remote(), 10)
