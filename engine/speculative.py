@@ -155,9 +155,8 @@ class SpeculationGovernor:
     drafts and found none is one of those) as moving averages, and drafts where that is the
     faster: each `period` steps begin with `probe_steps` of the slower kind, to notice when the
     workload changes. What pays at one batch size need not at another, so each load (decoding
-    rows 1, 2-3, 4-7, 8-15, ...)
-    keeps its own. Only steps in which every row decodes count. Outputs never depend on it:
-    only speed does."""
+    rows 1, 2-3, 4-7, 8-15, ...) keeps its own. Only steps in which every row decodes count.
+    Outputs never depend on it: only speed does."""
 
     def __init__(self, probe_steps: int = 4, period: int = 64, smoothing: float = 0.2):
         self.probe_steps, self.period, self.smoothing = probe_steps, period, smoothing

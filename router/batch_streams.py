@@ -1,5 +1,5 @@
-"""Several generations answered as one: a body that asks for several choices (a completions
-batch of prompts, `n` samples of each) runs a request per choice, all at once.
+"""Generations answered as one: a body that asks for several choices (a completions batch of
+prompts, `n` samples of each) runs a request per choice, all at once.
 
 Each request's events (router.serving: Deltas, then a Final) are merged as they come, tagged
 with the request's index. An error in any of them ends the whole (the first error is raised),
@@ -20,7 +20,16 @@ _ENDED = object()
 
 async def merge_streams(streams: list[AsyncIterator], prompt_fields: list[str]) -> AsyncIterator[tuple[int, object]]:
     """(index, event) from each stream as it comes, until every stream has ended. An
-    InvalidRequest about `prompt` in stream i is raised naming prompt_fields[i] instead."""
+    InvalidRequest about `prompt` in stream i is raised naming prompt_fields[i] instead. A lone
+    stream is passed through as it is (no task, no queue: most bodies ask for one choice)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            try:
+                async for event in stream:
+                    yield 0, event
+            except InvalidRequest as e:
+                raise _naming_the_prompt(e, prompt_fields[0]) from None
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator) -> None:

@@ -111,9 +111,7 @@ class OpenAIApp:
             requests = await self._parse(request, parse)
         except Exception as e:
             return _error_for(e)
-        if len(requests) > 1:
-            return await self._generate_several(request, requests, shape_cls)
-        return await self._generate(request, requests[0], shape_cls)
+        return await self._generate(request, requests, shape_cls)
 
     async def _parse(self, request: Request, parse):
         try:
@@ -127,122 +125,75 @@ class OpenAIApp:
             self.core.count_invalid("http")
             raise
 
-    async def _generate(self, request: Request, parsed: oa.ParsedRequest, shape_cls) -> Response:
-        try:
-            shape = shape_cls(parsed, self.core.backend.tokenizer)
-            request_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
-            events = self.core.generate(request_id, parsed.prompt, parsed.params, "http")
-            if parsed.stream:
-                # The first event comes after the backend validated the request, so bad input is
-                # still a 400 here rather than an error inside a 200 stream.
-                try:
-                    first = await events.__anext__()
-                except BaseException:
-                    await events.aclose()
-                    raise
-                return StreamingResponse(self._stream(request_id, shape, first, events),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            final = await _unless_disconnected(request, _final_of(events))
-            if final is None:
-                return Response(status_code=499)  # nobody is listening; the request was aborted
-            return JSONResponse(self._envelope(request_id, shape, shape.object_name, [shape.full(final)],
-                                               usage=shape.usage(final), **shape.response_fields(final)))
-        except Exception as e:
-            return _error_for(e)
-
-    async def _generate_several(self, request: Request, requests: list[oa.ParsedRequest], shape_cls) -> Response:
-        """A body that asks for several choices (several prompts, `n`): a request each, run
-        together; one failing fails the whole and aborts the rest."""
+    async def _generate(self, request: Request, requests: list[oa.ParsedRequest], shape_cls) -> Response:
+        """A request per choice the body asks for (one; or several prompts, `n`), run together:
+        one failing fails the whole and aborts the rest."""
         shapes = [shape_cls(parsed, self.core.backend.tokenizer) for parsed in requests]
         request_id = f"{shapes[0].id_prefix}-{uuid.uuid4().hex}"
-        merged = merge_streams([self.core.generate(f"{request_id}-{p.choice_index}", p.prompt, p.params, "http")
-                                for p in requests], [p.prompt_field for p in requests])
+        ids = [request_id] if len(requests) == 1 else [f"{request_id}-{p.choice_index}" for p in requests]
+        events = merge_streams([self.core.generate(i, p.prompt, p.params, "http") for i, p in zip(ids, requests)],
+                               [p.prompt_field for p in requests])
         try:
-            if requests[0].stream:  # every request validated (a first event each) before the 200
+            if requests[0].stream:
+                # A request's first event comes after the backend validated it: wait for each, so
+                # that bad input is still a 400 here rather than an error inside a 200 stream.
                 started, early = set(), []
                 while len(started) < len(requests):
-                    index, event = await merged.__anext__()
+                    index, event = await events.__anext__()
                     started.add(index)
                     early.append((index, event))
-                return StreamingResponse(self._stream_several(request_id, shapes, early, merged),
+                return StreamingResponse(self._stream(request_id, shapes, early, events),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            finals = await _unless_disconnected(request, finals_of(merged, len(requests)))
+            finals = await _unless_disconnected(request, finals_of(events, len(requests)))
             if finals is None:
-                return Response(status_code=499)
+                return Response(status_code=499)  # nobody is listening; the requests were aborted
             choices = [shape.full(final) for shape, final in zip(shapes, finals)]
             usage = summed_usage([(s.usage(f), s.parsed.counts_prompt) for s, f in zip(shapes, finals)])
             return JSONResponse(self._envelope(request_id, shapes[0], shapes[0].object_name, choices, usage=usage,
                                                **shapes[0].response_fields(finals[0])))
-        except Exception as e:
-            await merged.aclose()
+        except BaseException as e:
+            await events.aclose()  # aborts what still runs
+            if not isinstance(e, Exception):
+                raise
             return _error_for(e)
 
     def _envelope(self, request_id, shape, object_name, choices, **extra) -> dict:
         return {"id": request_id, "object": object_name, "created": shape.created,
                 "model": self.info.model_name, "choices": choices, **extra}
 
-    async def _stream(self, request_id, shape, first, events):
-        chunk = lambda choices, **extra: _sse(self._envelope(  # noqa: E731
-            request_id, shape, shape.chunk_object_name, choices, **extra))
-        async with aclosing(events):  # a client disconnect cancels us here: the request is aborted
-            try:
-                if shape.first_chunk_choice() is not None:
-                    yield chunk([shape.first_chunk_choice()])
-                event = first
-                while True:
-                    if isinstance(event, Final):
-                        usage = shape.usage(event)
-                        yield chunk([shape.last_chunk(event)], usage=usage)
-                        if shape.parsed.include_usage_chunk:
-                            yield chunk([], usage=usage)
-                        break
-                    piece = shape.streamed(event)
-                    if piece is not None:
-                        yield chunk([piece])
-                    event = await events.__anext__()
-            except (GenerationFailed, Overloaded, Unavailable, InvalidRequest) as e:
-                yield _sse(json.loads(_error_for(e).body))
-            yield "data: [DONE]\n\n"
-
-    async def _stream_several(self, request_id, shapes, early, merged):
-        """The chunks of several requests, each under its choice's index, as they come; the usage
-        of them all on a last choice-less chunk where stream_options asks for it."""
+    async def _stream(self, request_id, shapes, early, events):
+        """Each request's chunks under its choice's index as they come (`early`: the events already
+        taken from `events`). The usage: on the chunk that finishes a lone choice, and, where
+        stream_options asks for it, of them all on a last choice-less chunk."""
         chunk = lambda choices, **extra: _sse(self._envelope(  # noqa: E731
             request_id, shapes[0], shapes[0].chunk_object_name, choices, **extra))
         usages = []
 
-        def piece(index, event):
+        def sse(index, event) -> str | None:
             shape = shapes[index]
-            if isinstance(event, Final):
-                usages.append((shape.usage(event), shape.parsed.counts_prompt))
-                return shape.last_chunk(event)
-            return shape.streamed(event)
+            if not isinstance(event, Final):
+                choice = shape.streamed(event)
+                return None if choice is None else chunk([choice])
+            usages.append((shape.usage(event), shape.parsed.counts_prompt))
+            return chunk([shape.last_chunk(event)], **({"usage": usages[0][0]} if len(shapes) == 1 else {}))
 
-        async with aclosing(merged):  # a client disconnect cancels us here: every request is aborted
+        async with aclosing(events):  # a client disconnect cancels us here: every request is aborted
             try:
                 for shape in shapes:
                     if shape.first_chunk_choice() is not None:
                         yield chunk([shape.first_chunk_choice()])
                 for index, event in early:
-                    if (choice := piece(index, event)) is not None:
-                        yield chunk([choice])
-                async for index, event in merged:
-                    if (choice := piece(index, event)) is not None:
-                        yield chunk([choice])
+                    if (text := sse(index, event)) is not None:
+                        yield text
+                async for index, event in events:
+                    if (text := sse(index, event)) is not None:
+                        yield text
                 if shapes[0].parsed.include_usage_chunk:
                     yield chunk([], usage=summed_usage(usages))
             except (GenerationFailed, Overloaded, Unavailable, InvalidRequest) as e:
                 yield _sse(json.loads(_error_for(e).body))
             yield "data: [DONE]\n\n"
-
-
-async def _final_of(events) -> Final | None:
-    async with aclosing(events):
-        async for event in events:
-            if isinstance(event, Final):
-                return event
 
 
 async def _unless_disconnected(request: Request, work):

@@ -115,12 +115,14 @@ def _stream_options(body, stream: bool) -> bool:
     return stream and include_usage
 
 
-def completion_prompts(value) -> list[str | list[int]]:
-    """A completions body's prompts: one (a string or token ids), or a batch of them (a list of
-    strings or of token-id lists, as lm-eval's local-completions sends with batch_size > 1)."""
+def completion_prompts(value) -> list[tuple[str, str | list[int]]]:
+    """(field, prompt) of each of a completions body's prompts: one (a string or token ids), or
+    a batch of them (a list of strings or of token-id lists, as lm-eval's local-completions
+    sends with batch_size > 1), each named `prompt[i]` where there are several."""
     if isinstance(value, list) and any(isinstance(p, (str, list)) for p in value):
-        return [_one_prompt(p, f"prompt[{i}]" if len(value) > 1 else "prompt") for i, p in enumerate(value)]
-    return [_one_prompt(value, "prompt")]
+        fields = [f"prompt[{i}]" for i in range(len(value))] if len(value) > 1 else ["prompt"]
+        return [(field, _one_prompt(p, field)) for field, p in zip(fields, value)]
+    return [("prompt", _one_prompt(value, "prompt"))]
 
 
 def _one_prompt(prompt, field: str) -> str | list[int]:
@@ -157,8 +159,8 @@ def parse_completion(body, info: ModelInfo) -> list[ParsedRequest]:
     include_usage, return_token_ids = _stream_options(body, stream), _flag(body, "return_token_ids")
     return _samples([ParsedRequest(prompt, params, stream, include_usage, params.logprobs, return_token_ids,
                                    echo=echo, score_only=score_only, prompt_logprobs=prompt_logprobs,
-                                   prompt_field=f"prompt[{i}]" if len(prompts) > 1 else "prompt")
-                     for i, prompt in enumerate(prompts)], _n(body))
+                                   prompt_field=field)
+                     for field, prompt in prompts], _n(body))
 
 
 def _n(body) -> int:
@@ -171,7 +173,7 @@ def _n(body) -> int:
 
 
 def _samples(requests: list[ParsedRequest], n: int) -> list[ParsedRequest]:
-    """`n` requests for each prompt's: the choice of prompt i's sample j is i * n + j, and a
+    """`n` requests for each prompt's request: the choice of prompt i's sample j is i * n + j, and a
     seeded body's sample j draws with seed + j (vLLM's rule), so the samples differ and each
     is reproducible alone."""
     out = []
